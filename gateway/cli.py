@@ -1,0 +1,41 @@
+"""The ``edgecloud`` command. Each subcommand lives in its own ``gateway.commands.*`` module
+exposing ``register(subparsers)``; heavy imports (torch, onnxruntime) happen inside the
+handlers, so ``edgecloud --help`` and the gateway start fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# One line per subcommand module; each registers its own parsers.
+COMMAND_MODULES = [
+    "gateway.commands.models",
+    "gateway.commands.chat",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgecloud", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

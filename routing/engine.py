@@ -1,0 +1,132 @@
+"""The one engine interface both tiers implement, and the types that cross it.
+
+The node app (``gateway.node``) drives any engine through :class:`Engine` only; tests and
+benchmarks do the same. Engines deal in token ids: detokenization and stop *strings* are handled
+above them by :class:`routing.textstream.TextStreamer`, which aborts the engine request when a
+stop string matches. Engines handle stop *token ids* and ``max_tokens`` themselves.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` means greedy; ``top_k == 0`` means off."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A request as an engine sees it: prompt token ids and sampling, nothing textual."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    priority: int = 0  # lower value is served first; ties FCFS by arrival_time
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token id (or, above the engine, a stop string)
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the node
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """New tokens of one request. The last event of a stream has ``finish_reason`` set.
+
+    ``prompt_tokens`` and ``cached_tokens`` (prompt tokens served from a prefix cache) are valid
+    from the first event on; ``completion_tokens`` counts all tokens generated so far.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineError(Exception):
+    """Base class for errors an engine raises at submission time."""
+
+
+class RequestTooLong(EngineError):
+    """Prompt plus max_tokens can never fit this engine's context (maps to HTTP 400)."""
+
+
+class QueueFull(EngineError):
+    """Every slot is busy and the wait queue is full (maps to HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What an engine reports about itself; the node app turns it into a NodeState."""
+
+    device: str  # execution provider (edge) or torch device (cloud)
+    max_batch: int  # slots (edge) or max running sequences (cloud)
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefill_tokens_per_s: float  # EWMA of the engine's own measurements
+    decode_ms_per_token: float  # EWMA, per sequence at the current batch
+    prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An async generation engine. All methods are called from the node's event loop.
+
+    Invariants: ``generate`` raises :class:`RequestTooLong` or :class:`QueueFull` before
+    yielding anything, or yields events until one with ``finish_reason`` set. Leaving the
+    iterator early (``aclose``, client gone) frees the request's slot or blocks at once.
+    """
+
+    model_id: str  # the model's identity (see routing.model_store)
+    max_context: int
+    kind: str  # "edge" or "cloud"
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise RequestTooLong or QueueFull if ``request`` cannot be admitted now.
+
+        Cheap and synchronous, so the node app answers 400/429 before it commits to a 200.
+        """
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
