@@ -1,0 +1,57 @@
+"""The fleet store interface: where node states and the prefix index live.
+
+Two implementations: ``routing.fleet.redis_store.RedisFleetStore`` (many gateways, nodes
+register themselves, precise prefix index from the cloud nodes' block events) and
+``routing.fleet.memory_store.InProcessFleetStore`` (one gateway, nodes from its config, polled
+over ``/load``; the prefix index approximated from its own routing decisions).
+
+Redis key layout (all under ``edgecloud:v1:``):
+- ``node:{node_id}``: the NodeState as JSON, with a TTL of ``state.ttl_s``.
+- ``nodes``: sorted set node_id -> last push time (stale members are pruned by readers).
+- ``blocks:{node_id}``: set of the block hashes (hex) the node holds (from stored/removed events).
+- ``events:{node_id}``: stream of raw block events (capped), for observers.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from routing.fleet.state import NodeState
+
+KEY_PREFIX = "edgecloud:v1:"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """One consistent read for one routing decision.
+
+    ``prefix_blocks[node_id]`` is the number of *leading* blocks of the request's prefix that
+    the node holds (0 if none).
+    """
+
+    nodes: list[NodeState]
+    prefix_blocks: dict[str, int]
+    stale: bool = False  # True when the store was unreachable and this is the last known view
+
+
+class FleetStore(abc.ABC):
+    @abc.abstractmethod
+    async def put_node(self, state: NodeState) -> None:
+        """Publish a node's state (with its TTL)."""
+
+    @abc.abstractmethod
+    async def remove_node(self, node_id: str) -> None:
+        """Forget a node and its prefix blocks (called on clean shutdown)."""
+
+    @abc.abstractmethod
+    async def record_blocks(self, node_id: str, stored: Sequence[int], removed: Sequence[int]) -> None:
+        """Apply a node's block events to the prefix index."""
+
+    @abc.abstractmethod
+    async def view(self, block_hashes: Sequence[int]) -> FleetView:
+        """Fresh node states and per-node leading prefix matches, in one round trip."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
