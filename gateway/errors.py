@@ -1,0 +1,117 @@
+"""OpenAI-shaped errors for every failure a client can cause or meet.
+
+Invariant: a client mistake is a 4xx with ``{"error": {"message", "type", "param", "code"}}``;
+nothing a client sends can produce a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found_model(model: str) -> APIError:
+    return APIError(
+        404, f"The model '{model}' does not exist", param="model", code="model_not_found"
+    )
+
+
+def too_many_requests(message: str, retry_after_s: float) -> APIError:
+    secs = max(1, int(retry_after_s + 0.999))
+    return APIError(
+        429,
+        message,
+        type_="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(secs)},
+    )
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return bad_request(
+                "We could not parse the JSON body of your request.", code="invalid_json"
+            ).response()
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid request")
+        text = f"Invalid value for '{param}': {msg}" if param else msg
+        if len(errors) > 1:
+            text += f" (and {len(errors) - 1} more error(s))"
+        return bad_request(text, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(
+            exc.status_code, str(exc.detail), type_=type_, headers=dict(exc.headers or {})
+        ).response()
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _json(_: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return bad_request(
+            f"We could not parse the JSON body of your request: {exc.msg}", code="invalid_json"
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return APIError(500, "internal error", type_="server_error").response()

@@ -1,0 +1,246 @@
+"""The Node API (DESIGN.md): one FastAPI app that serves any engine.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (SSE streaming, usage, stop, ...),
+GET /v1/models, GET /health, GET /load (NodeState), GET /tokenizer/{model}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.body_limit import BodyLimitMiddleware
+from gateway.errors import APIError, install_error_handlers
+from gateway.node.publisher import StatePublisher
+from gateway.node.service import Delta, NodeService, Prepared
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
+from routing.fleet.store import FleetStore
+from routing.prompt import TOKENIZER_FILES
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _chunk(
+    prep: Prepared, text: str | None, finish: str | None, role: bool = False
+) -> dict[str, Any]:
+    rid = prep.gen.request_id
+    if prep.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": prep.created,
+            "model": prep.model,
+            "choices": [choice],
+        }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": prep.created,
+        "model": prep.model,
+        "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def create_node_app(service: NodeService, store: FleetStore | None = None) -> FastAPI:
+    publisher = StatePublisher(service, store) if store is not None else None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.engine.start()
+        if publisher is not None:
+            await publisher.start()
+        try:
+            yield
+        finally:
+            if publisher is not None:
+                await publisher.stop()
+            await service.engine.shutdown()
+
+    app = FastAPI(title="edgecloud node", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=service.config.max_body_bytes)
+    app.state.service = service
+
+    def headers(prep: Prepared, first: Delta | None, t0: float) -> dict[str, str]:
+        h = {
+            "x-edgecloud-node": service.config.node_id,
+            "x-edgecloud-tier": service.engine.kind,
+            "x-request-id": prep.gen.request_id,
+        }
+        if first is not None:
+            h["x-edgecloud-cached-tokens"] = str(first.event.cached_tokens)
+            h["x-edgecloud-measured-ttft-ms"] = f"{(time.perf_counter() - t0) * 1000:.1f}"
+        return h
+
+    async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
+        t0 = time.perf_counter()
+        deltas = service.run(prep)
+        if stream:
+            return await stream_response(prep, deltas, t0)
+        return await full_response(prep, deltas, request, t0)
+
+    async def stream_response(prep: Prepared, deltas: AsyncIterator[Delta], t0: float) -> Response:
+        # Wait for the first delta so that queue and engine errors still get a 4xx status.
+        try:
+            first = await anext(deltas)
+        except StopAsyncIteration:
+            raise APIError(500, "engine produced no output", type_="server_error") from None
+
+        async def body() -> AsyncIterator[bytes]:
+            last = first
+            try:
+                yield _sse(_chunk(prep, "", None, role=True))
+                if first.text:
+                    yield _sse(_chunk(prep, first.text, None))
+                if first.finish_reason is None:
+                    async for d in deltas:
+                        last = d
+                        if d.text:
+                            yield _sse(_chunk(prep, d.text, None))
+                        if d.finish_reason is not None:
+                            break
+                yield _sse(_chunk(prep, None, last.finish_reason or "stop"))
+                if prep.include_usage:
+                    ev = last.event
+                    u = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+                    obj = _chunk(prep, None, None)
+                    obj["choices"] = []
+                    obj["usage"] = u.model_dump()
+                    yield _sse(obj)
+                yield b"data: [DONE]\n\n"
+            except APIError as exc:
+                yield _sse(exc.body())
+                yield b"data: [DONE]\n\n"
+            finally:
+                await deltas.aclose()  # type: ignore[attr-defined]
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **headers(prep, first, t0)},
+        )
+
+    async def full_response(
+        prep: Prepared, deltas: AsyncIterator[Delta], request: Request, t0: float
+    ) -> Response:
+        async def collect() -> tuple[str, Delta | None, Delta | None]:
+            parts: list[str] = []
+            first = last = None
+            async for d in deltas:
+                first = first or d
+                last = d
+                parts.append(d.text)
+            return "".join(parts), first, last
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return Response(status_code=499)
+            text, first, last = task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+            await deltas.aclose()  # type: ignore[attr-defined]
+        assert last is not None
+        ev = last.event
+        u = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens).model_dump()
+        if prep.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": last.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": last.finish_reason,
+            }
+            obj = "text_completion"
+        body = {
+            "id": prep.gen.request_id,
+            "object": obj,
+            "created": prep.created,
+            "model": prep.model,
+            "choices": [choice],
+            "usage": u,
+        }
+        return JSONResponse(body, headers=headers(prep, first, t0))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        prep = await service.prepare_chat(req)
+        return await respond(prep, req.stream, request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        prep = await service.prepare_completion(req)
+        return await respond(prep, req.stream, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(service.config.model_name)]}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "node": service.config.node_id,
+            "tier": service.engine.kind,
+            "model": service.config.model_name,
+            "store": None if publisher is None else publisher.status(),
+        }
+
+    @app.get("/load")
+    async def load() -> dict[str, Any]:
+        return service.node_state().model_dump(mode="json")
+
+    @app.get("/tokenizer/{model:path}")
+    async def tokenizer(model: str) -> dict[str, Any]:
+        service.check_model(model)
+        files = {
+            f: (service.config.model_path / f).read_text()
+            for f in TOKENIZER_FILES
+            if (service.config.model_path / f).is_file()
+        }
+        return {
+            "model": service.config.model_name,
+            "identity": service.config.model_identity,
+            "files": files,
+        }
+
+    return app

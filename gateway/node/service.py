@@ -1,0 +1,217 @@
+"""Turns OpenAI requests into engine requests and engine token events into OpenAI chunks.
+
+One NodeService wraps one engine (edge or cloud) and one model. It owns no HTTP: the routes in
+``gateway.node.app`` call it. Invariants:
+- Every admitted request ends with exactly one finish (stop, length or abort) and its engine
+  request is released (``aclose`` + ``abort``) on every path: done, stop string, client gone.
+- Prompt plus max_tokens over the context is a 400 before anything runs; a full queue a 429.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from gateway.errors import APIError, bad_request, not_found_model, too_many_requests
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from routing.engine import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    QueueFull,
+    RequestTooLong,
+    SamplingParams,
+    TokenEvent,
+)
+from routing.fleet.state import NodeKind, NodeState
+from routing.prompt import PromptFormatter, TemplateError
+from routing.textstream import TextStreamer
+
+# Prompts longer than this many characters are tokenized off the event loop.
+_OFFLOAD_CHARS = 2000
+
+
+@dataclass
+class NodeConfig:
+    node_id: str
+    region: str
+    public_url: str
+    model_name: str
+    model_path: Path
+    model_identity: str
+    ttl_s: float = 5.0
+    max_body_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass
+class Prepared:
+    """A validated request, tokenized and ready for the engine."""
+
+    gen: GenerationRequest
+    stop: list[str]
+    model: str
+    include_usage: bool
+    kind: str  # "chat" or "completion"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Delta:
+    text: str
+    event: TokenEvent
+    finish_reason: str | None  # OpenAI finish reason once finished
+
+
+class NodeService:
+    def __init__(self, engine: Engine, formatter: PromptFormatter, config: NodeConfig) -> None:
+        self.engine = engine
+        self.formatter = formatter
+        self.config = config
+        self.served_names = {config.model_name, config.model_identity, config.model_path.name}
+        self.started_at = time.time()
+
+    # ---- request preparation -------------------------------------------------------------
+    def check_model(self, model: str) -> None:
+        if model not in self.served_names:
+            raise not_found_model(model)
+
+    async def _encode(self, fn, arg):  # type: ignore[no-untyped-def]
+        size = len(arg) if isinstance(arg, str) else sum(len(m.get("content", "")) for m in arg)
+        if size > _OFFLOAD_CHARS:
+            return await anyio.to_thread.run_sync(fn, arg)
+        return fn(arg)
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        try:
+            ids = await self._encode(self.formatter.encode_chat, req.template_messages())
+        except TemplateError as exc:
+            raise bad_request(str(exc), param="messages") from exc
+        return self._prepared(req, ids, "chat")
+
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = [int(t) for t in prompt]
+            vocab = self.formatter.vocab_size
+            if max(ids) >= vocab:
+                raise bad_request(
+                    f"token id {max(ids)} is outside the vocabulary (size {vocab})", param="prompt"
+                )
+        else:
+            text = prompt[0] if isinstance(prompt, list) else prompt
+            ids = await self._encode(self.formatter.encode, text)
+        if not ids:
+            raise bad_request("prompt is empty after tokenization", param="prompt")
+        return self._prepared(req, ids, "completion")
+
+    def _prepared(
+        self, req: ChatCompletionRequest | CompletionRequest, ids: list[int], kind: str
+    ) -> Prepared:
+        ctx = self.engine.max_context
+        requested = req.requested_max_tokens
+        if len(ids) >= ctx:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens; your prompt has {len(ids)} tokens.",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        if requested is not None and len(ids) + requested > ctx:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the "
+                "completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        max_tokens = requested if requested is not None else ctx - len(ids)
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=req.seed,
+            stop_token_ids=self.formatter.stop_token_ids,
+        )
+        gen = GenerationRequest(
+            prompt_token_ids=ids,
+            sampling=sampling,
+            request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
+        )
+        try:
+            self.engine.check(gen)
+        except RequestTooLong as exc:
+            raise bad_request(str(exc), param="max_tokens", code="context_length_exceeded") from exc
+        except QueueFull as exc:
+            raise too_many_requests(str(exc), exc.retry_after_s) from exc
+        return Prepared(gen, req.stop_list, req.model, req.include_usage, kind)
+
+    # ---- running -----------------------------------------------------------------------------
+    async def run(self, prep: Prepared) -> AsyncIterator[Delta]:
+        """Text deltas of one request; the last one carries the OpenAI finish reason.
+
+        Leaving this iterator early releases the engine request at once.
+        """
+        streamer = TextStreamer(self.formatter.tokenizer, prep.stop)
+        stops = set(prep.gen.sampling.stop_token_ids)
+        agen = self.engine.generate(prep.gen)
+        finished = False
+        try:
+            async for ev in agen:
+                ids = ev.token_ids
+                if ev.finish_reason is FinishReason.STOP and ids and ids[-1] in stops:
+                    ids = ids[:-1]
+                text = streamer.push(ids)
+                if streamer.stopped:
+                    finished = True
+                    yield Delta(text, ev, "stop")
+                    return
+                if ev.finish_reason is not None:
+                    finished = True
+                    text += streamer.flush()
+                    reason = "length" if ev.finish_reason is FinishReason.LENGTH else "stop"
+                    if ev.finish_reason is FinishReason.ABORT:
+                        raise APIError(
+                            503, "the request was aborted by the node", type_="server_error"
+                        )
+                    yield Delta(text, ev, reason)
+                    return
+                if text:
+                    yield Delta(text, ev, None)
+        except QueueFull as exc:
+            raise too_many_requests(str(exc), exc.retry_after_s) from exc
+        except RequestTooLong as exc:
+            raise bad_request(str(exc), code="context_length_exceeded") from exc
+        finally:
+            await agen.aclose()
+            if not finished or streamer.stopped:
+                await self.engine.abort(prep.gen.request_id)
+
+    # ---- state ---------------------------------------------------------------------------
+    def node_state(self) -> NodeState:
+        s = self.engine.stats()
+        return NodeState(
+            id=self.config.node_id,
+            kind=NodeKind(self.engine.kind),
+            region=self.config.region,
+            url=self.config.public_url,
+            models=[self.config.model_name],
+            model_identities={self.config.model_name: self.config.model_identity},
+            max_context=self.engine.max_context,
+            device=s.device,
+            max_batch=s.max_batch,
+            running=s.running,
+            waiting=s.waiting,
+            kv_blocks_used=s.kv_blocks_used,
+            kv_blocks_total=s.kv_blocks_total,
+            prefill_tokens_per_s=s.prefill_tokens_per_s,
+            decode_ms_per_token=s.decode_ms_per_token,
+            prefix_hit_rate=s.prefix_hit_rate,
+            ttl_s=self.config.ttl_s,
+        )
