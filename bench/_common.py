@@ -1,0 +1,41 @@
+"""Small helpers shared by the benchmarks: result files and table printing."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """A GitHub markdown table of ``rows`` restricted to ``columns``."""
+
+    def fmt(v: Any) -> str:
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (RESULTS / f"{name}.md").write_text(markdown + "\n")
+    print(markdown)
+    print(f"\nwrote {RESULTS / name}.json and .md")
