@@ -1,0 +1,88 @@
+"""Running one node process: engine + NodeService + app under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from gateway.node.app import create_node_app
+from gateway.node.service import NodeConfig, NodeService
+from routing.engine import Engine
+from routing.fleet.store import FleetStore
+from routing.model_store import ModelInfo
+from routing.prompt import PromptFormatter
+
+log = logging.getLogger(__name__)
+
+
+def default_node_id(kind: str, region: str, port: int) -> str:
+    return f"{kind}-{region}-{socket.gethostname()}-{port}"
+
+
+def make_store(redis_url: str | None) -> FleetStore | None:
+    if not redis_url:
+        return None
+    from routing.fleet.redis_store import RedisFleetStore
+
+    return RedisFleetStore(redis_url)
+
+
+def build_service(
+    engine: Engine,
+    model: ModelInfo,
+    *,
+    region: str,
+    host: str,
+    port: int,
+    node_id: str | None = None,
+    public_url: str | None = None,
+    max_body_bytes: int = 4 * 1024 * 1024,
+) -> NodeService:
+    advertised = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    config = NodeConfig(
+        node_id=node_id or default_node_id(engine.kind, region, port),
+        region=region,
+        public_url=public_url or f"http://{advertised}:{port}",
+        model_name=model.name,
+        model_path=Path(model.path),
+        model_identity=model.identity,
+        max_body_bytes=max_body_bytes,
+    )
+    return NodeService(engine, PromptFormatter.from_folder(model.path), config)
+
+
+def serve_node(
+    engine: Engine,
+    model: ModelInfo,
+    *,
+    region: str,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    node_id: str | None = None,
+    public_url: str | None = None,
+    redis_url: str | None = None,
+    log_level: str = "warning",
+) -> None:
+    service = build_service(
+        engine, model, region=region, host=host, port=port, node_id=node_id, public_url=public_url
+    )
+    app = create_node_app(service, make_store(redis_url))
+    log.info(
+        "node %s (%s) serving %s on %s",
+        service.config.node_id,
+        engine.kind,
+        model.name,
+        service.config.public_url,
+    )
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        loop="auto",
+        http="auto",
+        timeout_graceful_shutdown=5,
+    )
