@@ -1,0 +1,94 @@
+"""The front gateway's HTTP routes: the one endpoint apps see.
+
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/route``
+(where a request would go and why, without running it), ``GET /health``, ``GET /metrics`` and
+the admin routes (``/admin/nodes``, ``/admin/policy``) behind the admin key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from gateway.body_limit import BodyLimitMiddleware
+from gateway.errors import bad_request, install_error_handlers
+from gateway.front.config import GatewayConfig
+from gateway.front.gateway import Gateway
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
+from routing.fleet.store import FleetStore
+from routing.policies import make_policy
+
+
+def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -> FastAPI:
+    gw = Gateway(config, store)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    app = FastAPI(title="edgecloud gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.state.gateway = gw
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        data, req = await gw.parse(request, ChatCompletionRequest)
+        return await gw.forward(request, data, "chat", req, None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        data, req = await gw.parse(request, CompletionRequest)
+        return await gw.forward(request, data, "completion", req, None)
+
+    @app.post("/v1/route")
+    async def route(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        is_chat = b'"messages"' in raw
+        data, req = await gw.parse(request, ChatCompletionRequest if is_chat else CompletionRequest)
+        return await gw.route_only(data, "chat" if is_chat else "completion", req, request, None)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(m) for m in await gw.models()]}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return gw.health()
+
+    @app.get("/admin/nodes")
+    async def admin_nodes() -> dict[str, Any]:
+        view = await gw.store.view([])
+        return {
+            "stale": view.stale,
+            "nodes": [n.model_dump(mode="json") for n in view.nodes],
+            "circuits": gw.breakers.snapshot(),
+        }
+
+    @app.get("/admin/policy")
+    async def admin_policy() -> dict[str, Any]:
+        return {
+            "active": gw.policy_override or gw.router.config.policy,
+            "config": gw.router.config.model_dump(mode="json"),
+        }
+
+    @app.post("/admin/policy")
+    async def admin_set_policy(body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("policy")
+        if name is not None:
+            try:
+                make_policy(str(name))
+            except (KeyError, ValueError) as exc:
+                raise bad_request(f"unknown policy {name!r}", param="policy") from exc
+        gw.policy_override = name
+        return {"active": gw.policy_override or gw.router.config.policy}
+
+    return app

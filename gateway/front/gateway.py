@@ -1,0 +1,493 @@
+"""The front gateway's state and its request path, independent of the HTTP routes.
+
+Per request: validate -> model -> tokenizer (cached by identity) -> profile (prompt ids, block
+hashes, region) -> ONE fleet view -> decision -> proxy with retry -> learn from the result.
+Invariants:
+- The hot path reads the fleet store once (``view``); a store outage serves the last view.
+- Every dispatch is matched by ``router.finish`` (with measurements on success), so in-flight
+  counts never leak; a failed node is reported to its circuit breaker.
+- Nothing a client sends produces a 5xx: unroutable requests are 4xx (unknown model 404, too
+  long 400) or 503 only when no node can serve at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from gateway.circuit import CircuitBreakers
+from gateway.client_ip import ClientIPResolver
+from gateway.errors import APIError, bad_request, not_found_model, too_many_requests
+from gateway.front.config import GatewayConfig
+from gateway.front.tokenizers import TokenizerCache, TokenizerUnavailable
+from gateway.geo import GeoLocator
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.proxy import (
+    Exhausted,
+    Opened,
+    StreamTotals,
+    make_client,
+    open_first,
+    passthrough_headers,
+    relay_stream,
+)
+from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
+from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.store import FleetStore, FleetView
+from routing.policies import Candidate, Decision, NoRoute
+from routing.policy_config import ConfigSource
+from routing.profile import ProfileError, RequestProfile, build_profile
+from routing.prompt import TemplateError
+from routing.router import Measured, Router, Ticket
+
+log = logging.getLogger(__name__)
+
+_OFFLOAD_CHARS = 2000  # prompts longer than this are tokenized in a worker thread
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, store: FleetStore | None = None) -> None:
+        self.config = config
+        self.client = make_client(config.connect_timeout_s, config.read_timeout_s)
+        self.trackers = {c.id: OpenAINodeTracker(c) for c in config.openai_nodes}
+        self.store = store or self._make_store()
+        self.policy_source = (
+            ConfigSource(config.policy_file) if config.policy_file else ConfigSource.fixed()
+        )
+        self.router = Router(self.policy_source)
+        circ = self.router.config.circuit
+        self.breakers = CircuitBreakers(circ.failure_threshold, circ.open_s, circ.half_open_probes)
+        self.policy_source.on_change(
+            lambda c: self.breakers.configure(
+                c.circuit.failure_threshold, c.circuit.open_s, c.circuit.half_open_probes
+            )
+        )
+        self.tokenizers = TokenizerCache(self.client)
+        self.geo = GeoLocator(config.geo, nearest=getattr(self.router.regions, "nearest", None))
+        self.client_ip = ClientIPResolver(config.geo.trusted_proxies)
+        self.identities: dict[str, str] = {}  # model name -> identity, from the last view
+        self.in_flight = 0
+        self.policy_override: str | None = None
+
+    def _make_store(self) -> FleetStore:
+        trackers = list(self.trackers.values())
+        if self.config.redis_url:
+            from routing.fleet.redis_store import RedisFleetStore
+
+            return RedisFleetStore(self.config.redis_url, openai_nodes=trackers)
+        return InProcessFleetStore(
+            self.config.nodes,
+            fetch_state=self._fetch_state,
+            openai_nodes=trackers,
+            poll_interval_s=self.config.poll_interval_s,
+        )
+
+    async def _fetch_state(self, url: str) -> NodeState:
+        resp = await self.client.get(url.rstrip("/") + "/load", timeout=1.0)
+        resp.raise_for_status()
+        return NodeState.model_validate(resp.json())
+
+    async def start(self) -> None:
+        start = getattr(self.store, "start", None)
+        if start is not None:
+            await start()
+
+    async def close(self) -> None:
+        await self.store.close()
+        await self.client.aclose()
+        self.geo.close()
+
+    # ---- parsing -------------------------------------------------------------------------------
+    @staticmethod
+    async def parse(
+        request: Request, model_cls: type[ChatCompletionRequest] | type[CompletionRequest]
+    ) -> tuple[dict[str, Any], Any]:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(
+                f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
+            ) from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object", code="invalid_json")
+        try:
+            return data, model_cls.model_validate(data)
+        except ValidationError as exc:
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
+            ) from None
+
+    def concrete_model(self, requested: str) -> str:
+        return self.config.virtual_models.get(requested, requested)
+
+    # ---- profiling and deciding -------------------------------------------------------------------
+    async def _identity(self, model: str) -> tuple[str, FleetView | None]:
+        ident = self.identities.get(model)
+        if ident is not None:
+            return ident, None
+        view = await self.store.view([])
+        self._learn_identities(view)
+        ident = self.identities.get(model)
+        if ident is None:
+            if any(model in n.models for n in view.nodes):
+                return model, view  # a node with no identity (openai kind): name is the identity
+            raise not_found_model(model)
+        return ident, view
+
+    def _learn_identities(self, view: FleetView) -> None:
+        for n in view.nodes:
+            for name, ident in n.model_identities.items():
+                self.identities[name] = ident
+
+    async def profile(
+        self, body: Any, route: str, model: str, region: str, api_key: str | None
+    ) -> tuple[RequestProfile, FleetView]:
+        for _ in range(2):  # a second pass only when the model's identity changed under us
+            ident, view0 = await self._identity(model)
+            nodes = (
+                (view0 or await self.store.view([])).nodes
+                if ident not in self._known_tokenizers()
+                else []
+            )
+            try:
+                fmt = self.tokenizers.cached(ident) or await self.tokenizers.get(
+                    model, ident, nodes
+                )
+            except TokenizerUnavailable as exc:
+                raise APIError(
+                    503, str(exc), type_="server_error", code="tokenizer_unavailable"
+                ) from exc
+
+            build = functools.partial(
+                build_profile,
+                body,
+                fmt,
+                model=model,
+                model_identity=ident,
+                route=route,
+                client_region=region,
+                outputs=self.router.outputs,
+                api_key=api_key,
+            )
+
+            try:
+                big = (
+                    len(json.dumps(body.get("messages") or body.get("prompt") or ""))
+                    > _OFFLOAD_CHARS
+                )
+                prof = await anyio.to_thread.run_sync(build) if big else build()
+            except (ProfileError, TemplateError) as exc:
+                raise bad_request(
+                    str(exc), param="messages" if route == "chat" else "prompt"
+                ) from exc
+            view = await self.store.view(prof.block_hashes)
+            self._learn_identities(view)
+            if self.identities.get(model, ident) == ident:
+                return prof, view
+            self.identities.pop(model, None)
+        return prof, view
+
+    def _known_tokenizers(self) -> set[str]:
+        return set(self.tokenizers._by_identity)
+
+    def decide(self, prof: RequestProfile, view: FleetView) -> Decision:
+        try:
+            return self.router.decide(
+                prof, view, exclude=self.breakers.open_nodes(), policy=self.policy_override
+            )
+        except NoRoute as exc:
+            if exc.code == "unknown_model":
+                raise not_found_model(prof.model) from exc
+            if exc.code == "too_long":
+                raise bad_request(
+                    str(exc), param="max_tokens", code="context_length_exceeded"
+                ) from exc
+            raise APIError(
+                503,
+                str(exc),
+                type_="server_error",
+                code="no_node_available",
+                headers={"Retry-After": "1"},
+            ) from exc
+
+    # ---- forwarding ------------------------------------------------------------------------------
+    async def forward(
+        self, request: Request, data: dict[str, Any], route: str, req: Any, api_key: str | None
+    ) -> Response:
+        if self.in_flight >= self.config.max_in_flight:
+            raise too_many_requests("the gateway is at its concurrency limit; retry shortly", 1.0)
+        self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+
+        try:
+            return await self._forward(request, data, route, req, api_key, release)
+        finally:
+            if not req.stream:
+                release()
+
+    async def _forward(
+        self,
+        request: Request,
+        data: dict[str, Any],
+        route: str,
+        req: Any,
+        api_key: str | None,
+        release: Any,
+    ) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        model = self.concrete_model(req.model)
+        region = self.geo.region_for(self.client_ip.from_scope(request.scope))
+        t_start = time.perf_counter()
+        prof, view = await self.profile(data, route, model, region, api_key)
+        decision = self.decide(prof, view)
+        cands = decision.candidates()
+        tickets: dict[str, Ticket] = {}
+        by_id = {c.node.id: c for c in cands}
+
+        def on_dispatch(node_id: str) -> None:
+            self.breakers.on_dispatch(node_id)
+            tickets[node_id] = self.router.begin(decision, by_id[node_id], prof)
+            tr = self.trackers.get(node_id)
+            if tr is not None:
+                tr.started()
+
+        def on_failure(node_id: str) -> None:
+            self.breakers.on_failure(node_id)
+            self._end(node_id, tickets, None)
+
+        if req.stream:
+            body = {**data, "model": model, "stream_options": {"include_usage": True}}
+        else:
+            body = {**data, "model": model}
+        payload = json.dumps(body).encode()
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        try:
+            opened = await open_first(
+                self.client,
+                [(c.node.id, c.node.url) for c in cands],
+                path,
+                payload,
+                headers,
+                req.stream,
+                max_attempts=self.config.max_attempts,
+                on_failure=on_failure,
+                on_dispatch=on_dispatch,
+                is_allowed=lambda n: n not in self.breakers.open_nodes(),
+            )
+        except Exhausted as exc:
+            for att in exc.attempts:
+                if att.status in (429,):
+                    self._end(att.node_id, tickets, None)
+            if exc.last_status == 429:
+                raise too_many_requests(
+                    "every node that can serve this request is busy", float(exc.retry_after or 1)
+                ) from None
+            raise APIError(
+                503,
+                "no node could serve the request: "
+                + "; ".join(f"{a.node_id}: {a.error}" for a in exc.attempts),
+                type_="server_error",
+                code="upstream_unavailable",
+                headers={"Retry-After": "1"},
+            ) from None
+        # the nodes tried before this one failed; this one answered
+        for att in opened.attempts[:-1]:
+            self._end(att.node_id, tickets, None)
+        cand = by_id[opened.node_id]
+        hdrs = self._headers(decision, cand, opened, request_id, t_start)
+        if opened.response.status_code != 200:
+            content = await opened.response.aread()
+            await opened.response.aclose()
+            self.breakers.on_success(opened.node_id)
+            self._end(opened.node_id, tickets, None)
+            return Response(
+                content,
+                status_code=opened.response.status_code,
+                headers={**passthrough_headers(opened.response), **hdrs},
+            )
+        self.breakers.on_success(opened.node_id)
+        if not req.stream:
+            return await self._full(opened, tickets, hdrs, t_start)
+        return self._stream(opened, tickets, hdrs, t_start, req.include_usage, release)
+
+    async def _full(
+        self, opened: Opened, tickets: dict[str, Ticket], hdrs: dict[str, str], t_start: float
+    ) -> Response:
+        try:
+            content = await opened.response.aread()
+        except (httpx.TransportError, OSError) as exc:
+            self.breakers.on_failure(opened.node_id)
+            self._end(opened.node_id, tickets, None)
+            raise APIError(
+                502,
+                f"the node failed while answering: {type(exc).__name__}",
+                type_="server_error",
+                code="upstream_error",
+            ) from exc
+        finally:
+            await opened.response.aclose()
+        e2e = (time.perf_counter() - t_start) * 1000
+        usage: dict[str, Any] = {}
+        with contextlib.suppress(ValueError, AttributeError):
+            usage = json.loads(content).get("usage") or {}
+        self._end(opened.node_id, tickets, self._measured(usage, e2e, None))
+        return Response(
+            content,
+            status_code=200,
+            media_type="application/json",
+            headers={**passthrough_headers(opened.response), **hdrs},
+        )
+
+    def _stream(
+        self,
+        opened: Opened,
+        tickets: dict[str, Ticket],
+        hdrs: dict[str, str],
+        t_start: float,
+        include_usage: bool,
+        release: Any,
+    ) -> Response:
+        totals = StreamTotals()
+        ttft = (time.perf_counter() - t_start) * 1000
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for ev in relay_stream(opened, totals, include_usage):
+                    yield ev
+            finally:
+                e2e = (time.perf_counter() - t_start) * 1000
+                if totals.broken is not None:
+                    self.breakers.on_failure(opened.node_id)
+                    self._end(opened.node_id, tickets, None)
+                elif totals.usage is not None:
+                    self._end(opened.node_id, tickets, self._measured(totals.usage, e2e, ttft))
+                else:  # client went away before the end
+                    self._end(opened.node_id, tickets, None)
+                release()
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={**hdrs, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @staticmethod
+    def _measured(usage: dict[str, Any], e2e_ms: float, ttft_ms: float | None) -> Measured:
+        details = usage.get("prompt_tokens_details") or {}
+        return Measured(
+            e2e_ms=e2e_ms,
+            ttft_ms=ttft_ms,
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            cached_tokens=int(details.get("cached_tokens", 0) or 0),
+        )
+
+    def _end(self, node_id: str, tickets: dict[str, Ticket], measured: Measured | None) -> None:
+        ticket = tickets.pop(node_id, None)
+        if ticket is not None:
+            self.router.finish(ticket, measured)
+            if measured is not None:
+                note = getattr(self.store, "note_routed", None)
+                if note is not None and ticket.profile is not None:
+                    note(node_id, ticket.profile.block_hashes)
+        tr = self.trackers.get(node_id)
+        if tr is not None:
+            tr.finished(
+                ok=measured is not None,
+                ttft_ms=measured.ttft_ms if measured else None,
+                e2e_ms=measured.e2e_ms if measured else None,
+                prompt_tokens=measured.prompt_tokens if measured else 0,
+                completion_tokens=measured.completion_tokens if measured else 0,
+            )
+
+    @staticmethod
+    def _headers(
+        decision: Decision, cand: Candidate, opened: Opened, request_id: str, t_start: float
+    ) -> dict[str, str]:
+        h = decision.headers()
+        if cand.node.id != decision.node_id:
+            h.update(
+                {
+                    "x-edgecloud-node": cand.node.id,
+                    "x-edgecloud-tier": cand.node.kind.value,
+                    "x-edgecloud-reason": "failover",
+                    "x-edgecloud-predicted-ttft-ms": f"{cand.estimate.ttft_ms:.1f}",
+                    "x-edgecloud-predicted-e2e-ms": f"{cand.estimate.e2e_ms:.1f}",
+                    "x-edgecloud-cached-tokens": str(cand.estimate.cached_tokens),
+                }
+            )
+        node_cached = opened.response.headers.get("x-edgecloud-cached-tokens")
+        if node_cached is not None:
+            h["x-edgecloud-cached-tokens"] = node_cached
+        h["x-edgecloud-measured-ttft-ms"] = f"{(time.perf_counter() - t_start) * 1000:.1f}"
+        h["x-edgecloud-attempts"] = str(len(opened.attempts))
+        h["x-request-id"] = request_id
+        return h
+
+    # ---- informational ------------------------------------------------------------------------------
+    async def route_only(
+        self, data: dict[str, Any], route: str, req: Any, request: Request, api_key: str | None
+    ) -> dict[str, Any]:
+        model = self.concrete_model(req.model)
+        region = self.geo.region_for(self.client_ip.from_scope(request.scope))
+        prof, view = await self.profile(data, route, model, region, api_key)
+        out = self.decide(prof, view).to_dict()
+        out["client_region"] = region
+        return out
+
+    async def models(self) -> list[str]:
+        view = await self.store.view([])
+        self._learn_identities(view)
+        names: list[str] = []
+        for n in view.nodes:
+            for m in n.models:
+                if m not in names:
+                    names.append(m)
+        virtual = [v for v, target in self.config.virtual_models.items() if target in names]
+        return virtual + names
+
+    def health(self) -> dict[str, Any]:
+        store_health = getattr(self.store, "health", None)
+        sh = store_health() if callable(store_health) else {}
+        healthy = bool(getattr(self.store, "healthy", True))
+        return {
+            "status": "ok" if healthy else "degraded",
+            "store": sh,
+            "circuits": self.breakers.snapshot(),
+            "in_flight": self.in_flight,
+            "policy": self.policy_override or self.router.config.policy,
+            "policy_reload_error": self.policy_source.last_error,
+        }
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def wait_closed(task: asyncio.Task[Any]) -> None:  # pragma: no cover - helper for shutdown
+    task.cancel()
+
+
+NODE_KINDS = {k.value for k in NodeKind}
