@@ -1,0 +1,291 @@
+"""The Redis fleet store: many gateways share node states and the precise prefix index.
+
+Key layout: see :mod:`routing.fleet.store` (everything under ``namespace``, default
+``edgecloud:v1:``). Block hashes are stored as 16-digit lowercase hex.
+
+Invariants:
+- ``view`` is exactly one round trip (EVALSHA of one registered Lua script; a script cache
+  miss after a Redis restart costs one extra SCRIPT LOAD, once). The script returns every node
+  whose state key has not expired (TTL = the state's ``ttl_s``) and the number of *leading*
+  request blocks in the node's block set.
+- Nothing hangs: short socket timeouts, no client-side retries. While Redis is unreachable,
+  ``view`` answers at once from the last good view (``stale=True``), retrying Redis at most
+  every ``retry_interval_s``; the first success makes the store ``healthy`` again.
+- Nodes that never published block events (no ``events:{id}`` stream) are credited from this
+  gateway's own decisions (``note_routed``), as in the in-process store.
+- Writes (``put_node``, ``record_blocks``, ``remove_node``) are one pipelined round trip each
+  and raise :class:`FleetStoreUnavailable` when Redis is down.
+- The NodeState objects a view returns are shared with later views until the node pushes a
+  new state: callers must not mutate them.
+- Not Redis-Cluster-safe as is: the script touches keys it computes (fine on one primary, with
+  Sentinel or replicas).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from routing.fleet.memory_store import OpenAINodeTracker, PrefixIndex
+from routing.fleet.state import NodeState
+from routing.fleet.store import KEY_PREFIX, FleetStore, FleetView
+
+log = logging.getLogger(__name__)
+
+VIEW_SCRIPT = """
+local ns = ARGV[1]
+local ids = redis.call('ZRANGE', ns .. 'nodes', 0, -1)
+local out = {}
+for _, id in ipairs(ids) do
+  local state = redis.call('GET', ns .. 'node:' .. id)
+  if state then
+    local indexed = redis.call('EXISTS', ns .. 'events:' .. id)
+    local n = 0
+    if indexed == 1 then
+      local bkey = ns .. 'blocks:' .. id
+      for i = 2, #ARGV do
+        if redis.call('SISMEMBER', bkey, ARGV[i]) == 1 then n = n + 1 else break end
+      end
+    end
+    out[#out + 1] = state
+    out[#out + 1] = n
+    out[#out + 1] = indexed
+  end
+end
+return out
+"""
+
+_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class FleetStoreUnavailable(ConnectionError):
+    """The fleet store could not be reached (a write failed)."""
+
+
+def hex_hash(h: int) -> str:
+    return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+class RedisFleetStore(FleetStore):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        namespace: str = KEY_PREFIX,
+        socket_timeout_s: float = 0.25,
+        connect_timeout_s: float = 0.25,
+        retry_interval_s: float = 1.0,
+        prune_after_s: float = 60.0,
+        index_ttl_s: float = 600.0,
+        events_maxlen: int = 1000,
+        openai_nodes: Sequence[OpenAINodeTracker] = (),
+        max_approx_blocks_per_node: int = 65_536,
+        client: Redis | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ns = namespace
+        self.retry_interval_s = retry_interval_s
+        self.prune_after_s = prune_after_s
+        self.index_ttl_ms = int(index_ttl_s * 1000)
+        self.events_maxlen = events_maxlen
+        self.openai_nodes = {t.id: t for t in openai_nodes}
+        self.clock = clock
+        self.redis: Redis = client or Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            decode_responses=True,
+            health_check_interval=0,
+        )
+        self._view_script = self.redis.register_script(VIEW_SCRIPT)
+        self.approx = PrefixIndex(max_approx_blocks_per_node)
+        self._last_nodes: list[NodeState] = []
+        self._parsed: dict[str, NodeState] = {}  # raw JSON -> state, for the last view's nodes
+        self._indexed: set[str] = set()
+        self._next_try = 0.0
+        self.healthy = True
+        self.last_error: str | None = None
+        self.errors_total = 0
+        self.views_total = 0
+        self.stale_views_total = 0
+        self.last_ok_at: float | None = None
+
+    # ---- keys --------------------------------------------------------------------------------
+    def _key(self, kind: str, node_id: str | None = None) -> str:
+        return f"{self.ns}{kind}" if node_id is None else f"{self.ns}{kind}:{node_id}"
+
+    # ---- health ------------------------------------------------------------------------------
+    def _ok(self) -> None:
+        if not self.healthy:
+            log.info("fleet store: Redis reachable again")
+        self.healthy = True
+        self.last_error = None
+        self.last_ok_at = self.clock()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.healthy:
+            log.warning("fleet store: Redis unreachable (%s); serving the last view", exc)
+        self.healthy = False
+        self.errors_total += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self._next_try = time.monotonic() + self.retry_interval_s
+
+    def health(self) -> dict[str, Any]:
+        """For ``/health`` and metrics."""
+        return {
+            "backend": "redis",
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "errors_total": self.errors_total,
+            "last_ok_at": self.last_ok_at,
+            "views_total": self.views_total,
+            "stale_views_total": self.stale_views_total,
+        }
+
+    async def ping(self) -> bool:
+        """Probe Redis now (ignores the retry interval); updates ``healthy``."""
+        try:
+            await self.redis.ping()
+        except _ERRORS as exc:
+            self._fail(exc)
+            return False
+        self._ok()
+        return True
+
+    # ---- writes ------------------------------------------------------------------------------
+    async def _write(self, build: Callable[[Any], None]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        build(pipe)
+        try:
+            await pipe.execute()
+        except _ERRORS as exc:
+            self._fail(exc)
+            raise FleetStoreUnavailable(f"fleet store unreachable: {exc}") from exc
+        self._ok()
+
+    async def put_node(self, state: NodeState) -> None:
+        ttl_ms = max(1, int(state.ttl_s * 1000))
+        payload = state.model_dump_json()
+        now = self.clock()
+
+        def build(p: Any) -> None:
+            p.set(self._key("node", state.id), payload, px=ttl_ms)
+            p.zadd(self._key("nodes"), {state.id: now})
+            p.zremrangebyscore(self._key("nodes"), "-inf", now - self.prune_after_s)
+            p.pexpire(self._key("blocks", state.id), self.index_ttl_ms)
+            p.pexpire(self._key("events", state.id), self.index_ttl_ms)
+
+        await self._write(build)
+
+    async def remove_node(self, node_id: str) -> None:
+        def build(p: Any) -> None:
+            p.delete(
+                self._key("node", node_id),
+                self._key("blocks", node_id),
+                self._key("events", node_id),
+            )
+            p.zrem(self._key("nodes"), node_id)
+
+        await self._write(build)
+        self.approx.drop(node_id)
+
+    async def record_blocks(
+        self, node_id: str, stored: Sequence[int], removed: Sequence[int]
+    ) -> None:
+        stored_hex = [hex_hash(h) for h in stored]
+        removed_hex = [hex_hash(h) for h in removed]
+        blocks, events = self._key("blocks", node_id), self._key("events", node_id)
+
+        def build(p: Any) -> None:
+            if removed_hex:
+                p.srem(blocks, *removed_hex)
+            if stored_hex:
+                p.sadd(blocks, *stored_hex)
+            p.xadd(
+                events,
+                {"stored": " ".join(stored_hex), "removed": " ".join(removed_hex)},
+                maxlen=self.events_maxlen,
+                approximate=True,
+            )
+            p.pexpire(blocks, self.index_ttl_ms)
+            p.pexpire(events, self.index_ttl_ms)
+
+        await self._write(build)
+
+    # ---- reads -------------------------------------------------------------------------------
+    def note_routed(self, node_id: str, block_hashes: Sequence[int]) -> None:
+        """Remember a routing decision, for nodes that publish no block events."""
+        if node_id not in self._indexed and block_hashes:
+            self.approx.add(node_id, block_hashes)
+
+    def _with_local(self, nodes: list[NodeState]) -> list[NodeState]:
+        if not self.openai_nodes:
+            return nodes
+        return [*nodes, *(t.state() for t in self.openai_nodes.values())]
+
+    def _stale_view(self, block_hashes: Sequence[int]) -> FleetView:
+        self.stale_views_total += 1
+        nodes = self._with_local(list(self._last_nodes))
+        prefix = {}
+        for n in nodes:
+            count = self.approx.leading(n.id, block_hashes) if block_hashes else 0
+            if count:
+                prefix[n.id] = count
+        return FleetView(nodes=nodes, prefix_blocks=prefix, stale=True)
+
+    async def view(self, block_hashes: Sequence[int]) -> FleetView:
+        self.views_total += 1
+        if not self.healthy and time.monotonic() < self._next_try:
+            return self._stale_view(block_hashes)
+        try:
+            raw = await self._view_script(args=[self.ns, *(hex_hash(h) for h in block_hashes)])
+        except _ERRORS as exc:
+            self._fail(exc)
+            return self._stale_view(block_hashes)
+        self._ok()
+        nodes: list[NodeState] = []
+        prefix: dict[str, int] = {}
+        indexed: set[str] = set()
+        parsed: dict[str, NodeState] = {}
+        for i in range(0, len(raw), 3):
+            node = self._parsed.get(raw[i])  # states change once a second; views run per request
+            if node is None:
+                try:
+                    node = NodeState.model_validate_json(raw[i])
+                except ValidationError as exc:
+                    log.warning("fleet store: ignoring an unreadable node state: %s", exc)
+                    continue
+            parsed[raw[i]] = node
+            nodes.append(node)
+            if int(raw[i + 2]):
+                indexed.add(node.id)
+                count = int(raw[i + 1])
+            else:
+                count = self.approx.leading(node.id, block_hashes) if block_hashes else 0
+            if count:
+                prefix[node.id] = count
+        for node_id in indexed - self._indexed:
+            self.approx.drop(node_id)
+        self._indexed |= indexed
+        self._parsed = parsed
+        self._last_nodes = nodes
+        local = self._with_local(nodes)
+        for t in local[len(nodes) :]:
+            count = self.approx.leading(t.id, block_hashes) if block_hashes else 0
+            if count:
+                prefix[t.id] = count
+        return FleetView(nodes=local, prefix_blocks=prefix, stale=False)
+
+    async def close(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,346 @@
+"""The latency cost model of DESIGN.md, with rates learned online from every finished request.
+
+For one node and one request::
+
+    ttft = rtt(client region, node region) + queue wait + uncached prompt tokens / prefill rate
+    e2e  = ttft + expected output tokens * decode ms per token at the batch it will run in
+
+Invariants:
+- Every rate the model uses is a blend of what it measured itself (EWMA per node over finished
+  requests) and what the node reports about itself; configured per-kind defaults are used only
+  while a node has neither. Measurements take over as samples accumulate (``warmup_samples``),
+  but the node's self-report keeps ``self_report_weight`` so a sudden change on the node shows.
+- Decode time scales with the batch: ``ms(b) = ms(1) * (1 + batch_slope * (b - 1))``; rates are
+  stored normalized to batch 1, so measurements at different batches are comparable.
+- Predictions are finite and non-negative; a request never has fewer than one uncached token.
+- Predicted-vs-measured error is recorded for every observation that carries a prediction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from routing.blocks import BLOCK_SIZE
+from routing.fleet.state import NodeKind, NodeState
+
+
+class KindDefaults(BaseModel):
+    """What to assume about a node of one kind before it reports or is measured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill_tokens_per_s: float = Field(gt=0)
+    decode_ms_per_token: float = Field(gt=0, description="one sequence, batch 1")
+    batch_slope: float = Field(ge=0, description="relative decode slowdown per extra sequence")
+
+
+class LatencyKnobs(BaseModel):
+    """The cost model's knobs (one section of the policy YAML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rate_alpha: float = Field(default=0.2, gt=0, le=1, description="EWMA weight of a new sample")
+    self_report_weight: float = Field(default=0.3, ge=0, le=1)
+    warmup_samples: int = Field(default=3, ge=1)
+    min_prefill_tokens: int = Field(default=32, ge=1, description="learn prefill above this")
+    min_decode_tokens: int = Field(default=4, ge=2, description="learn decode above this")
+    prefix_credit: float = Field(default=1.0, ge=0, le=1, description="trust in the index")
+    error_alpha: float = Field(default=0.05, gt=0, le=1)
+    service_output_tokens: float = Field(
+        default=128.0, gt=0, description="assumed output of a request ahead in the queue"
+    )
+    edge: KindDefaults = KindDefaults(
+        prefill_tokens_per_s=400.0, decode_ms_per_token=30.0, batch_slope=0.6
+    )
+    cloud: KindDefaults = KindDefaults(
+        prefill_tokens_per_s=6000.0, decode_ms_per_token=20.0, batch_slope=0.03
+    )
+    openai: KindDefaults = KindDefaults(
+        prefill_tokens_per_s=3000.0, decode_ms_per_token=25.0, batch_slope=0.0
+    )
+
+    def defaults(self, kind: NodeKind) -> KindDefaults:
+        if kind == NodeKind.EDGE:
+            return self.edge
+        if kind == NodeKind.CLOUD:
+            return self.cloud
+        return self.openai
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """One node's predicted timings for one request (all times in ms)."""
+
+    node_id: str
+    rtt_ms: float
+    queue_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    decode_ms_per_token: float  # at ``batch``
+    e2e_ms: float
+    cached_tokens: int
+    uncached_tokens: int
+    batch: int  # sequences decoding alongside, itself included
+    load: float  # occupancy (running + waiting + local in-flight) / max_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the gateway measured about one finished request on one node.
+
+    ``ttft_ms``/``e2e_ms`` are measured at the gateway (``ttft_ms`` is ``None`` when the reply
+    was not streamed). ``net_rtt_ms`` is the gateway-to-node round trip included in them.
+    ``node_queue_ms``, when the node reports it, replaces the predicted queue wait.
+    """
+
+    node_id: str
+    kind: NodeKind
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    e2e_ms: float
+    ttft_ms: float | None = None
+    net_rtt_ms: float = 0.0
+    node_queue_ms: float | None = None
+    estimate: Estimate | None = None  # the prediction made for this node at decision time
+
+
+@dataclass(slots=True)
+class _Ewma:
+    value: float = 0.0
+    n: int = 0
+
+    def add(self, x: float, alpha: float) -> None:
+        self.value = x if self.n == 0 else self.value + alpha * (x - self.value)
+        self.n += 1
+
+
+@dataclass(slots=True)
+class NodeRates:
+    """What the model measured on one node (normalized to batch 1 for decode)."""
+
+    prefill_tokens_per_s: _Ewma = field(default_factory=_Ewma)
+    decode_ms_per_token_b1: _Ewma = field(default_factory=_Ewma)
+    output_tokens: _Ewma = field(default_factory=_Ewma)
+
+
+@dataclass(slots=True)
+class ErrorStats:
+    """Predicted-vs-measured error of one quantity: EWMAs of signed, absolute and relative error."""
+
+    count: int = 0
+    bias_ms: float = 0.0  # measured - predicted
+    mean_abs_ms: float = 0.0
+    mean_abs_rel: float = 0.0  # |error| / measured
+    last_error_ms: float = 0.0
+
+    def add(self, predicted: float, measured: float, alpha: float) -> None:
+        err = measured - predicted
+        rel = abs(err) / max(measured, 1.0)
+        a = 1.0 if self.count == 0 else alpha
+        self.bias_ms += a * (err - self.bias_ms)
+        self.mean_abs_ms += a * (abs(err) - self.mean_abs_ms)
+        self.mean_abs_rel += a * (rel - self.mean_abs_rel)
+        self.last_error_ms = err
+        self.count += 1
+
+
+class PredictionErrors:
+    """Error stats of TTFT and end-to-end predictions, overall and per tier."""
+
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, str], ErrorStats] = {}
+
+    def add(self, metric: str, tier: str, predicted: float, measured: float, alpha: float) -> float:
+        """Record one pair; returns the signed error (measured - predicted) in ms."""
+        for key in ((metric, "all"), (metric, tier)):
+            self.stats.setdefault(key, ErrorStats()).add(predicted, measured, alpha)
+        return measured - predicted
+
+    def get(self, metric: str, tier: str = "all") -> ErrorStats:
+        return self.stats.get((metric, tier), ErrorStats())
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {
+            f"{m}:{t}": {
+                "count": s.count,
+                "bias_ms": s.bias_ms,
+                "mean_abs_ms": s.mean_abs_ms,
+                "mean_abs_rel": s.mean_abs_rel,
+            }
+            for (m, t), s in sorted(self.stats.items())
+        }
+
+
+def _finite(x: float, fallback: float) -> float:
+    return x if math.isfinite(x) and x > 0 else fallback
+
+
+class LatencyModel:
+    """Predicts per-node TTFT and end-to-end latency and learns each node's rates online."""
+
+    def __init__(self, knobs: LatencyKnobs | None = None) -> None:
+        self.knobs = knobs or LatencyKnobs()
+        self.rates: dict[str, NodeRates] = {}
+        self.errors = PredictionErrors()
+
+    def configure(self, knobs: LatencyKnobs) -> None:
+        """New knobs (hot reload); learned rates are kept."""
+        self.knobs = knobs
+
+    def forget(self, node_id: str) -> None:
+        self.rates.pop(node_id, None)
+
+    # ---- rates -------------------------------------------------------------------------------
+    def batch_factor(self, kind: NodeKind, batch: float) -> float:
+        return 1.0 + self.knobs.defaults(kind).batch_slope * max(0.0, batch - 1.0)
+
+    def _blend(self, measured: _Ewma, reported: float, default: float) -> float:
+        k = self.knobs
+        if measured.n == 0:
+            return reported if reported > 0 else default
+        if reported <= 0:
+            return measured.value
+        w = (1.0 - k.self_report_weight) * min(1.0, measured.n / k.warmup_samples)
+        return w * measured.value + (1.0 - w) * reported
+
+    def prefill_tokens_per_s(self, node: NodeState) -> float:
+        rates = self.rates.get(node.id) or NodeRates()
+        default = self.knobs.defaults(node.kind).prefill_tokens_per_s
+        value = self._blend(rates.prefill_tokens_per_s, node.prefill_tokens_per_s, default)
+        return _finite(value, default)
+
+    def decode_ms_per_token_b1(self, node: NodeState) -> float:
+        """Decode ms/token of one sequence at batch 1 (the node's report is normalized)."""
+        rates = self.rates.get(node.id) or NodeRates()
+        default = self.knobs.defaults(node.kind).decode_ms_per_token
+        reported = node.decode_ms_per_token / self.batch_factor(node.kind, max(1, node.running))
+        return _finite(self._blend(rates.decode_ms_per_token_b1, reported, default), default)
+
+    def mean_output_tokens(self, node_id: str) -> float:
+        rates = self.rates.get(node_id)
+        if rates is None or rates.output_tokens.n == 0:
+            return self.knobs.service_output_tokens
+        return max(1.0, rates.output_tokens.value)
+
+    # ---- prediction --------------------------------------------------------------------------
+    def estimate(
+        self,
+        node: NodeState,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        expected_output_tokens: float,
+        rtt_ms: float,
+        extra_inflight: int = 0,
+    ) -> Estimate:
+        """Predict one request's timings on ``node``.
+
+        ``cached_tokens`` is what the prefix index says the node holds (credited by
+        ``prefix_credit``, capped so at least one token is computed); ``extra_inflight`` counts
+        requests this gateway sent to the node after its state was taken.
+        """
+        k = self.knobs
+        cached = min(int(cached_tokens * k.prefix_credit), max(0, prompt_tokens - 1))
+        uncached = max(1, prompt_tokens - cached)
+        slots = max(1, node.max_batch)
+        occupied = node.running + node.waiting + max(0, extra_inflight)
+        d1 = self.decode_ms_per_token_b1(node)
+        prefill_rate = self.prefill_tokens_per_s(node)
+
+        ahead = max(0, occupied - slots + 1)
+        if ahead == 0 and node.kv_blocks_total > 0:
+            need = math.ceil((prompt_tokens + expected_output_tokens) / BLOCK_SIZE)
+            need -= cached // BLOCK_SIZE
+            if need > node.kv_blocks_total - node.kv_blocks_used:
+                ahead = 1  # no room in the KV cache: wait for a request to finish
+        queue_ms = 0.0
+        if ahead:
+            service_ms = self.mean_output_tokens(node.id) * d1 * self.batch_factor(node.kind, slots)
+            queue_ms = ahead * service_ms / slots
+
+        batch = min(slots, occupied + 1)
+        per_token = d1 * self.batch_factor(node.kind, batch)
+        prefill_ms = 1000.0 * uncached / prefill_rate
+        ttft = max(0.0, rtt_ms) + queue_ms + prefill_ms
+        e2e = ttft + max(0.0, expected_output_tokens) * per_token
+        return Estimate(
+            node_id=node.id,
+            rtt_ms=rtt_ms,
+            queue_ms=queue_ms,
+            prefill_ms=prefill_ms,
+            ttft_ms=ttft,
+            decode_ms_per_token=per_token,
+            e2e_ms=e2e,
+            cached_tokens=cached,
+            uncached_tokens=uncached,
+            batch=batch,
+            load=occupied / slots,
+        )
+
+    # ---- learning ----------------------------------------------------------------------------
+    def observe(self, obs: Observation) -> dict[str, float]:
+        """Learn from one finished request; returns the prediction errors recorded (ms)."""
+        k = self.knobs
+        rates = self.rates.setdefault(obs.node_id, NodeRates())
+        est = obs.estimate
+        net = max(0.0, obs.net_rtt_ms)
+        queue = (
+            obs.node_queue_ms if obs.node_queue_ms is not None else (est.queue_ms if est else 0.0)
+        )
+
+        uncached = obs.prompt_tokens - obs.cached_tokens
+        if obs.ttft_ms is not None and uncached >= k.min_prefill_tokens:
+            server_ms = obs.ttft_ms - net
+            prefill_ms = max(server_ms - queue, 0.25 * server_ms, 0.5)
+            rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms, k.rate_alpha)
+
+        ttft_at_gateway = obs.ttft_ms
+        if ttft_at_gateway is None and est is not None:
+            ttft_at_gateway = est.ttft_ms - est.rtt_ms + net
+        if ttft_at_gateway is not None and obs.completion_tokens >= k.min_decode_tokens:
+            per_token = (obs.e2e_ms - ttft_at_gateway) / (obs.completion_tokens - 1)
+            if per_token > 0:
+                batch = est.batch if est else 1
+                rates.decode_ms_per_token_b1.add(
+                    per_token / self.batch_factor(obs.kind, batch), k.rate_alpha
+                )
+        if obs.completion_tokens > 0:
+            rates.output_tokens.add(float(obs.completion_tokens), k.rate_alpha)
+
+        errors: dict[str, float] = {}
+        if est is not None:
+            tier = obs.kind.value
+            # Compare like with like: the gateway measures the gateway-to-node RTT, not the
+            # client's, so the prediction's RTT term is swapped for it.
+            offset = net - est.rtt_ms
+            if obs.ttft_ms is not None:
+                errors["ttft"] = self.errors.add(
+                    "ttft", tier, est.ttft_ms + offset, obs.ttft_ms, k.error_alpha
+                )
+            errors["e2e"] = self.errors.add(
+                "e2e", tier, est.e2e_ms + offset, obs.e2e_ms, k.error_alpha
+            )
+        return errors
+
+    def snapshot(self, nodes: Mapping[str, NodeState] | None = None) -> dict[str, dict[str, float]]:
+        """Learned rates per node (and the blended ones when the node's state is given)."""
+        out: dict[str, dict[str, float]] = {}
+        for node_id, r in sorted(self.rates.items()):
+            row = {
+                "measured_prefill_tokens_per_s": r.prefill_tokens_per_s.value,
+                "prefill_samples": float(r.prefill_tokens_per_s.n),
+                "measured_decode_ms_per_token_b1": r.decode_ms_per_token_b1.value,
+                "decode_samples": float(r.decode_ms_per_token_b1.n),
+                "mean_output_tokens": r.output_tokens.value,
+            }
+            node = (nodes or {}).get(node_id)
+            if node is not None:
+                row["prefill_tokens_per_s"] = self.prefill_tokens_per_s(node)
+                row["decode_ms_per_token_b1"] = self.decode_ms_per_token_b1(node)
+            out[node_id] = row
+        return out

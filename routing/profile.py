@@ -1,0 +1,191 @@
+"""A request's routing profile: what the router needs to know about one OpenAI request.
+
+Invariants:
+- The prompt is rendered with the target model's own chat template and tokenized with its own
+  tokenizer exactly as the node does (``template_messages`` flattening, no BOS of our own), so
+  the block hashes here are the hashes the cloud engine's prefix cache publishes.
+- ``block_hashes`` are seeded by the model's identity (see :mod:`routing.blocks`).
+- ``expected_output_tokens`` is in ``[1, max_tokens]`` (when ``max_tokens`` is set): learned per
+  (API key, route) as an EWMA of observed completion tokens, else the configured default.
+- Building a profile is CPU work (tokenizing): the gateway runs long prompts off its event loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from routing.blocks import block_hashes, model_seed
+from routing.prompt import PromptFormatter
+
+Route = Literal["chat", "completions"]
+
+
+class ProfileError(ValueError):
+    """The request cannot be profiled (no prompt, more than one prompt, bad token ids)."""
+
+
+class OutputKnobs(BaseModel):
+    """Expected-output-length knobs (one section of the policy YAML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    default_tokens: float = Field(default=128.0, gt=0)
+    alpha: float = Field(default=0.2, gt=0, le=1)
+    min_samples: int = Field(default=1, ge=1, description="samples before the EWMA is used")
+    max_keys: int = Field(default=10_000, ge=1, description="LRU bound on (key, route) pairs")
+
+
+class OutputLengthEstimator:
+    """EWMA of completion tokens per (API key, route), LRU-bounded; a default until learned."""
+
+    def __init__(self, knobs: OutputKnobs | None = None) -> None:
+        self.knobs = knobs or OutputKnobs()
+        self._stats: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+
+    def configure(self, knobs: OutputKnobs) -> None:
+        self.knobs = knobs
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._stats) > self.knobs.max_keys:
+            self._stats.popitem(last=False)
+
+    def expected(self, api_key: str | None, route: str, max_tokens: int | None = None) -> float:
+        value = self.knobs.default_tokens
+        stat = self._stats.get((api_key or "", route))
+        if stat is not None and stat[1] >= self.knobs.min_samples:
+            value = stat[0]
+        if max_tokens is not None:
+            value = min(value, float(max_tokens))
+        return max(1.0, value)
+
+    def observe(self, api_key: str | None, route: str, completion_tokens: int) -> None:
+        key = (api_key or "", route)
+        prev = self._stats.pop(key, None)
+        x = float(completion_tokens)
+        if prev is None:
+            self._stats[key] = (x, 1)
+        else:
+            self._stats[key] = (prev[0] + self.knobs.alpha * (x - prev[0]), prev[1] + 1)
+        self._trim()
+
+    def __len__(self) -> int:
+        return len(self._stats)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProfile:
+    """Everything the router knows about one request."""
+
+    model: str  # the concrete model name nodes serve
+    model_identity: str
+    route: Route
+    prompt_token_ids: Sequence[int]
+    block_hashes: Sequence[int]
+    max_tokens: int | None  # None: the node fills up to its context
+    expected_output_tokens: float
+    stream: bool
+    client_region: str
+    api_key: str | None = None  # an id for the caller (a key's hash or name), never a secret
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def context_needed(self) -> int:
+        """Context a node must have: prompt plus max_tokens (plus one token if unspecified)."""
+        return self.prompt_tokens + (self.max_tokens if self.max_tokens is not None else 1)
+
+
+def _get(body: Any, name: str, default: Any = None) -> Any:
+    if isinstance(body, Mapping):
+        return body.get(name, default)
+    return getattr(body, name, default)
+
+
+def _message_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for p in content:
+        parts.append(p.get("text", "") if isinstance(p, Mapping) else getattr(p, "text", ""))
+    return "".join(parts)
+
+
+def template_messages(body: Any) -> list[dict[str, Any]]:
+    """Chat messages as chat templates expect them, flattened like the node app does."""
+    method = getattr(body, "template_messages", None)
+    if callable(method):
+        return list(method())
+    out = []
+    for m in _get(body, "messages") or []:
+        role = _get(m, "role")
+        out.append(
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _message_text(_get(m, "content")),
+            }
+        )
+    if not out:
+        raise ProfileError("messages must not be empty")
+    return out
+
+
+def prompt_token_ids(body: Any, formatter: PromptFormatter, route: Route) -> list[int]:
+    """The prompt's token ids, as the node will compute them."""
+    if route == "chat":
+        return formatter.encode_chat(template_messages(body))
+    prompt = _get(body, "prompt")
+    if isinstance(prompt, str):
+        ids = formatter.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = [int(t) for t in prompt]
+    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        ids = formatter.encode(prompt[0])
+    else:
+        raise ProfileError("prompt must be a string, one string in a list, or token ids")
+    if not ids:
+        raise ProfileError("prompt is empty after tokenization")
+    return ids
+
+
+def requested_max_tokens(body: Any) -> int | None:
+    value = _get(body, "max_completion_tokens") or _get(body, "max_tokens")
+    return int(value) if value is not None else None
+
+
+def build_profile(
+    body: Any,
+    formatter: PromptFormatter,
+    *,
+    model: str,
+    model_identity: str,
+    route: Route,
+    client_region: str,
+    outputs: OutputLengthEstimator | None = None,
+    api_key: str | None = None,
+) -> RequestProfile:
+    """Profile an OpenAI chat or completion body (a validated dict or pydantic model)."""
+    ids = prompt_token_ids(body, formatter, route)
+    max_tokens = requested_max_tokens(body)
+    estimator = outputs if outputs is not None else OutputLengthEstimator()
+    return RequestProfile(
+        model=model,
+        model_identity=model_identity,
+        route=route,
+        prompt_token_ids=ids,
+        block_hashes=block_hashes(ids, model_seed(model_identity)),
+        max_tokens=max_tokens,
+        expected_output_tokens=estimator.expected(api_key, route, max_tokens),
+        stream=bool(_get(body, "stream", False)),
+        client_region=client_region,
+        api_key=api_key,
+    )

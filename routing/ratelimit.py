@@ -1,0 +1,548 @@
+"""Per-key rate limits: a requests/min and a tokens/min token bucket, in Redis or in-process.
+
+Bucket semantics (both implementations, the same arithmetic):
+- A limit of ``rpm`` requests/min is a bucket of capacity ``rpm`` refilled continuously at
+  ``rpm / 60`` per second (a full minute's budget may be spent at once); likewise ``tpm``. A
+  limit of ``None`` is unlimited and keeps no bucket.
+- :meth:`RateLimiter.acquire` charges one request and ``tokens`` tokens (the estimate: prompt
+  tokens + max output tokens) *together or not at all*. A refusal says which bucket was short
+  and ``retry_after_s > 0``: when that bucket will hold enough again. A request estimated at
+  more tokens than ``tpm`` can never fit: it is refused with ``limited_by="too_large"``.
+- :meth:`RateLimiter.settle` corrects the charge with the actual usage afterwards (tokens given
+  back, or charged extra: the bucket may go negative, so overuse is paid for by later requests).
+  :meth:`RateLimiter.refund` gives back the request and all its tokens (a request that never
+  reached a node). Neither refills a bucket past its capacity.
+
+Redis (``edgecloud:v1:rl:{key_id}``, a hash with the levels and the time they were taken):
+- Every call is one EVALSHA of one Lua script, atomic, on one key (so Redis Cluster safe), timed
+  by the Redis server's clock (gateways' clocks may differ). The key expires (PEXPIRE) when both
+  buckets would be full again, which is the same as absent.
+- If Redis is unreachable, the limiter fails open to an in-process limiter (each replica then
+  enforces the limits on its own), sets ``healthy = False`` for ``/health``, retries Redis at
+  most every ``retry_interval_s`` and recovers by itself.
+
+This module also holds :class:`RedisKeyStore`, the small Redis lookup of API keys by hash
+(``edgecloud:v1:apikey:{key_hash}``), so that keys can be added without a gateway restart.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from routing.fleet.store import KEY_PREFIX
+
+log = logging.getLogger(__name__)
+
+LimitedBy = Literal["requests", "tokens", "too_large"]
+Backend = Literal["redis", "local", "none"]
+
+WINDOW_MS = 60_000.0
+_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+_CODES: dict[int, LimitedBy | None] = {0: None, 1: "requests", 2: "tokens", 3: "too_large"}
+_TOO_LARGE_RETRY_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's limits; ``None`` is unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rpm", "tpm"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {v}")
+
+    @property
+    def unlimited(self) -> bool:
+        return self.rpm is None and self.tpm is None
+
+
+@dataclass(frozen=True, slots=True)
+class RateDecision:
+    """The answer to one :meth:`RateLimiter.acquire`; pass it back to ``settle``/``refund``.
+
+    ``remaining_*`` are the bucket levels after the call (``None`` for an unlimited bucket).
+    ``degraded`` is True when Redis was unreachable and the in-process fallback decided.
+    """
+
+    allowed: bool
+    key_id: str
+    limits: Limits
+    charged_tokens: int
+    retry_after_s: float = 0.0
+    limited_by: LimitedBy | None = None
+    remaining_requests: float | None = None
+    remaining_tokens: float | None = None
+    backend: Backend = "none"
+    degraded: bool = False
+
+
+class RateLimiter(abc.ABC):
+    """One interface over the Redis and in-process limiters."""
+
+    @abc.abstractmethod
+    async def acquire(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
+        """Charge one request and ``tokens`` tokens, or refuse and charge nothing."""
+
+    @abc.abstractmethod
+    async def settle(self, decision: RateDecision, actual_tokens: int) -> None:
+        """Correct an allowed decision's token charge to ``actual_tokens``."""
+
+    @abc.abstractmethod
+    async def refund(self, decision: RateDecision) -> None:
+        """Give back an allowed decision's request and tokens."""
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, Any]:
+        """For ``/health`` and metrics."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+def _unlimited(key_id: str, limits: Limits, tokens: int) -> RateDecision:
+    return RateDecision(True, key_id, limits, tokens, backend="none")
+
+
+# ---- in-process --------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Bucket:
+    requests: float | None
+    tokens: float | None
+    at_ms: float
+
+
+def _refill(level: float | None, cap: int | None, elapsed_ms: float) -> float | None:
+    if cap is None:
+        return None
+    if level is None:
+        return float(cap)
+    return min(float(cap), level + elapsed_ms * cap / WINDOW_MS)
+
+
+class InProcessRateLimiter(RateLimiter):
+    """The buckets in this process's memory (one gateway, or the Redis limiter's fallback).
+
+    Thread-safe. Buckets that have refilled completely are dropped when more than ``max_keys``
+    are held (a full bucket is the same as none).
+    """
+
+    def __init__(
+        self, *, max_keys: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_keys = max_keys
+        self.clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    def _now_ms(self) -> float:
+        return self.clock() * 1000.0
+
+    def _load(self, key_id: str, limits: Limits, now: float) -> _Bucket:
+        b = self._buckets.get(key_id)
+        elapsed = max(0.0, now - b.at_ms) if b else 0.0
+        return _Bucket(
+            requests=_refill(b.requests if b else None, limits.rpm, elapsed),
+            tokens=_refill(b.tokens if b else None, limits.tpm, elapsed),
+            at_ms=now,
+        )
+
+    def _store(self, key_id: str, b: _Bucket, limits: Limits) -> None:
+        self._buckets[key_id] = b
+        if len(self._buckets) > self.max_keys:
+            now = b.at_ms
+            for k, old in list(self._buckets.items()):
+                if k != key_id and now - old.at_ms >= WINDOW_MS:
+                    del self._buckets[k]
+
+    def acquire_now(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
+        """The synchronous core of :meth:`acquire`."""
+        tokens = max(0, int(tokens))
+        if limits.unlimited:
+            return _unlimited(key_id, limits, tokens)
+        with self._lock:
+            now = self._now_ms()
+            b = self._load(key_id, limits, now)
+            wait_r = wait_t = 0.0
+            code = 0
+            if limits.tpm is not None and tokens > limits.tpm:
+                code = 3
+            else:
+                if limits.rpm is not None and b.requests is not None and b.requests < 1:
+                    wait_r = (1 - b.requests) * WINDOW_MS / limits.rpm
+                if limits.tpm is not None and b.tokens is not None and b.tokens < tokens:
+                    wait_t = (tokens - b.tokens) * WINDOW_MS / limits.tpm
+                if wait_r or wait_t:
+                    code = 1 if wait_r >= wait_t else 2
+            if code == 0:
+                if b.requests is not None:
+                    b.requests -= 1
+                if b.tokens is not None:
+                    b.tokens -= tokens
+            self._store(key_id, b, limits)
+        wait_s = _TOO_LARGE_RETRY_S if code == 3 else math.ceil(max(wait_r, wait_t)) / 1000.0
+        return RateDecision(
+            allowed=code == 0,
+            key_id=key_id,
+            limits=limits,
+            charged_tokens=tokens if code == 0 else 0,
+            retry_after_s=0.0 if code == 0 else max(wait_s, 0.001),
+            limited_by=_CODES[code],
+            remaining_requests=b.requests,
+            remaining_tokens=b.tokens,
+            backend="local",
+        )
+
+    def adjust_now(self, key_id: str, limits: Limits, requests: int, tokens: int) -> None:
+        """Give back ``requests`` requests and ``tokens`` tokens (negative: charge more)."""
+        if limits.unlimited or (requests == 0 and tokens == 0):
+            return
+        with self._lock:
+            b = self._load(key_id, limits, self._now_ms())
+            if b.requests is not None and limits.rpm is not None:
+                b.requests = min(float(limits.rpm), b.requests + requests)
+            if b.tokens is not None and limits.tpm is not None:
+                b.tokens = min(float(limits.tpm), b.tokens + tokens)
+            self._store(key_id, b, limits)
+
+    async def acquire(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
+        return self.acquire_now(key_id, limits, tokens)
+
+    async def settle(self, decision: RateDecision, actual_tokens: int) -> None:
+        if decision.allowed:
+            delta = decision.charged_tokens - max(0, int(actual_tokens))
+            self.adjust_now(decision.key_id, decision.limits, 0, delta)
+
+    async def refund(self, decision: RateDecision) -> None:
+        if decision.allowed:
+            self.adjust_now(decision.key_id, decision.limits, 1, decision.charged_tokens)
+
+    def health(self) -> dict[str, Any]:
+        return {"backend": "memory", "healthy": True, "keys": len(self._buckets)}
+
+
+# ---- Redis ---------------------------------------------------------------------------------------
+# KEYS[1]: the bucket hash. ARGV: rpm, tpm (0 = unlimited), then the script's own arguments.
+# Fields: r (requests level), t (tokens level), ts (ms, Redis server time).
+_PRELUDE = """
+local key = KEYS[1]
+local rpm = tonumber(ARGV[1])
+local tpm = tonumber(ARGV[2])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local s = redis.call('HMGET', key, 'r', 't', 'ts')
+local ts = tonumber(s[3]) or now
+local dt = now - ts
+if dt < 0 then dt = 0 end
+local r = nil
+local t = nil
+if rpm > 0 then
+  r = tonumber(s[1])
+  if r == nil then r = rpm else r = math.min(rpm, r + dt * rpm / 60000) end
+end
+if tpm > 0 then
+  t = tonumber(s[2])
+  if t == nil then t = tpm else t = math.min(tpm, t + dt * tpm / 60000) end
+end
+"""
+
+_SAVE = """
+local ttl = 0
+redis.call('DEL', key)
+if r ~= nil then
+  redis.call('HSET', key, 'r', tostring(r))
+  ttl = math.max(ttl, (rpm - r) * 60000 / rpm)
+end
+if t ~= nil then
+  redis.call('HSET', key, 't', tostring(t))
+  ttl = math.max(ttl, (tpm - t) * 60000 / tpm)
+end
+redis.call('HSET', key, 'ts', now)
+redis.call('PEXPIRE', key, math.ceil(ttl) + 1000)
+"""
+
+# ARGV[3]: tokens to charge. Returns {allowed, retry_after_ms, code, requests level, tokens level}.
+ACQUIRE_SCRIPT = (
+    _PRELUDE
+    + """
+local cost = tonumber(ARGV[3])
+local code = 0
+local wait_r = 0
+local wait_t = 0
+if t ~= nil and cost > tpm then
+  code = 3
+else
+  if r ~= nil and r < 1 then wait_r = (1 - r) * 60000 / rpm end
+  if t ~= nil and t < cost then wait_t = (cost - t) * 60000 / tpm end
+  if wait_r > 0 or wait_t > 0 then
+    if wait_r >= wait_t then code = 1 else code = 2 end
+  end
+end
+if code == 0 then
+  if r ~= nil then r = r - 1 end
+  if t ~= nil then t = t - cost end
+end
+"""
+    + _SAVE
+    + """
+return {code == 0 and 1 or 0, math.ceil(math.max(wait_r, wait_t)), code,
+        tostring(r or ''), tostring(t or '')}
+"""
+)
+
+# ARGV[3]: requests to give back, ARGV[4]: tokens to give back (negative: charge more).
+ADJUST_SCRIPT = (
+    _PRELUDE
+    + """
+local dr = tonumber(ARGV[3])
+local dtk = tonumber(ARGV[4])
+if r ~= nil then r = math.min(rpm, r + dr) end
+if t ~= nil then t = math.min(tpm, t + dtk) end
+"""
+    + _SAVE
+    + """
+return 1
+"""
+)
+
+
+def redis_client(url: str, *, timeout_s: float = 0.25) -> Redis:
+    """A client that never hangs or retries: short timeouts, errors surface at once."""
+    return Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        decode_responses=True,
+        health_check_interval=0,
+    )
+
+
+def _level(raw: Any) -> float | None:
+    return float(raw) if raw not in (None, "") else None
+
+
+class RedisRateLimiter(RateLimiter):
+    """Buckets in Redis, shared by every gateway replica (see the module invariants).
+
+    ``on_error`` is called with each Redis failure (for a metrics counter).
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        namespace: str = KEY_PREFIX,
+        timeout_s: float = 0.25,
+        retry_interval_s: float = 1.0,
+        fallback: InProcessRateLimiter | None = None,
+        client: Redis | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.ns = namespace
+        self.retry_interval_s = retry_interval_s
+        self.fallback = fallback or InProcessRateLimiter()
+        self.on_error = on_error
+        self.redis: Redis = client or redis_client(url, timeout_s=timeout_s)
+        self._acquire = self.redis.register_script(ACQUIRE_SCRIPT)
+        self._adjust = self.redis.register_script(ADJUST_SCRIPT)
+        self.healthy = True
+        self.last_error: str | None = None
+        self.errors_total = 0
+        self.fallback_decisions = 0
+        self._next_try = 0.0
+
+    def key(self, key_id: str) -> str:
+        return f"{self.ns}rl:{key_id}"
+
+    def _ok(self) -> None:
+        if not self.healthy:
+            log.info("rate limiter: Redis reachable again")
+        self.healthy = True
+        self.last_error = None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.healthy:
+            log.warning("rate limiter: Redis unreachable (%s); limiting in-process", exc)
+        self.healthy = False
+        self.errors_total += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self._next_try = time.monotonic() + self.retry_interval_s
+        if self.on_error is not None:
+            self.on_error(exc)
+
+    def _use_fallback(self) -> bool:
+        return not self.healthy and time.monotonic() < self._next_try
+
+    async def _local(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
+        self.fallback_decisions += 1
+        d = self.fallback.acquire_now(key_id, limits, tokens)
+        return replace(d, degraded=True)
+
+    async def acquire(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
+        tokens = max(0, int(tokens))
+        if limits.unlimited:
+            return _unlimited(key_id, limits, tokens)
+        if self._use_fallback():
+            return await self._local(key_id, limits, tokens)
+        try:
+            raw = await self._acquire(
+                keys=[self.key(key_id)], args=[limits.rpm or 0, limits.tpm or 0, tokens]
+            )
+        except _ERRORS as exc:
+            self._fail(exc)
+            return await self._local(key_id, limits, tokens)
+        self._ok()
+        allowed, wait_ms, code = int(raw[0]), int(raw[1]), int(raw[2])
+        limited_by = _CODES.get(code)
+        wait_s = _TOO_LARGE_RETRY_S if code == 3 else max(wait_ms, 1) / 1000.0
+        return RateDecision(
+            allowed=bool(allowed),
+            key_id=key_id,
+            limits=limits,
+            charged_tokens=tokens if allowed else 0,
+            retry_after_s=0.0 if allowed else wait_s,
+            limited_by=limited_by,
+            remaining_requests=_level(raw[3]),
+            remaining_tokens=_level(raw[4]),
+            backend="redis",
+        )
+
+    async def _adjust_remote(self, d: RateDecision, requests: int, tokens: int) -> None:
+        if requests == 0 and tokens == 0:
+            return
+        try:
+            await self._adjust(
+                keys=[self.key(d.key_id)],
+                args=[d.limits.rpm or 0, d.limits.tpm or 0, requests, tokens],
+            )
+        except _ERRORS as exc:  # the charge stands: conservative, never a client error
+            self._fail(exc)
+            return
+        self._ok()
+
+    async def settle(self, decision: RateDecision, actual_tokens: int) -> None:
+        if not decision.allowed:
+            return
+        delta = decision.charged_tokens - max(0, int(actual_tokens))
+        if decision.backend == "redis":
+            await self._adjust_remote(decision, 0, delta)
+        elif decision.backend == "local":
+            self.fallback.adjust_now(decision.key_id, decision.limits, 0, delta)
+
+    async def refund(self, decision: RateDecision) -> None:
+        if not decision.allowed:
+            return
+        if decision.backend == "redis":
+            await self._adjust_remote(decision, 1, decision.charged_tokens)
+        elif decision.backend == "local":
+            self.fallback.adjust_now(decision.key_id, decision.limits, 1, decision.charged_tokens)
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "backend": "redis",
+            "healthy": self.healthy,
+            "degraded": not self.healthy,
+            "last_error": self.last_error,
+            "errors_total": self.errors_total,
+            "fallback_decisions": self.fallback_decisions,
+        }
+
+    async def ping(self) -> bool:
+        """Probe Redis now; updates ``healthy``."""
+        try:
+            await self.redis.ping()
+        except _ERRORS as exc:
+            self._fail(exc)
+            return False
+        self._ok()
+        return True
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+# ---- API keys in Redis ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """An API key's identity and limits, as stored (the key itself is never stored)."""
+
+    name: str
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+class KeyStoreUnavailable(ConnectionError):
+    """The key store could not be reached."""
+
+
+def _opt_int(raw: str | None) -> int | None:
+    return int(raw) if raw not in (None, "") else None
+
+
+class RedisKeyStore:
+    """API keys by hash: ``edgecloud:v1:apikey:{key_hash}`` -> hash {name, rpm, tpm}.
+
+    Every method is one round trip and raises :class:`KeyStoreUnavailable` when Redis is down.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        namespace: str = KEY_PREFIX,
+        timeout_s: float = 0.25,
+        client: Redis | None = None,
+    ) -> None:
+        self.ns = namespace
+        self.redis: Redis = client or redis_client(url, timeout_s=timeout_s)
+
+    def key(self, key_hash: str) -> str:
+        return f"{self.ns}apikey:{key_hash}"
+
+    async def get(self, key_hash: str) -> KeyRecord | None:
+        try:
+            raw = await self.redis.hgetall(self.key(key_hash))
+        except _ERRORS as exc:
+            raise KeyStoreUnavailable(f"key store unreachable: {exc}") from exc
+        if not raw or "name" not in raw:
+            return None
+        return KeyRecord(
+            name=raw["name"], rpm=_opt_int(raw.get("rpm")), tpm=_opt_int(raw.get("tpm"))
+        )
+
+    async def put(self, key_hash: str, record: KeyRecord) -> None:
+        mapping = {"name": record.name, "rpm": record.rpm or "", "tpm": record.tpm or ""}
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.delete(self.key(key_hash))
+            pipe.hset(self.key(key_hash), mapping=mapping)
+            await pipe.execute()
+        except _ERRORS as exc:
+            raise KeyStoreUnavailable(f"key store unreachable: {exc}") from exc
+
+    async def delete(self, key_hash: str) -> bool:
+        try:
+            return bool(await self.redis.delete(self.key(key_hash)))
+        except _ERRORS as exc:
+            raise KeyStoreUnavailable(f"key store unreachable: {exc}") from exc
+
+    async def close(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,263 @@
+"""The routing entry point: ``Router.decide(profile, view) -> Decision``, and its feedback loop.
+
+A request's life as the router sees it::
+
+    profile = build_profile(body, formatter, ..., outputs=router.outputs)
+    decision = router.decide(profile, await store.view(profile.block_hashes), exclude=open_circuits)
+    for cand in decision.candidates():            # retry order
+        ticket = router.begin(decision, cand)      # counts it in flight on that node
+        ...proxy...
+        router.finish(ticket, measured)           # learn rates, output length, record errors
+
+Invariants:
+- Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, in the view
+  (the store only returns fresh nodes, or its last view when it is unreachable), and not in
+  ``exclude`` (open circuits). Nothing else filters; policies only order.
+- Requests this gateway dispatched after a node's state was taken, and not finished yet, count
+  as extra load on that node, so a burst does not pile onto one node between heartbeats.
+- A config change (hot reload) takes effect at the next ``decide``; learned rates, RTT
+  measurements and output-length statistics are kept.
+- Pure: no I/O; time comes from the injected ``clock`` (wall time, like NodeState.timestamp).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from routing.blocks import BLOCK_SIZE
+from routing.fleet.state import NodeState
+from routing.fleet.store import FleetView
+from routing.latency import Estimate, LatencyModel, Observation
+from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, make_policy
+from routing.policy_config import ConfigSource, PolicyConfig
+from routing.profile import OutputLengthEstimator, RequestProfile
+from routing.regions import RegionTable
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """One dispatch of one request to one node (from ``Router.begin``)."""
+
+    id: int
+    node: NodeState
+    estimate: Estimate
+    dispatched_at: float
+    profile: RequestProfile | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    """What the gateway measured for a finished request (times in ms, at the gateway).
+
+    ``ttft_ms`` is ``None`` for replies that were not streamed; ``net_rtt_ms`` is the
+    gateway-to-node RTT if measured (else the region table's estimate is used).
+    """
+
+    e2e_ms: float
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    ttft_ms: float | None = None
+    net_rtt_ms: float | None = None
+    node_queue_ms: float | None = None
+
+
+class DispatchLedger:
+    """Requests in flight per node, with their dispatch times (sorted, as the clock is)."""
+
+    def __init__(self) -> None:
+        self._times: dict[str, list[tuple[float, int]]] = {}
+
+    def add(self, node_id: str, at: float, ticket_id: int) -> None:
+        bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
+
+    def remove(self, node_id: str, at: float, ticket_id: int) -> bool:
+        items = self._times.get(node_id)
+        if not items:
+            return False
+        i = bisect.bisect_left(items, (at, ticket_id))
+        if i < len(items) and items[i] == (at, ticket_id):
+            del items[i]
+            return True
+        return False
+
+    def in_flight(self, node_id: str) -> int:
+        return len(self._times.get(node_id, ()))
+
+    def since(self, node_id: str, t: float) -> int:
+        """In-flight requests dispatched after ``t`` (not yet visible in a state taken at ``t``)."""
+        items = self._times.get(node_id)
+        if not items:
+            return 0
+        return len(items) - bisect.bisect_right(items, (t, float("inf")))
+
+
+class Router:
+    """Holds the policy, the latency model, the region table and the output-length estimator."""
+
+    def __init__(
+        self,
+        config: ConfigSource | PolicyConfig | None = None,
+        *,
+        model: LatencyModel | None = None,
+        regions: RegionTable | None = None,
+        outputs: OutputLengthEstimator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if isinstance(config, ConfigSource):
+            self.source = config
+        else:
+            self.source = ConfigSource.fixed(config)
+        cfg = self.source.current
+        self.model = model if model is not None else LatencyModel(cfg.latency)
+        self.regions = regions if regions is not None else RegionTable(cfg.regions)
+        self.outputs = (
+            outputs if outputs is not None else OutputLengthEstimator(cfg.expected_output)
+        )
+        self.ledger = DispatchLedger()
+        self.clock = clock
+        self._ids = itertools.count(1)
+        self._policies: dict[str, Policy] = {}
+        self._cfg: PolicyConfig | None = None
+        self._sync()
+
+    # ---- config ------------------------------------------------------------------------------
+    @property
+    def config(self) -> PolicyConfig:
+        self._sync()
+        assert self._cfg is not None
+        return self._cfg
+
+    def _sync(self) -> None:
+        cfg = self.source.current
+        if cfg is self._cfg:
+            return
+        if self._cfg is not None:
+            self.model.configure(cfg.latency)
+            self.regions.configure(cfg.regions)
+            self.outputs.configure(cfg.expected_output)
+        self._cfg = cfg
+
+    def reload_if_changed(self) -> bool:
+        """Cheap per-request check of the policy file (see ``ConfigSource.check``)."""
+        return self.source.check()
+
+    def policy(self, name: str | None = None) -> Policy:
+        """The policy instance for ``name`` (default: the configured one); kept across calls."""
+        name = name or self.config.policy
+        pol = self._policies.get(name)
+        if pol is None:
+            pol = self._policies[name] = make_policy(name)
+        return pol
+
+    # ---- deciding ----------------------------------------------------------------------------
+    def candidates(
+        self, profile: RequestProfile, view: FleetView, exclude: Collection[str] = ()
+    ) -> tuple[list[Candidate], dict[str, str]]:
+        """Eligible nodes with their estimates (sorted by id), and why the others are not."""
+        cfg = self.config
+        client_region = profile.client_region or cfg.default_region
+        out: list[Candidate] = []
+        left_out: dict[str, str] = {}
+        need = profile.context_needed
+        for node in view.nodes:
+            if profile.model not in node.models and (
+                profile.model_identity not in node.model_identities.values()
+            ):
+                left_out[node.id] = "model"
+            elif need > node.max_context:
+                left_out[node.id] = "context"
+            elif node.id in exclude:
+                left_out[node.id] = "excluded"
+            else:
+                est = self.model.estimate(
+                    node,
+                    prompt_tokens=profile.prompt_tokens,
+                    cached_tokens=view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE,
+                    expected_output_tokens=profile.expected_output_tokens,
+                    rtt_ms=self.regions.rtt_ms(client_region, node.region),
+                    extra_inflight=self.ledger.since(node.id, node.timestamp),
+                )
+                out.append(Candidate(node, est))
+        out.sort(key=lambda c: c.node.id)
+        return out, left_out
+
+    def decide(
+        self,
+        profile: RequestProfile,
+        view: FleetView,
+        *,
+        exclude: Collection[str] = (),
+        policy: str | None = None,
+    ) -> Decision:
+        """Choose a node for ``profile`` (raises :class:`NoRoute` when none can take it)."""
+        cands, left_out = self.candidates(profile, view, exclude)
+        if not cands:
+            reasons = set(left_out.values())
+            if not left_out or reasons == {"model"}:
+                raise NoRoute("unknown_model", f"no node serves model {profile.model!r}", left_out)
+            if reasons <= {"model", "context"}:
+                raise NoRoute(
+                    "too_long",
+                    f"{profile.context_needed} tokens (prompt {profile.prompt_tokens} + "
+                    f"max_tokens) exceed the context of every node serving {profile.model!r}",
+                    left_out,
+                )
+            raise NoRoute(
+                "unavailable", f"no node serving {profile.model!r} is available now", left_out
+            )
+        inp = PolicyInput(profile, cands, self.config, view.stale)
+        return self.policy(policy).decide(inp)
+
+    # ---- feedback ----------------------------------------------------------------------------
+    def begin(
+        self,
+        decision: Decision,
+        candidate: Candidate | None = None,
+        profile: RequestProfile | None = None,
+    ) -> Ticket:
+        """Count a dispatch to ``candidate`` (default: the chosen node) as in flight."""
+        cand = candidate or decision.chosen
+        ticket = Ticket(next(self._ids), cand.node, cand.estimate, self.clock(), profile)
+        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id)
+        return ticket
+
+    def finish(self, ticket: Ticket, measured: Measured | None = None) -> dict[str, float]:
+        """End a dispatch. With ``measured`` (a successful request) the model learns from it.
+
+        Returns the prediction errors recorded (``ttft``/``e2e``, measured - predicted, ms).
+        Idempotent: a ticket finished twice is learned from once.
+        """
+        if not self.ledger.remove(ticket.node.id, ticket.dispatched_at, ticket.id):
+            return {}
+        if measured is None:
+            return {}
+        net = measured.net_rtt_ms
+        if net is None:
+            net = self.regions.rtt_ms(self.config.home_region, ticket.node.region)
+        errors = self.model.observe(
+            Observation(
+                node_id=ticket.node.id,
+                kind=ticket.node.kind,
+                prompt_tokens=measured.prompt_tokens,
+                cached_tokens=measured.cached_tokens,
+                completion_tokens=measured.completion_tokens,
+                e2e_ms=measured.e2e_ms,
+                ttft_ms=measured.ttft_ms,
+                net_rtt_ms=net,
+                node_queue_ms=measured.node_queue_ms,
+                estimate=ticket.estimate,
+            )
+        )
+        if ticket.profile is not None:
+            self.outputs.observe(
+                ticket.profile.api_key, ticket.profile.route, measured.completion_tokens
+            )
+        return errors
+
+    def in_flight(self, node_id: str) -> int:
+        return self.ledger.in_flight(node_id)

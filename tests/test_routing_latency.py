@@ -1,0 +1,210 @@
+"""The latency cost model: its formula, queueing, and rates that move with measurements."""
+
+from __future__ import annotations
+
+import pytest
+
+from routing.fleet.state import NodeKind, NodeState
+from routing.latency import LatencyKnobs, LatencyModel, Observation
+
+
+def node(node_id: str = "e1", kind: NodeKind = NodeKind.EDGE, **kw) -> NodeState:
+    defaults = dict(
+        region="eu-west",
+        url="http://x",
+        models=["m"],
+        max_context=4096,
+        device="cpu",
+        max_batch=4,
+        prefill_tokens_per_s=500.0,
+        decode_ms_per_token=20.0,
+    )
+    defaults.update(kw)
+    return NodeState(id=node_id, kind=kind, **defaults)
+
+
+def est(model: LatencyModel, n: NodeState, prompt=100, cached=0, out=10.0, rtt=5.0, extra=0):
+    return model.estimate(
+        n,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        expected_output_tokens=out,
+        rtt_ms=rtt,
+        extra_inflight=extra,
+    )
+
+
+def test_formula_on_an_idle_node():
+    m = LatencyModel()
+    e = est(m, node())
+    # ttft = rtt 5 + queue 0 + 100 tokens / 500 tok/s; e2e = ttft + 10 tokens x 20 ms
+    assert (e.queue_ms, e.prefill_ms, e.ttft_ms) == (0.0, 200.0, 205.0)
+    assert e.decode_ms_per_token == 20.0 and e.batch == 1
+    assert e.e2e_ms == pytest.approx(405.0)
+    assert e.uncached_tokens == 100 and e.cached_tokens == 0
+
+
+def test_prefix_cache_credit_and_one_token_minimum():
+    m = LatencyModel()
+    e = est(m, node(), prompt=100, cached=64)
+    assert (e.cached_tokens, e.uncached_tokens) == (64, 36)
+    assert e.prefill_ms == pytest.approx(72.0)
+    e = est(m, node(), prompt=32, cached=32)  # all cached: one token is still computed
+    assert (e.cached_tokens, e.uncached_tokens) == (31, 1)
+    half = LatencyModel(LatencyKnobs(prefix_credit=0.5))
+    assert est(half, node(), prompt=100, cached=64).cached_tokens == 32
+
+
+def test_batch_slows_decode_and_a_full_node_queues():
+    m = LatencyModel()
+    # The node reports 20 ms/token while running 2: normalized to batch 1 that is 20 / 1.6.
+    busy = node(running=2)
+    d1 = 20.0 / 1.6
+    e = est(m, busy)
+    assert e.batch == 3 and e.queue_ms == 0.0
+    assert e.decode_ms_per_token == pytest.approx(d1 * (1 + 0.6 * 2))
+
+    full = node(running=4, waiting=1)  # 4 slots, 1 waiting: we are second in line
+    e = est(m, full)
+    d1 = 20.0 / (1 + 0.6 * 3)
+    service = 128 * d1 * (1 + 0.6 * 3)  # 128 = assumed output of requests ahead
+    assert e.queue_ms == pytest.approx(2 * service / 4)
+    assert e.ttft_ms == pytest.approx(5 + 2 * service / 4 + 200)
+    assert e.load == pytest.approx(5 / 4)
+
+    # Requests this gateway sent after the state was taken count too.
+    assert est(m, node(running=3), extra=1).queue_ms > 0
+    assert est(m, node(running=3), extra=0).queue_ms == 0
+
+
+def test_no_kv_room_means_waiting_for_a_finish():
+    m = LatencyModel()
+    roomy = node("c", NodeKind.CLOUD, max_batch=64, kv_blocks_total=1000, kv_blocks_used=10)
+    tight = node("c", NodeKind.CLOUD, max_batch=64, kv_blocks_total=1000, kv_blocks_used=995)
+    assert est(m, roomy).queue_ms == 0.0
+    assert est(m, tight).queue_ms > 0.0
+
+
+def test_defaults_when_nothing_is_known_then_measurements_take_over():
+    m = LatencyModel(LatencyKnobs(rate_alpha=0.5))
+    blank = node("o", NodeKind.OPENAI, prefill_tokens_per_s=0.0, decode_ms_per_token=0.0)
+    assert m.prefill_tokens_per_s(blank) == 3000.0
+    assert m.decode_ms_per_token_b1(blank) == 25.0
+    # 600 uncached tokens, ttft 350 ms of which 50 ms network: 2000 tok/s. 21 tokens by 750 ms.
+    m.observe(
+        Observation(
+            node_id="o",
+            kind=NodeKind.OPENAI,
+            prompt_tokens=600,
+            cached_tokens=0,
+            completion_tokens=21,
+            ttft_ms=350.0,
+            e2e_ms=750.0,
+            net_rtt_ms=50.0,
+        )
+    )
+    assert m.prefill_tokens_per_s(blank) == pytest.approx(2000.0)
+    assert m.decode_ms_per_token_b1(blank) == pytest.approx(20.0)
+    assert m.mean_output_tokens("o") == 21
+
+
+def test_measured_rates_blend_with_self_reports_and_move_predictions():
+    m = LatencyModel(LatencyKnobs(rate_alpha=1.0, self_report_weight=0.3, warmup_samples=2))
+    n = node()  # reports 500 tok/s prefill, 20 ms/token decode
+    before = est(m, n, prompt=400, out=50)
+
+    def slow_request() -> Observation:
+        # Really 100 tok/s prefill (400 tokens in 4 s) and 40 ms/token (51 tokens).
+        return Observation(
+            node_id="e1",
+            kind=NodeKind.EDGE,
+            prompt_tokens=400,
+            cached_tokens=0,
+            completion_tokens=51,
+            ttft_ms=4005.0,
+            e2e_ms=4005.0 + 50 * 40.0,
+            net_rtt_ms=5.0,
+            estimate=before,
+        )
+
+    m.observe(slow_request())
+    # One sample of two for warm-up: measured weight (1 - 0.3) * 1/2 = 0.35.
+    assert m.prefill_tokens_per_s(n) == pytest.approx(0.35 * 100 + 0.65 * 500)
+    m.observe(slow_request())
+    assert m.prefill_tokens_per_s(n) == pytest.approx(0.7 * 100 + 0.3 * 500)
+    assert m.decode_ms_per_token_b1(n) == pytest.approx(0.7 * 40 + 0.3 * 20)
+    after = est(m, n, prompt=400, out=50)
+    assert after.prefill_ms == pytest.approx(400 / 220 * 1000)
+    assert after.e2e_ms == pytest.approx(5 + 400 / 220 * 1000 + 50 * 34.0)
+    assert before.e2e_ms == pytest.approx(5 + 800 + 50 * 20.0)
+
+    # The node then reports itself faster again: the self-report keeps a say.
+    n_fast = node(prefill_tokens_per_s=2000.0)
+    assert m.prefill_tokens_per_s(n_fast) == pytest.approx(0.7 * 100 + 0.3 * 2000)
+
+
+def test_decode_measurements_are_normalized_by_batch():
+    m = LatencyModel(LatencyKnobs(rate_alpha=1.0, self_report_weight=0.0))
+    n = node(running=2)
+    e = est(m, n)  # runs at batch 3: factor 1 + 0.6 * 2 = 2.2
+    assert e.batch == 3
+    m.observe(
+        Observation(
+            node_id="e1",
+            kind=NodeKind.EDGE,
+            prompt_tokens=10,
+            cached_tokens=0,
+            completion_tokens=11,
+            ttft_ms=100.0,
+            e2e_ms=100.0 + 10 * 44.0,
+            estimate=e,
+        )
+    )
+    assert m.decode_ms_per_token_b1(node()) == pytest.approx(20.0)
+
+
+def test_short_prompts_and_cached_prompts_do_not_teach_prefill():
+    m = LatencyModel()
+    for prompt, cached in ((20, 0), (500, 490)):
+        m.observe(
+            Observation(
+                node_id="e1",
+                kind=NodeKind.EDGE,
+                prompt_tokens=prompt,
+                cached_tokens=cached,
+                completion_tokens=1,
+                ttft_ms=5000.0,
+                e2e_ms=5000.0,
+            )
+        )
+    assert m.rates["e1"].prefill_tokens_per_s.n == 0
+    assert m.prefill_tokens_per_s(node()) == 500.0
+
+
+def test_prediction_errors_are_recorded_per_tier():
+    m = LatencyModel()
+    n = node()
+    e = est(m, n, prompt=100, out=10, rtt=30.0)  # predicted ttft 230, e2e 430
+    errs = m.observe(
+        Observation(
+            node_id="e1",
+            kind=NodeKind.EDGE,
+            prompt_tokens=100,
+            cached_tokens=0,
+            completion_tokens=10,
+            ttft_ms=260.0,
+            e2e_ms=400.0,
+            net_rtt_ms=10.0,
+            estimate=e,
+        )
+    )
+    # The gateway saw a 10 ms network, not the client's 30: predictions are compared at 210/410.
+    assert errs == {"ttft": pytest.approx(50.0), "e2e": pytest.approx(-10.0)}
+    ttft = m.errors.get("ttft", "edge")
+    assert ttft.count == 1 and ttft.bias_ms == pytest.approx(50.0)
+    assert ttft.mean_abs_rel == pytest.approx(50 / 260)
+    assert m.errors.get("e2e").mean_abs_ms == pytest.approx(10.0)
+    assert m.errors.get("ttft", "cloud").count == 0
+    snap = m.errors.snapshot()
+    assert snap["ttft:edge"]["count"] == 1 and "e2e:all" in snap
+    assert m.snapshot({"e1": n})["e1"]["decode_samples"] == 1.0

@@ -1,0 +1,340 @@
+"""Router.decide and every policy on constructed fleets.
+
+The fleet mirrors the design's typical one: an edge node near the client (low RTT, small batch,
+quick decode for small prompts, slow prefill) and a cloud node far away (high RTT, big batch,
+fast prefill).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from routing.blocks import BLOCK_SIZE
+from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.store import FleetView
+from routing.latency import LatencyKnobs
+from routing.policies import NoRoute
+from routing.policy_config import ConfigSource, PolicyConfig
+from routing.profile import RequestProfile
+from routing.router import Measured, Router
+
+NOW = 10_000.0
+
+
+def edge(node_id: str = "edge-eu", **kw) -> NodeState:
+    base = dict(
+        kind=NodeKind.EDGE,
+        region="eu-west",
+        url=f"http://{node_id}",
+        models=["m"],
+        max_context=2048,
+        device="cpu",
+        max_batch=4,
+        prefill_tokens_per_s=500.0,
+        decode_ms_per_token=20.0,
+        timestamp=NOW,
+    )
+    base.update(kw)
+    return NodeState(id=node_id, **base)
+
+
+def cloud(node_id: str = "cloud-us", **kw) -> NodeState:
+    base = dict(
+        kind=NodeKind.CLOUD,
+        region="us-east",
+        url=f"http://{node_id}",
+        models=["m"],
+        max_context=8192,
+        device="cuda",
+        max_batch=64,
+        running=10,
+        prefill_tokens_per_s=8000.0,
+        decode_ms_per_token=25.0,
+        timestamp=NOW,
+    )
+    base.update(kw)
+    return NodeState(id=node_id, **base)
+
+
+def profile(prompt: int, out: float = 16, stream: bool = False, **kw) -> RequestProfile:
+    base = dict(
+        model="m",
+        model_identity="m-id",
+        route="chat",
+        prompt_token_ids=list(range(prompt)),
+        block_hashes=list(range(prompt // BLOCK_SIZE)),
+        max_tokens=256,
+        expected_output_tokens=out,
+        stream=stream,
+        client_region="eu-west",
+    )
+    base.update(kw)
+    return RequestProfile(**base)
+
+
+def view(*nodes: NodeState, prefix: dict[str, int] | None = None, stale=False) -> FleetView:
+    return FleetView(nodes=list(nodes), prefix_blocks=prefix or {}, stale=stale)
+
+
+def router(policy: str = "latency", **kw) -> Router:
+    return Router(PolicyConfig(policy=policy, **kw), clock=lambda: NOW + 1)
+
+
+FLEET = view(edge(), cloud())
+
+
+def test_short_request_lands_on_the_edge_because_it_finishes_sooner():
+    d = router().decide(profile(40), FLEET)
+    assert (d.node_id, d.tier, d.reason, d.policy) == (
+        "edge-eu",
+        NodeKind.EDGE,
+        "latency_e2e",
+        "latency",
+    )
+    assert [c.node_id for c in d.fallbacks] == ["cloud-us"]
+    cloud_est = d.fallbacks[0].estimate
+    assert d.predicted_e2e_ms < cloud_est.e2e_ms
+    # The edge's lead is RTT (2 ms vs ~84 ms); the cloud's is prefill and nothing else.
+    assert d.estimate.rtt_ms == 2.0 and cloud_est.rtt_ms > 60
+    assert d.predicted_ttft_ms == pytest.approx(2.0 + 40 / 500 * 1000)
+    assert d.headers()["x-edgecloud-tier"] == "edge"
+    assert d.headers()["x-edgecloud-reason"] == "latency_e2e"
+    assert "edge-eu" in d.detail and "cloud-us" in d.detail
+
+
+def test_long_request_goes_to_the_cloud_because_edge_prefill_is_slow():
+    d = router().decide(profile(1500), FLEET)
+    assert (d.node_id, d.tier) == ("cloud-us", NodeKind.CLOUD)
+    assert d.predicted_e2e_ms < d.fallbacks[0].estimate.e2e_ms
+
+
+def test_streams_minimize_time_to_first_token():
+    r = router()
+    short = r.decide(profile(40, stream=True), FLEET)
+    assert (short.node_id, short.reason) == ("edge-eu", "latency_ttft")
+    # 120 prompt tokens: edge TTFT 242 ms vs cloud ~99 ms. Non-streamed, 64 output tokens still
+    # finish sooner on the edge (it decodes faster); streamed, the first token is what counts.
+    p = dict(prompt=120, out=64)
+    assert r.decide(profile(**p), FLEET).node_id == "edge-eu"
+    assert r.decide(profile(**p, stream=True), FLEET).node_id == "cloud-us"
+    assert router(objective="e2e").decide(profile(**p, stream=True), FLEET).node_id == "edge-eu"
+
+
+def crossover(r: Router, fleet: FleetView) -> int:
+    """The shortest prompt that the latency policy sends to the cloud."""
+    for n in range(16, 2048, 16):
+        if r.decide(profile(n), fleet).tier == NodeKind.CLOUD:
+            return n
+    return 2048
+
+
+def test_no_fixed_threshold_the_cut_moves_with_load_and_measured_rates():
+    r = router()
+    base = crossover(r, FLEET)
+    assert 16 < base < 2048
+    # A busy edge (all slots taken, two waiting) sends even short prompts to the cloud.
+    busy = view(edge(running=4, waiting=2), cloud())
+    assert r.decide(profile(40), busy).node_id == "cloud-us"
+    # The gateway measures the edge prefilling 4x slower than it reports: the cut moves down.
+    d = r.decide(profile(400), view(edge(), cloud(prefill_tokens_per_s=1.0)))
+    assert d.node_id == "edge-eu"
+    ttft = 2 + 400 / 125 * 1000  # 125 tok/s prefill; decode at the reported 20 ms/token
+    for _ in range(5):
+        r.finish(
+            r.begin(d),
+            Measured(
+                ttft_ms=ttft,
+                e2e_ms=ttft + 15 * 20.0,
+                prompt_tokens=400,
+                completion_tokens=16,
+                net_rtt_ms=2.0,
+            ),
+        )
+    assert r.model.prefill_tokens_per_s(edge()) == pytest.approx(0.7 * 125 + 0.3 * 500)
+    assert r.model.decode_ms_per_token_b1(edge()) == pytest.approx(20.0)
+    assert crossover(r, FLEET) < base
+
+
+def test_prefix_cache_credit_picks_the_node_holding_the_prefix():
+    fleet = view(cloud("c-a"), cloud("c-b"), prefix={"c-b": 60})
+    d = router().decide(profile(1000, block_hashes=list(range(62))), fleet)
+    assert d.node_id == "c-b" and d.cached_tokens == 60 * BLOCK_SIZE
+    assert d.headers()["x-edgecloud-cached-tokens"] == str(60 * BLOCK_SIZE)
+    assert d.fallbacks[0].estimate.cached_tokens == 0
+    assert d.predicted_ttft_ms < d.fallbacks[0].estimate.ttft_ms
+
+
+def test_eligibility_model_context_and_open_circuits():
+    r = router()
+    other_model = edge("e-other", models=["x"])
+    tiny_ctx = edge("e-tiny", max_context=128)
+    d = r.decide(profile(100), view(other_model, tiny_ctx, edge(), cloud()), exclude={"edge-eu"})
+    assert d.node_id == "cloud-us" and d.fallbacks == ()
+    cands, left_out = r.candidates(profile(100), view(other_model, tiny_ctx, edge()), {"edge-eu"})
+    assert cands == [] and left_out == {
+        "e-other": "model",
+        "e-tiny": "context",
+        "edge-eu": "excluded",
+    }
+    # A node can also match by the model's identity.
+    by_identity = edge("e-id", models=["alias"], model_identities={"alias": "m-id"})
+    assert r.decide(profile(10), view(by_identity)).node_id == "e-id"
+
+
+def test_no_route_explains_why():
+    r = router()
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(10, model="nope", model_identity="nope-id"), FLEET)
+    assert err.value.code == "unknown_model"
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(8000), FLEET)
+    assert err.value.code == "too_long" and err.value.reasons == {
+        "edge-eu": "context",
+        "cloud-us": "context",
+    }
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(10), FLEET, exclude={"edge-eu", "cloud-us"})
+    assert err.value.code == "unavailable"
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(10), view())
+    assert err.value.code == "unknown_model"
+
+
+def test_threshold_policy_cuts_on_prompt_length_only():
+    r = Router(PolicyConfig(policy="threshold", threshold={"prompt_tokens": 100}))
+    busy_edge = view(edge(running=4, waiting=8), cloud())
+    d = r.decide(profile(100), busy_edge)  # latency would say cloud; threshold says edge
+    assert (d.node_id, d.reason) == ("edge-eu", "threshold_short")
+    d = r.decide(profile(101), FLEET)
+    assert (d.node_id, d.reason) == ("cloud-us", "threshold_long")
+    assert [c.node_id for c in d.fallbacks] == ["edge-eu"]
+    d = r.decide(profile(500), view(edge()))
+    assert (d.node_id, d.reason) == ("edge-eu", "threshold_no_cloud")
+
+
+def test_round_robin_cycles_through_every_node():
+    r = router("round_robin")
+    fleet = view(cloud("c"), edge("a"), edge("b"))
+    chosen = [r.decide(profile(10), fleet).node_id for _ in range(6)]
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
+    d = r.decide(profile(10), fleet)
+    assert d.reason == "round_robin" and [c.node_id for c in d.fallbacks] == ["b", "c"]
+
+
+def test_least_loaded_picks_the_lowest_occupancy():
+    fleet = view(edge("a", running=3), edge("b", running=1), cloud("c", running=48))
+    d = router("least_loaded").decide(profile(10), fleet)
+    assert (d.node_id, d.reason) == ("b", "least_loaded")
+    assert [c.node_id for c in d.fallbacks] == ["a", "c"]  # 0.75 before 0.77
+
+
+def test_edge_first_uses_an_edge_with_room_else_the_cloud():
+    r = router("edge_first")
+    d = r.decide(profile(1500), FLEET)  # long, but edge_first does not care
+    assert (d.node_id, d.reason) == ("edge-eu", "edge_first")
+    d = r.decide(profile(10), view(edge(running=4), cloud()))
+    assert (d.node_id, d.reason) == ("cloud-us", "edge_full")
+    assert [c.node_id for c in d.fallbacks] == ["edge-eu"]
+
+
+def test_cloud_only_never_picks_an_edge():
+    r = router("cloud_only")
+    ext = NodeState(
+        id="vllm",
+        kind=NodeKind.OPENAI,
+        region="eu-west",
+        url="http://v",
+        models=["m"],
+        max_context=8192,
+        device="external",
+        max_batch=32,
+        timestamp=NOW,
+    )
+    d = r.decide(profile(10), view(edge(), cloud(), ext))
+    assert d.tier in (NodeKind.CLOUD, NodeKind.OPENAI) and d.reason == "cloud_only"
+    assert {c.node_id for c in d.candidates()} == {"cloud-us", "vllm"}
+    with pytest.raises(NoRoute):
+        r.decide(profile(10), view(edge()))
+
+
+def test_policy_can_be_chosen_per_call_and_decisions_serialize():
+    r = router()
+    d = r.decide(profile(40), FLEET, policy="cloud_only")
+    assert d.policy == "cloud_only" and d.node_id == "cloud-us"
+    body = r.decide(profile(40), view(edge(), cloud(), stale=True)).to_dict()
+    assert body["node"] == "edge-eu" and body["stale_view"] is True
+    assert [c["node"] for c in body["candidates"]] == ["edge-eu", "cloud-us"]
+    assert body["predicted_e2e_ms"] < body["candidates"][1]["predicted_e2e_ms"]
+    with pytest.raises(ValueError, match="unknown policy"):
+        r.decide(profile(40), FLEET, policy="fastest")
+
+
+def test_dispatches_since_the_last_heartbeat_count_as_load():
+    clock = [NOW + 0.5]
+    r = Router(PolicyConfig(), clock=lambda: clock[0])
+    fleet = view(edge(), cloud())
+    tickets = []
+    for _ in range(8):
+        d = r.decide(profile(40), fleet)
+        tickets.append(r.begin(d, profile=profile(40)))
+    placed = [t.node.id for t in tickets]
+    assert placed.count("edge-eu") < 8 and "cloud-us" in placed  # the burst spills over
+    assert r.in_flight("edge-eu") == placed.count("edge-eu")
+    # A newer heartbeat already includes them: they are not counted twice.
+    newer = view(edge(timestamp=clock[0] + 1, running=placed.count("edge-eu")), cloud())
+    assert r.candidates(profile(40), newer)[0][1].estimate.load == placed.count("edge-eu") / 4
+    for t in tickets:
+        r.finish(t)
+    assert r.in_flight("edge-eu") == 0
+    assert r.decide(profile(40), fleet).node_id == "edge-eu"
+    assert r.finish(tickets[0], Measured(e2e_ms=1.0, prompt_tokens=1, completion_tokens=1)) == {}
+
+
+def test_finish_learns_output_length_and_records_errors():
+    r = router()
+    p = profile(40, api_key="team-a")
+    d = r.decide(p, FLEET)
+    errors = r.finish(
+        r.begin(d, profile=p),
+        Measured(ttft_ms=100.0, e2e_ms=900.0, prompt_tokens=40, completion_tokens=40),
+    )
+    assert set(errors) == {"ttft", "e2e"} and errors["e2e"] > 0
+    assert r.outputs.expected("team-a", "chat") == 40.0
+    assert r.outputs.expected("team-b", "chat") == 128.0
+    assert r.model.errors.get("e2e", "edge").count == 1
+
+
+def test_hot_reloaded_config_changes_the_policy_and_keeps_learning(tmp_path):
+    path = tmp_path / "policy.yaml"
+    path.write_text("policy: latency\nlatency: {rate_alpha: 0.5}\n")
+    src = ConfigSource(path, check_interval_s=0.0)
+    r = Router(src, clock=lambda: NOW)
+    d = r.decide(profile(40), FLEET)
+    assert d.reason == "latency_e2e"
+    r.finish(
+        r.begin(d), Measured(ttft_ms=500.0, e2e_ms=900.0, prompt_tokens=100, completion_tokens=20)
+    )
+    learned = r.model.rates["edge-eu"].prefill_tokens_per_s.n
+    path.write_text("policy: cloud_only\nlatency: {rate_alpha: 0.9}\n")
+    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    assert src.check() is True
+    d = r.decide(profile(40), FLEET)
+    assert d.policy == "cloud_only" and d.node_id == "cloud-us"
+    assert r.model.knobs.rate_alpha == 0.9
+    assert r.model.rates["edge-eu"].prefill_tokens_per_s.n == learned == 1
+
+
+def test_latency_knobs_apply_to_defaults():
+    r = Router(PolicyConfig(latency=LatencyKnobs(prefix_credit=0.0)))
+    fleet = view(cloud("c-a"), cloud("c-b"), prefix={"c-b": 60})
+    d = r.decide(profile(1000), fleet)
+    assert d.cached_tokens == 0 and d.node_id == "c-a"  # no credit: ties break on id
+
+
+def test_router_shares_the_estimator_it_is_given():
+    from routing.profile import OutputLengthEstimator
+
+    est = OutputLengthEstimator()  # empty (and so falsy): must still be the one used
+    assert Router(outputs=est).outputs is est

@@ -1,0 +1,163 @@
+"""Request profiles: the node's own tokens and block hashes, max_tokens, learned output length."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
+from routing.profile import (
+    OutputKnobs,
+    OutputLengthEstimator,
+    ProfileError,
+    build_profile,
+)
+from routing.prompt import PromptFormatter
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = [
+    "system",
+    "user",
+    "assistant",
+    "you",
+    "are",
+    "kind",
+    "hello",
+    "there",
+    "what",
+    "is",
+    "the",
+    "capital",
+    "of",
+    "france",
+]
+
+
+@pytest.fixture(scope="module")
+def formatter(tmp_path_factory: pytest.TempPathFactory) -> PromptFormatter:
+    folder: Path = tmp_path_factory.mktemp("tok")
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(
+        [AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"})
+    )
+    return PromptFormatter.from_folder(folder)
+
+
+def chat_body(n_turns: int = 1, **kw) -> dict:
+    messages = [{"role": "developer", "content": "you are kind"}]
+    for _ in range(n_turns):
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is the "},
+                    {"type": "text", "text": "capital of france"},
+                ],
+            }
+        )
+    return {"model": "m", "messages": messages, **kw}
+
+
+def test_chat_profile_matches_the_nodes_tokens_and_hashes(formatter: PromptFormatter):
+    body = chat_body(n_turns=4, max_tokens=50, stream=True)
+    p = build_profile(
+        body,
+        formatter,
+        model="m",
+        model_identity="m-v1",
+        route="chat",
+        client_region="eu-west",
+        api_key="k1",
+    )
+    # What the node computes: developer -> system, text parts joined, the model's template.
+    flat = [{"role": "system", "content": "you are kind"}] + [
+        {"role": "user", "content": "what is the capital of france"}
+    ] * 4
+    expected = formatter.encode_chat(flat)
+    assert list(p.prompt_token_ids) == expected
+    assert expected[0] == 1 and expected.count(2) == 5  # special tokens kept whole
+    assert list(p.block_hashes) == block_hashes(expected, model_seed("m-v1"))
+    assert len(p.block_hashes) == len(expected) // BLOCK_SIZE > 0
+    assert (p.max_tokens, p.stream, p.client_region, p.api_key) == (50, True, "eu-west", "k1")
+    assert p.expected_output_tokens == 50  # the default 128, capped by max_tokens
+    assert p.context_needed == len(expected) + 50
+    # Another model identity never shares block hashes.
+    other = build_profile(
+        body, formatter, model="m", model_identity="m-v2", route="chat", client_region="eu-west"
+    )
+    assert set(other.block_hashes).isdisjoint(p.block_hashes)
+
+
+def test_pydantic_requests_use_their_own_flattening(formatter: PromptFormatter):
+    class Req:
+        stream = False
+        max_tokens = None
+        max_completion_tokens = 7
+
+        def template_messages(self):
+            return [{"role": "user", "content": "hello there"}]
+
+    p = build_profile(
+        Req(), formatter, model="m", model_identity="i", route="chat", client_region="us-east"
+    )
+    assert list(p.prompt_token_ids) == formatter.encode_chat(
+        [{"role": "user", "content": "hello there"}]
+    )
+    assert p.max_tokens == 7 and p.stream is False
+
+
+def test_completion_prompts(formatter: PromptFormatter):
+    kw = dict(model="m", model_identity="i", route="completions", client_region="r")
+    p = build_profile({"prompt": "hello there", "max_tokens": 16}, formatter, **kw)
+    assert list(p.prompt_token_ids) == formatter.encode("hello there") and p.max_tokens == 16
+    p = build_profile({"prompt": list(range(40))}, formatter, **kw)
+    assert list(p.prompt_token_ids) == list(range(40)) and len(p.block_hashes) == 2
+    assert p.max_tokens is None and p.context_needed == 41
+    p = build_profile({"prompt": ["hello"]}, formatter, **kw)
+    assert p.prompt_tokens == 1
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": ""}, {"prompt": None}, {"prompt": []}):
+        with pytest.raises(ProfileError):
+            build_profile(bad, formatter, **kw)
+    with pytest.raises(ProfileError):
+        build_profile({"messages": []}, formatter, **{**kw, "route": "chat"})
+
+
+def test_expected_output_is_learned_per_key_and_route(formatter: PromptFormatter):
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=0.5))
+    kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
+    assert build_profile(chat_body(), formatter, api_key="a", **kw).expected_output_tokens == 100
+    est.observe("a", "chat", 20)
+    est.observe("a", "chat", 40)  # EWMA: 20 + 0.5 * (40 - 20)
+    assert build_profile(chat_body(), formatter, api_key="a", **kw).expected_output_tokens == 30
+    assert (
+        build_profile(chat_body(max_tokens=5), formatter, api_key="a", **kw).expected_output_tokens
+        == 5
+    )
+    assert build_profile(chat_body(), formatter, api_key="b", **kw).expected_output_tokens == 100
+    assert est.expected("a", "completions") == 100  # routes are learned apart
+
+
+def test_output_estimator_is_lru_bounded_and_waits_for_samples():
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=64, max_keys=2, min_samples=2))
+    est.observe("a", "chat", 10)
+    assert est.expected("a", "chat") == 64  # one sample is not enough yet
+    est.observe("a", "chat", 10)
+    assert est.expected("a", "chat") == 10
+    est.observe("b", "chat", 5)
+    est.observe("c", "chat", 5)  # evicts "a", the least recently updated
+    assert len(est) == 2 and est.expected("a", "chat") == 64
+    assert est.expected(None, "chat", max_tokens=0) == 1.0  # never below one token
