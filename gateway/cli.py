@@ -13,6 +13,8 @@ import sys
 COMMAND_MODULES = [
     "gateway.commands.models",
     "gateway.commands.chat",
+    "gateway.commands.gateway",
+    "gateway.commands.cloud",
 ]
 
 

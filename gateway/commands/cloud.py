@@ -1,0 +1,63 @@
+"""``edgecloud cloud serve``: the torch paged engine behind the Node API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    c = sub.add_parser("cloud", help="cloud engine commands")
+    csub = c.add_subparsers(dest="cloud_command", required=True)
+    s = csub.add_parser("serve", help="serve a model with the paged torch engine")
+    s.add_argument("--model", default="smollm2-135m-instruct", help="store name or HF folder")
+    s.add_argument("--region", default="local")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8002)
+    s.add_argument("--node-id", default=None)
+    s.add_argument(
+        "--public-url", default=None, help="URL gateways use (default: http://host:port)"
+    )
+    s.add_argument(
+        "--redis", dest="redis_url", default=None, help="fleet store, e.g. redis://host:6379/0"
+    )
+    s.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    s.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
+    s.add_argument("--kv-budget-mb", type=float, default=None, help="KV pool bytes on CPU")
+    s.add_argument("--max-running", type=int, default=None, help="max running sequences")
+    s.add_argument("--max-waiting", type=int, default=None, help="waiting queue size (then 429)")
+    s.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+    from cloud_engine.engine import CloudEngine
+
+    from gateway.node.server import serve_node
+    from routing.model_store import resolve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or torch.get_num_threads()))
+    info = resolve(args.model)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = CloudEngine.from_model(
+        info,
+        device=device,
+        kv_budget_mb=args.kv_budget_mb,
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+    )
+    serve_node(
+        engine,
+        info,
+        region=args.region,
+        host=args.host,
+        port=args.port,
+        node_id=args.node_id,
+        public_url=args.public_url,
+        redis_url=args.redis_url,
+    )
+    return 0
