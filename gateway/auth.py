@@ -1,0 +1,356 @@
+"""API keys: hashed at rest, checked on every request; the admin key is a separate one.
+
+Invariants:
+- Keys are never stored or logged, only ``hash_key(key, salt)``: ``hmac-sha256:<hex>``, an
+  HMAC-SHA256 of the key under a per-deployment secret salt. Keys made by :func:`generate_key`
+  carry 256 random bits, so a fast keyed hash is as strong as a slow one, and keeps the check
+  at a few microseconds on the hot path. The presented key's digest is looked up by value and
+  then compared with :func:`hmac.compare_digest`; timing can only reveal digests, which cannot
+  be computed without the salt.
+- Authentication is on when ``auth.enabled`` says so, or (when it is unset) as soon as any key
+  is configured or Redis keys are enabled. With it off every request gets the ``anonymous``
+  identity with the default limits: the embedded default, open on loopback.
+- A missing or wrong key is a 401 with an OpenAI-shaped body (``code: invalid_api_key``) and
+  ``WWW-Authenticate: Bearer``; the key is never echoed. If the Redis key store is unreachable,
+  keys seen recently keep working from the cache; an unknown key gets a 503, never a 401 (its
+  owner did nothing wrong) and never a 500.
+- Admin endpoints need one of ``admin_keys``; a user key is not an admin key. With no admin key
+  configured the admin API is open only while authentication is off, else it answers 403.
+- Redis lookups are cached per key hash for ``cache_ttl_s`` (unknown keys for
+  ``negative_cache_ttl_s``), in a bounded LRU, so a flood of bad keys cannot flood Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from gateway.errors import APIError, too_many_requests
+from routing.ratelimit import KeyRecord, KeyStoreUnavailable, Limits, RateDecision, RateLimiter
+
+KEY_PREFIX = "sk-ec-"
+HASH_SCHEME = "hmac-sha256"
+_HASH_RE = re.compile(rf"^{HASH_SCHEME}:[0-9a-f]{{64}}$")
+
+
+def generate_key() -> str:
+    """A new API key: ``sk-ec-`` and 43 URL-safe characters (256 random bits)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(key: str, salt: str) -> str:
+    """The stored form of ``key`` under this deployment's ``salt`` (``hmac-sha256:<hex>``)."""
+    digest = hmac.new(salt.encode(), key.encode(), hashlib.sha256).hexdigest()
+    return f"{HASH_SCHEME}:{digest}"
+
+
+def _valid_hash(v: str) -> str:
+    v = v.strip().lower()
+    if not _HASH_RE.match(v):
+        raise ValueError(f"key_hash must look like '{HASH_SCHEME}:<64 hex digits>' (see hash_key)")
+    return v
+
+
+# ---- config ------------------------------------------------------------------------------------
+class ApiKeyEntry(BaseModel):
+    """One user key in the config: ``{name, key_hash, rpm, tpm}`` (limits: None = default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    key_hash: str
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+
+    @field_validator("key_hash")
+    @classmethod
+    def _check_hash(cls, v: str) -> str:
+        return _valid_hash(v)
+
+
+class AdminKeyEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    key_hash: str
+
+    @field_validator("key_hash")
+    @classmethod
+    def _check_hash(cls, v: str) -> str:
+        return _valid_hash(v)
+
+
+class AuthConfig(BaseModel):
+    """The ``auth`` section of the gateway config.
+
+    Example::
+
+        auth:
+          salt: "a long random per-deployment secret"
+          default_rpm: 600
+          keys:
+            - {name: alice, key_hash: "hmac-sha256:3f...", rpm: 60, tpm: 100000}
+          admin_keys:
+            - {name: ops, key_hash: "hmac-sha256:9a..."}
+          redis_keys: true
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool | None = Field(default=None, description="unset: on iff any key is configured")
+    salt: SecretStr = Field(default=SecretStr(""), description="per-deployment secret")
+    keys: list[ApiKeyEntry] = Field(default_factory=list)
+    admin_keys: list[AdminKeyEntry] = Field(default_factory=list)
+    redis_keys: bool = Field(default=False, description="also accept keys from the Redis store")
+    default_rpm: int | None = Field(default=None, ge=1, description="for keys naming none")
+    default_tpm: int | None = Field(default=None, ge=1)
+    cache_ttl_s: float = Field(default=30.0, ge=0)
+    negative_cache_ttl_s: float = Field(default=5.0, ge=0)
+    cache_size: int = Field(default=10_000, ge=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> AuthConfig:
+        names = [k.name for k in self.keys]
+        if len(names) != len(set(names)):
+            raise ValueError("auth.keys: names must be unique (they name the rate-limit buckets)")
+        hashes = [k.key_hash for k in self.keys] + [k.key_hash for k in self.admin_keys]
+        if len(hashes) != len(set(hashes)):
+            raise ValueError("auth: the same key_hash appears twice")
+        return self
+
+    @property
+    def is_enabled(self) -> bool:
+        if self.enabled is not None:
+            return self.enabled
+        return bool(self.keys or self.admin_keys or self.redis_keys)
+
+
+# ---- identity ----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KeyIdentity:
+    """Who is calling: ``key_id`` names the rate-limit bucket (the key's name)."""
+
+    name: str
+    limits: Limits = field(default_factory=Limits)
+    source: str = "config"  # config | redis | anonymous | admin
+    admin: bool = False
+
+    @property
+    def key_id(self) -> str:
+        return self.name
+
+
+class KeyLookup(Protocol):
+    """A store of keys by hash (``routing.ratelimit.RedisKeyStore`` fits)."""
+
+    async def get(self, key_hash: str) -> KeyRecord | None: ...
+
+
+def invalid_api_key(message: str) -> APIError:
+    return APIError(
+        401,
+        message,
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def bearer_token(request: Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>`` (scheme case-insensitive), or None."""
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
+
+
+class Authenticator:
+    """Checks API keys. Use the instance as a FastAPI dependency for user routes
+    (``Depends(auth)``) and :meth:`require_admin` for admin routes.
+    """
+
+    def __init__(
+        self,
+        config: AuthConfig,
+        key_store: KeyLookup | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.enabled = config.is_enabled
+        self._salt = config.salt.get_secret_value()
+        self._store = key_store if config.redis_keys else None
+        self._clock = clock
+        default = Limits(config.default_rpm, config.default_tpm)
+        self.anonymous = KeyIdentity("anonymous", default, source="anonymous")
+        self._keys: dict[str, tuple[str, KeyIdentity]] = {
+            k.key_hash: (
+                k.key_hash,
+                KeyIdentity(
+                    k.name,
+                    Limits(
+                        k.rpm if k.rpm is not None else config.default_rpm,
+                        k.tpm if k.tpm is not None else config.default_tpm,
+                    ),
+                ),
+            )
+            for k in config.keys
+        }
+        self._admin: dict[str, tuple[str, KeyIdentity]] = {
+            k.key_hash: (k.key_hash, KeyIdentity(k.name, Limits(), source="admin", admin=True))
+            for k in config.admin_keys
+        }
+        # key hash -> (expires at, identity or None for "unknown")
+        self._cache: OrderedDict[str, tuple[float, KeyIdentity | None]] = OrderedDict()
+        self.store_errors = 0
+
+    # ---- lookups -----------------------------------------------------------------------------
+    @staticmethod
+    def _match(table: dict[str, tuple[str, KeyIdentity]], digest: str) -> KeyIdentity | None:
+        found = table.get(digest)
+        if found is None:
+            return None
+        stored, ident = found
+        return ident if hmac.compare_digest(stored, digest) else None
+
+    def _cache_put(self, digest: str, ident: KeyIdentity | None) -> None:
+        ttl = self.config.cache_ttl_s if ident else self.config.negative_cache_ttl_s
+        self._cache[digest] = (self._clock() + ttl, ident)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self.config.cache_size:
+            self._cache.popitem(last=False)
+
+    async def _from_store(self, digest: str) -> KeyIdentity | None:
+        assert self._store is not None
+        cached = self._cache.get(digest)
+        now = self._clock()
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        try:
+            rec = await self._store.get(digest)
+        except KeyStoreUnavailable as exc:
+            self.store_errors += 1
+            if cached is not None and cached[1] is not None:
+                return cached[1]  # stale but known good: keep serving it
+            raise APIError(
+                503,
+                "The API key could not be checked right now; please retry.",
+                type_="server_error",
+                code="auth_unavailable",
+                headers={"Retry-After": "1"},
+            ) from exc
+        ident = None
+        if rec is not None:
+            ident = KeyIdentity(
+                rec.name,
+                Limits(
+                    rec.rpm if rec.rpm is not None else self.config.default_rpm,
+                    rec.tpm if rec.tpm is not None else self.config.default_tpm,
+                ),
+                source="redis",
+            )
+        self._cache_put(digest, ident)
+        return ident
+
+    async def identify(self, token: str | None) -> KeyIdentity:
+        """The identity for a presented key; raises the 401 (or 503) :class:`APIError`."""
+        if not self.enabled:
+            return self.anonymous
+        if token is None:
+            raise invalid_api_key(
+                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+            )
+        digest = hash_key(token, self._salt)
+        ident = self._match(self._keys, digest)
+        if ident is None and self._store is not None:
+            ident = await self._from_store(digest)
+        if ident is None:
+            raise invalid_api_key("Incorrect API key provided.")
+        return ident
+
+    async def identify_admin(self, token: str | None) -> KeyIdentity:
+        """The admin identity for a presented key; 401 for any other key, 403 if no admin key
+        is configured while authentication is on."""
+        if not self._admin:
+            if not self.enabled:
+                return KeyIdentity("anonymous-admin", Limits(), source="anonymous", admin=True)
+            raise APIError(
+                403,
+                "The admin API is disabled: configure auth.admin_keys.",
+                type_="permission_error",
+                code="admin_disabled",
+            )
+        if token is None:
+            raise invalid_api_key("This endpoint needs the admin key.")
+        ident = self._match(self._admin, hash_key(token, self._salt))
+        if ident is None:
+            raise invalid_api_key("Incorrect admin key provided.")
+        return ident
+
+    # ---- FastAPI dependencies ----------------------------------------------------------------
+    async def __call__(self, request: Request) -> KeyIdentity:
+        return await self.identify(bearer_token(request))
+
+    async def require_admin(self, request: Request) -> KeyIdentity:
+        return await self.identify_admin(bearer_token(request))
+
+
+# ---- limits ------------------------------------------------------------------------------------
+async def enforce_rate_limit(
+    limiter: RateLimiter,
+    identity: KeyIdentity,
+    tokens: int,
+    on_limited: Callable[[str], None] | None = None,
+) -> RateDecision:
+    """Charge the identity's buckets for one request of ``tokens`` estimated tokens.
+
+    Returns the decision (keep it for ``limiter.settle``) or raises the 429 :class:`APIError`
+    with ``Retry-After``; ``on_limited(limited_by)`` is called first (a metrics counter).
+    """
+    decision = await limiter.acquire(identity.key_id, identity.limits, tokens)
+    if decision.allowed:
+        return decision
+    why = decision.limited_by or "requests"
+    if on_limited is not None:
+        on_limited(why)
+    lim = identity.limits
+    if why == "too_large":
+        msg = (
+            f"Request too large: it needs up to {tokens} tokens (prompt + max_tokens), above "
+            f"this key's limit of {lim.tpm} tokens per minute. Lower max_tokens or the prompt."
+        )
+    elif why == "tokens":
+        msg = f"Rate limit reached: {lim.tpm} tokens per minute for this key."
+    else:
+        msg = f"Rate limit reached: {lim.rpm} requests per minute for this key."
+    err = too_many_requests(
+        f"{msg} Retry after {decision.retry_after_s:.1f} s.", decision.retry_after_s
+    )
+    err.headers.update(rate_limit_headers(decision))
+    raise err
+
+
+def rate_limit_headers(decision: RateDecision) -> dict[str, str]:
+    """OpenAI-style ``x-ratelimit-*`` headers for the limits a decision saw."""
+    out: dict[str, str] = {}
+    lim = decision.limits
+    if lim.rpm is not None and decision.remaining_requests is not None:
+        out["x-ratelimit-limit-requests"] = str(lim.rpm)
+        out["x-ratelimit-remaining-requests"] = str(max(0, int(decision.remaining_requests)))
+    if lim.tpm is not None and decision.remaining_tokens is not None:
+        out["x-ratelimit-limit-tokens"] = str(lim.tpm)
+        out["x-ratelimit-remaining-tokens"] = str(max(0, int(decision.remaining_tokens)))
+    return out

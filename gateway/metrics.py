@@ -1,0 +1,201 @@
+"""The gateway's Prometheus metrics, in a registry of their own.
+
+Invariants:
+- Each :class:`GatewayMetrics` owns its ``CollectorRegistry``; nothing is registered in the
+  global default registry, so a process (a test) can hold several gateways.
+- Label values are bounded: routes are the route templates, tiers and nodes come from the
+  fleet config, reasons and policies from the router's fixed vocabulary. An empty label value
+  is written as ``none`` (a request refused before routing has no node).
+- Latency histograms are in seconds, with buckets from 10 ms to 60 s.
+- ``ttft_error_seconds`` observes |measured - predicted| TTFT, labelled ``direction="late"``
+  when the measurement exceeded the prediction (the model was optimistic) and ``"early"``
+  otherwise. (A histogram with negative buckets would lose its ``_sum``; this keeps the mean
+  absolute error and the bias, ``(sum_late - sum_early) / count``, computable.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi import Request, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+
+NAMESPACE = "edgecloud"
+
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+)
+ERROR_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+def _v(value: object) -> str:
+    s = str(value) if value is not None else ""
+    return s or "none"
+
+
+class GatewayMetrics:
+    """Every series the gateway exports; one instance per gateway app."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "requests",
+            "Requests answered, by route, HTTP status, tier and node.",
+            ["route", "status", "tier", "node"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ttft_seconds",
+            "Time to first token seen by the gateway, by tier and node.",
+            ["tier", "node"],
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "e2e_seconds",
+            "End-to-end request latency seen by the gateway, by tier and node.",
+            ["tier", "node"],
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.decisions = Counter(
+            "decisions",
+            "Routing decisions, by policy and reason.",
+            ["policy", "reason"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.ttft_error = Histogram(
+            "ttft_error_seconds",
+            "|Measured - predicted| time to first token, by tier and direction (late, early).",
+            ["tier", "direction"],
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=ERROR_BUCKETS,
+        )
+        self.redis_errors = Counter(
+            "redis_errors",
+            "Failed Redis calls, by component (fleet, ratelimit, keys).",
+            ["component"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.redis_up = Gauge(
+            "redis_up",
+            "1 while the component reaches Redis, 0 while it serves from a fallback.",
+            ["component"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "in_flight_requests",
+            "Requests being served right now.",
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "rate_limited",
+            "Requests refused by a rate limit, by the limit hit (requests, tokens, too_large).",
+            ["limit"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+
+    # ---- recording ---------------------------------------------------------------------------
+    def observe_request(self, route: str, status: int, tier: str | None, node: str | None) -> None:
+        self.requests.labels(_v(route), _v(status), _v(tier), _v(node)).inc()
+
+    def observe_ttft(
+        self,
+        tier: str | None,
+        node: str | None,
+        measured_s: float,
+        predicted_s: float | None = None,
+    ) -> None:
+        """The measured TTFT and, when the router predicted one, the prediction error."""
+        self.ttft.labels(_v(tier), _v(node)).observe(measured_s)
+        if predicted_s is not None:
+            err = measured_s - predicted_s
+            direction = "late" if err > 0 else "early"
+            self.ttft_error.labels(_v(tier), direction).observe(abs(err))
+
+    def observe_e2e(self, tier: str | None, node: str | None, seconds: float) -> None:
+        self.e2e.labels(_v(tier), _v(node)).observe(seconds)
+
+    def observe_decision(self, policy: str, reason: str) -> None:
+        self.decisions.labels(_v(policy), _v(reason)).inc()
+
+    def redis_error(self, component: str) -> None:
+        self.redis_errors.labels(_v(component)).inc()
+
+    def set_redis_up(self, component: str, up: bool) -> None:
+        self.redis_up.labels(_v(component)).set(1 if up else 0)
+
+    def observe_rate_limited(self, limit: str) -> None:
+        self.rate_limited.labels(_v(limit)).inc()
+
+    @contextmanager
+    def track_in_flight(self) -> Iterator[None]:
+        """Counts the block as one in-flight request (decremented however it exits)."""
+        self.in_flight.inc()
+        try:
+            yield
+        finally:
+            self.in_flight.dec()
+
+    # ---- exposition --------------------------------------------------------------------------
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The scrape body and its content type, negotiated from the scraper's Accept header
+        (Prometheus text format by default, OpenMetrics when asked for)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+    def text(self) -> str:
+        """The Prometheus text exposition (for tests and debugging)."""
+        return self.exposition()[0].decode()
+
+
+def metrics_response(metrics: GatewayMetrics, request: Request) -> Response:
+    """The body of a ``GET /metrics`` route."""
+    body, content_type = metrics.exposition(request.headers.get("accept"))
+    return Response(content=body, media_type=None, headers={"Content-Type": content_type})
