@@ -50,7 +50,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _uvicorn(app: object, host: str, port: int) -> None:
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)  # type: ignore[arg-type]
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        proxy_headers=False,
+    )  # type: ignore[arg-type]
 
 
 def run_gateway(args: argparse.Namespace) -> int:

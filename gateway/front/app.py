@@ -11,13 +11,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from gateway.auth import KeyIdentity
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import bad_request, install_error_handlers
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
+from gateway.metrics import metrics_response
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
 from routing.fleet.store import FleetStore
 from routing.policies import make_policy
@@ -40,24 +42,30 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     app.state.gateway = gw
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def chat(request: Request, who: KeyIdentity = Depends(gw.auth)) -> Response:
         data, req = await gw.parse(request, ChatCompletionRequest)
-        return await gw.forward(request, data, "chat", req, None)
+        return await gw.forward(request, data, "chat", req, who)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def completions(request: Request, who: KeyIdentity = Depends(gw.auth)) -> Response:
         data, req = await gw.parse(request, CompletionRequest)
-        return await gw.forward(request, data, "completion", req, None)
+        return await gw.forward(request, data, "completion", req, who)
 
     @app.post("/v1/route")
-    async def route(request: Request) -> dict[str, Any]:
+    async def route(request: Request, who: KeyIdentity = Depends(gw.auth)) -> dict[str, Any]:
         raw = await request.body()
         is_chat = b'"messages"' in raw
         data, req = await gw.parse(request, ChatCompletionRequest if is_chat else CompletionRequest)
-        return await gw.route_only(data, "chat" if is_chat else "completion", req, request, None)
+        return await gw.route_only(
+            data, "chat" if is_chat else "completion", req, request, who.key_id
+        )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return metrics_response(gw.metrics, request)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(_: KeyIdentity = Depends(gw.auth)) -> dict[str, Any]:
         return {"object": "list", "data": [model_card(m) for m in await gw.models()]}
 
     @app.get("/health")
@@ -65,7 +73,7 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         return gw.health()
 
     @app.get("/admin/nodes")
-    async def admin_nodes() -> dict[str, Any]:
+    async def admin_nodes(_: KeyIdentity = Depends(gw.auth.require_admin)) -> dict[str, Any]:
         view = await gw.store.view([])
         return {
             "stale": view.stale,
@@ -74,14 +82,16 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         }
 
     @app.get("/admin/policy")
-    async def admin_policy() -> dict[str, Any]:
+    async def admin_policy(_: KeyIdentity = Depends(gw.auth.require_admin)) -> dict[str, Any]:
         return {
             "active": gw.policy_override or gw.router.config.policy,
             "config": gw.router.config.model_dump(mode="json"),
         }
 
     @app.post("/admin/policy")
-    async def admin_set_policy(body: dict[str, Any]) -> dict[str, Any]:
+    async def admin_set_policy(
+        body: dict[str, Any], _: KeyIdentity = Depends(gw.auth.require_admin)
+    ) -> dict[str, Any]:
         name = body.get("policy")
         if name is not None:
             try:

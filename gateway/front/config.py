@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.auth import AuthConfig
 from gateway.geo import GeoConfig
 from routing.fleet.memory_store import OpenAINodeConfig
 
@@ -36,6 +37,7 @@ class GatewayConfig(BaseModel):
         default_factory=lambda: {"auto": "smollm2-135m-instruct"}
     )
     geo: GeoConfig = Field(default_factory=GeoConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_in_flight: int = Field(default=4096, gt=0, description="over this: 429 with Retry-After")
     max_attempts: int = Field(default=3, ge=1, description="nodes tried before the first byte")

@@ -29,12 +29,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from gateway.auth import Authenticator, KeyIdentity, enforce_rate_limit
 from gateway.circuit import CircuitBreakers
 from gateway.client_ip import ClientIPResolver
 from gateway.errors import APIError, bad_request, not_found_model, too_many_requests
 from gateway.front.config import GatewayConfig
 from gateway.front.tokenizers import TokenizerCache, TokenizerUnavailable
 from gateway.geo import GeoLocator
+from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from gateway.proxy import (
     Exhausted,
@@ -52,6 +54,7 @@ from routing.policies import Candidate, Decision, NoRoute
 from routing.policy_config import ConfigSource
 from routing.profile import ProfileError, RequestProfile, build_profile
 from routing.prompt import TemplateError
+from routing.ratelimit import InProcessRateLimiter, RateDecision, RateLimiter
 from routing.router import Measured, Router, Ticket
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,9 @@ class Gateway:
         self.geo = GeoLocator(config.geo, nearest=getattr(self.router.regions, "nearest", None))
         self.client_ip = ClientIPResolver(config.geo.trusted_proxies)
         self.identities: dict[str, str] = {}  # model name -> identity, from the last view
+        self.metrics = GatewayMetrics()
+        self.limiter = self._make_limiter()
+        self.auth = self._make_auth()
         self.in_flight = 0
         self.policy_override: str | None = None
 
@@ -96,6 +102,23 @@ class Gateway:
             poll_interval_s=self.config.poll_interval_s,
         )
 
+    def _make_limiter(self) -> RateLimiter:
+        if self.config.redis_url:
+            from routing.ratelimit import RedisRateLimiter
+
+            return RedisRateLimiter(
+                self.config.redis_url, on_error=lambda _e: self.metrics.redis_error("ratelimit")
+            )
+        return InProcessRateLimiter()
+
+    def _make_auth(self) -> Authenticator:
+        store = None
+        if self.config.redis_url and self.config.auth.redis_keys:
+            from routing.ratelimit import RedisKeyStore
+
+            store = RedisKeyStore(self.config.redis_url)
+        return Authenticator(self.config.auth, key_store=store)
+
     async def _fetch_state(self, url: str) -> NodeState:
         resp = await self.client.get(url.rstrip("/") + "/load", timeout=1.0)
         resp.raise_for_status()
@@ -107,6 +130,7 @@ class Gateway:
             await start()
 
     async def close(self) -> None:
+        await self.limiter.close()
         await self.store.close()
         await self.client.aclose()
         self.geo.close()
@@ -227,7 +251,7 @@ class Gateway:
 
     # ---- forwarding ------------------------------------------------------------------------------
     async def forward(
-        self, request: Request, data: dict[str, Any], route: str, req: Any, api_key: str | None
+        self, request: Request, data: dict[str, Any], route: str, req: Any, identity: KeyIdentity
     ) -> Response:
         if self.in_flight >= self.config.max_in_flight:
             raise too_many_requests("the gateway is at its concurrency limit; retry shortly", 1.0)
@@ -239,9 +263,16 @@ class Gateway:
             if not released:
                 released = True
                 self.in_flight -= 1
+                self.metrics.in_flight.dec()
 
+        self.metrics.in_flight.inc()
         try:
-            return await self._forward(request, data, route, req, api_key, release)
+            return await self._forward(request, data, route, req, identity, release)
+        except APIError as exc:
+            self.metrics.observe_request(route, exc.status, None, None)
+            if req.stream:
+                release()
+            raise
         finally:
             if not req.stream:
                 release()
@@ -252,15 +283,20 @@ class Gateway:
         data: dict[str, Any],
         route: str,
         req: Any,
-        api_key: str | None,
+        identity: KeyIdentity,
         release: Any,
     ) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         model = self.concrete_model(req.model)
         region = self.geo.region_for(self.client_ip.from_scope(request.scope))
         t_start = time.perf_counter()
-        prof, view = await self.profile(data, route, model, region, api_key)
+        prof, view = await self.profile(data, route, model, region, identity.key_id)
         decision = self.decide(prof, view)
+        self.metrics.observe_decision(decision.policy, decision.reason)
+        estimate = prof.prompt_tokens + int(prof.max_tokens or prof.expected_output_tokens)
+        rate = await enforce_rate_limit(
+            self.limiter, identity, estimate, on_limited=self.metrics.observe_rate_limited
+        )
         cands = decision.candidates()
         tickets: dict[str, Ticket] = {}
         by_id = {c.node.id: c for c in cands}
@@ -297,6 +333,7 @@ class Gateway:
                 is_allowed=lambda n: n not in self.breakers.open_nodes(),
             )
         except Exhausted as exc:
+            await self.limiter.refund(rate)
             for att in exc.attempts:
                 if att.status in (429,):
                     self._end(att.node_id, tickets, None)
@@ -329,11 +366,17 @@ class Gateway:
             )
         self.breakers.on_success(opened.node_id)
         if not req.stream:
-            return await self._full(opened, tickets, hdrs, t_start)
-        return self._stream(opened, tickets, hdrs, t_start, req.include_usage, release)
+            return await self._full(opened, tickets, hdrs, t_start, rate, route)
+        return self._stream(opened, tickets, hdrs, t_start, req.include_usage, release, rate, route)
 
     async def _full(
-        self, opened: Opened, tickets: dict[str, Ticket], hdrs: dict[str, str], t_start: float
+        self,
+        opened: Opened,
+        tickets: dict[str, Ticket],
+        hdrs: dict[str, str],
+        t_start: float,
+        rate: RateDecision,
+        route: str,
     ) -> Response:
         try:
             content = await opened.response.aread()
@@ -352,7 +395,9 @@ class Gateway:
         usage: dict[str, Any] = {}
         with contextlib.suppress(ValueError, AttributeError):
             usage = json.loads(content).get("usage") or {}
-        self._end(opened.node_id, tickets, self._measured(usage, e2e, None))
+        measured = self._measured(usage, e2e, None)
+        self._end(opened.node_id, tickets, measured)
+        await self._account(rate, measured, opened, hdrs, route, 200)
         return Response(
             content,
             status_code=200,
@@ -368,6 +413,8 @@ class Gateway:
         t_start: float,
         include_usage: bool,
         release: Any,
+        rate: RateDecision,
+        route: str,
     ) -> Response:
         totals = StreamTotals()
         ttft = (time.perf_counter() - t_start) * 1000
@@ -382,7 +429,9 @@ class Gateway:
                     self.breakers.on_failure(opened.node_id)
                     self._end(opened.node_id, tickets, None)
                 elif totals.usage is not None:
-                    self._end(opened.node_id, tickets, self._measured(totals.usage, e2e, ttft))
+                    measured = self._measured(totals.usage, e2e, ttft)
+                    self._end(opened.node_id, tickets, measured)
+                    await self._account(rate, measured, opened, hdrs, route, 200)
                 else:  # client went away before the end
                     self._end(opened.node_id, tickets, None)
                 release()
@@ -392,6 +441,24 @@ class Gateway:
             media_type="text/event-stream",
             headers={**hdrs, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
+
+    async def _account(
+        self,
+        rate: RateDecision,
+        measured: Measured,
+        opened: Opened,
+        hdrs: dict[str, str],
+        route: str,
+        status: int,
+    ) -> None:
+        """Settle the rate-limit charge with the real usage and record the request's metrics."""
+        await self.limiter.settle(rate, measured.prompt_tokens + measured.completion_tokens)
+        tier, node = hdrs.get("x-edgecloud-tier"), opened.node_id
+        self.metrics.observe_request(route, status, tier, node)
+        self.metrics.observe_e2e(tier, node, measured.e2e_ms / 1000)
+        if measured.ttft_ms is not None:
+            predicted = float(hdrs.get("x-edgecloud-predicted-ttft-ms", 0)) / 1000
+            self.metrics.observe_ttft(tier, node, measured.ttft_ms / 1000, predicted)
 
     @staticmethod
     def _measured(usage: dict[str, Any], e2e_ms: float, ttft_ms: float | None) -> Measured:
