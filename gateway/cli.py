@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "gateway.commands.chat",
     "gateway.commands.gateway",
     "gateway.commands.cloud",
+    "gateway.commands.edge",
 ]
 
 

@@ -43,7 +43,7 @@ def _node_args(kind: str, model: Path, port: int, extra: list[str]) -> list[str]
 def tiny_node(request, tiny_model_path: Path, tmp_path_factory):
     kind = request.param
     port = free_port()
-    extra = ["--max-waiting", "4"]
+    extra = ["--max-waiting", "16"]
     log = tmp_path_factory.mktemp("logs") / f"{kind}.log"
     p = Proc(_node_args(kind, tiny_model_path, port, extra), port, log).wait_ready()
     yield kind, p
@@ -279,6 +279,45 @@ def test_disconnect_frees_the_slot(tiny_node) -> None:
     assert load["running"] == 0 and load["waiting"] == 0
     if tiny_node[0] == "cloud":
         assert load["kv_blocks_used"] <= load["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_queue_gives_429_with_retry_after(kind, tiny_model_path, tmp_path) -> None:
+    port = free_port()
+    cap = ["--slots", "1"] if kind == "edge" else ["--max-running", "1"]
+    p = Proc(
+        _node_args(kind, tiny_model_path, port, [*cap, "--max-waiting", "1"]),
+        port,
+        tmp_path / "n.log",
+    ).wait_ready()
+    try:
+        model = served_model(p)
+        body = {
+            "model": model,
+            "prompt": "Keep going:",
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+        }
+
+        async def main() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as c:
+
+                async def one() -> httpx.Response:
+                    async with c.stream("POST", p.url + "/v1/completions", json=body) as r:
+                        await r.aread()
+                        return r
+
+                return await asyncio.gather(*(one() for _ in range(4)))
+
+        results = asyncio.run(main())
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(200) >= 2 and 429 in codes, codes
+        limited = next(r for r in results if r.status_code == 429)
+        assert int(limited.headers["retry-after"]) >= 1
+        assert json.loads(limited.content)["error"]["type"] == "rate_limit_error"
+    finally:
+        assert p.stop() == 0, p.tail()
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -31,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run_serve(args: argparse.Namespace) -> int:
     import torch
-    from cloud_engine.engine import CloudEngine
 
+    from cloud_engine.engine import CloudEngine
     from gateway.node.server import serve_node
     from routing.model_store import resolve
 
@@ -43,13 +43,16 @@ def run_serve(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = CloudEngine.from_model(
-        info,
+    from cloud_engine.config import EngineConfig
+
+    cfg = EngineConfig(
         device=device,
-        kv_budget_mb=args.kv_budget_mb,
+        threads=args.threads,
         max_running=args.max_running,
-        max_waiting=args.max_waiting,
+        max_waiting=args.max_waiting if args.max_waiting is not None else 1024,
+        kv_memory_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
     )
+    engine = CloudEngine.from_model(info.path, device=device, config=cfg)
     serve_node(
         engine,
         info,

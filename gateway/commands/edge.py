@@ -1,0 +1,128 @@
+"""``edgecloud edge``: the edge tier's commands.
+
+``edge export MODEL``: export a model to a cached ONNX decoder graph (fp32, int8 or int4) and
+print the graph's folder. Further ``edge`` subcommands (``serve``) register in ``register``
+below, each with its own ``add_*`` function; torch and onnxruntime load only in the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from routing.model_store import DEFAULT_MODEL
+
+VARIANTS = ("fp32", "int8", "int4")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("edge", help="edge tier: export models to ONNX (and serve them)")
+    esub = p.add_subparsers(dest="edge_command", metavar="{export,serve}")
+    p.set_defaults(func=lambda args: _no_subcommand(p))
+    add_export(esub)
+    add_serve(esub)
+
+
+def _no_subcommand(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def add_export(esub: argparse._SubParsersAction) -> None:
+    e = esub.add_parser(
+        "export",
+        help="export a model to a cached ONNX decoder graph",
+        description=(
+            "Export a model (store name or Hugging Face folder) to an ONNX decoder graph with "
+            "KV-cache inputs and outputs, cached under the edgecloud home by the model's "
+            "identity; an export that is already cached is reused. Prints the graph's folder."
+        ),
+    )
+    e.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
+    e.add_argument(
+        "--variant",
+        "-p",
+        choices=VARIANTS,
+        default="int8",
+        help="weights: fp32, int8 (dynamic, per-channel) or int4 (4-bit blocks); default int8",
+    )
+    e.add_argument(
+        "--attention",
+        choices=("gqa", "concat"),
+        default="gqa",
+        help=(
+            "gqa: ONNX Runtime's GroupQueryAttention, KV updated in place (fastest); "
+            "concat: standard ONNX ops only, for execution providers without contrib ops"
+        ),
+    )
+    e.add_argument("--force", action="store_true", help="re-export even if cached")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from edge_runtime.export import ensure_export
+    from routing.model_store import ModelNotFound
+
+    try:
+        graph = ensure_export(args.model, args.variant, args.attention, force=args.force)
+    except ModelNotFound as e:
+        print(f"edgecloud edge export: error: {e}", file=sys.stderr)
+        return 1
+    print(graph.folder)
+    return 0
+
+
+def add_serve(esub: argparse._SubParsersAction) -> None:
+    s = esub.add_parser("serve", help="serve a model with the ONNX Runtime edge engine")
+    s.add_argument("--model", default=DEFAULT_MODEL, help="store name or HF folder")
+    s.add_argument("--variant", "-p", choices=VARIANTS, default="int8")
+    s.add_argument("--region", default="local")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8001)
+    s.add_argument("--node-id", default=None)
+    s.add_argument(
+        "--public-url", default=None, help="URL gateways use (default: http://host:port)"
+    )
+    s.add_argument(
+        "--redis", dest="redis_url", default=None, help="fleet store, e.g. redis://host:6379/0"
+    )
+    s.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    s.add_argument("--slots", type=int, default=4, help="concurrent sequences batched per step")
+    s.add_argument("--max-waiting", type=int, default=16, help="waiting queue size (then 429)")
+    s.add_argument(
+        "--context", type=int, default=None, help="max context (default: model's, capped)"
+    )
+    s.add_argument(
+        "--providers",
+        default=None,
+        help="comma-separated execution-provider preference (default: NPUs, then CPU)",
+    )
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
+    from gateway.node.server import serve_node
+    from routing.model_store import resolve
+
+    info = resolve(args.model)
+    providers = tuple(p.strip() for p in args.providers.split(",")) if args.providers else None
+    cfg = EdgeEngineConfig(
+        slots=args.slots,
+        max_waiting=args.max_waiting,
+        threads=args.threads,
+        context=args.context,
+        providers=providers,
+    )
+    engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
+    serve_node(
+        engine,
+        info,
+        region=args.region,
+        host=args.host,
+        port=args.port,
+        node_id=args.node_id,
+        public_url=args.public_url,
+        redis_url=args.redis_url,
+    )
+    return 0
