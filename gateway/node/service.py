@@ -21,6 +21,7 @@ from gateway.errors import APIError, bad_request, not_found_model, too_many_requ
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from routing.engine import (
     Engine,
+    EngineError,
     FinishReason,
     GenerationRequest,
     QueueFull,
@@ -150,6 +151,8 @@ class NodeService:
             raise bad_request(str(exc), param="max_tokens", code="context_length_exceeded") from exc
         except QueueFull as exc:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
+        except EngineError as exc:  # any other admission refusal is the request's fault
+            raise bad_request(str(exc), param="prompt") from exc
         return Prepared(gen, req.stop_list, req.model, req.include_usage, kind)
 
     # ---- running -----------------------------------------------------------------------------

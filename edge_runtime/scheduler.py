@@ -1,0 +1,283 @@
+"""The slot scheduler: the blocking generation loop of the edge engine, in its own thread.
+
+Like llama.cpp's server slots: a fixed number of slots, each holding one sequence's KV cache.
+Requests wait in a bounded queue (priority, then arrival order) until a slot is free. Each loop
+iteration runs at most one prefill chunk (of the oldest request still prefilling) and then one
+decode step that advances every decoding slot by one token in a single batched run.
+
+Invariants:
+- All bookkeeping (slots, queue, request state) changes under ``lock``; ONNX runs happen outside
+  it. A slot is handed to a new request only at the top of an iteration, so a run in flight
+  never shares a slot with a newer request.
+- ``cancel`` frees the slot at once (the running count drops before it returns); a step that
+  was in flight for that request is discarded when it completes.
+- Every submitted request gets exactly one event with ``finish_reason`` set (ABORT if cancelled
+  or the engine stops), except that ``cancel(..., notify=False)`` sends none (the caller left).
+- A stop token id ends a request with STOP and is not emitted; ``completion_tokens`` counts the
+  emitted tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_runtime.decoder import Decoder
+from edge_runtime.sampler import Sampler
+from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
+
+log = logging.getLogger(__name__)
+
+KV_BLOCK = 16  # tokens per reported KV block (the prefix-block size of routing)
+
+
+@dataclass
+class SlotRequest:
+    """One request as the loop tracks it."""
+
+    request: GenerationRequest
+    emit: Callable[[TokenEvent], None]  # thread-safe; delivers to the request's consumer
+    budget: int  # tokens it may still generate in total
+    sampler: Sampler = field(init=False)
+    stops: frozenset[int] = field(init=False)
+    slot: int = -1
+    filled: int = 0  # positions of this sequence in the slot's KV cache
+    generated: int = 0
+    last_token: int = -1  # sampled, fed at the next decode step
+
+    def __post_init__(self) -> None:
+        params = self.request.sampling
+        self.sampler = Sampler(params)
+        self.stops = frozenset() if params.ignore_eos else frozenset(params.stop_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < self.prompt_len
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.request.priority, self.request.arrival_time)
+
+    def event(self, tokens: list[int], reason: FinishReason | None) -> TokenEvent:
+        return TokenEvent(
+            request_id=self.request.request_id,
+            token_ids=tokens,
+            completion_tokens=self.generated,
+            prompt_tokens=self.prompt_len,
+            finish_reason=reason,
+        )
+
+
+class Ewma:
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha, self.value = alpha, 0.0
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value == 0.0 else self.value + self.alpha * (x - self.value)
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefill_tokens_per_s: float
+    decode_ms_per_step: float
+    soonest_free_tokens: int  # fewest tokens any running request may still generate
+
+
+class SlotScheduler:
+    def __init__(self, decoder: Decoder, max_waiting: int = 16, prefill_chunk: int = 256) -> None:
+        self.decoder = decoder
+        self.max_waiting = max_waiting
+        self.prefill_chunk = max(1, prefill_chunk)
+        self.slots: list[SlotRequest | None] = [None] * decoder.slots
+        self._waiting: list[tuple[tuple[int, float], int, SlotRequest]] = []
+        self._seq = 0
+        self.lock = threading.Lock()
+        self._wake = threading.Condition(self.lock)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.prefill_tps = Ewma()
+        self.decode_ms = Ewma()
+
+    # --- called from any thread ------------------------------------------------------------
+
+    def full(self) -> bool:
+        with self.lock:
+            return self._full()
+
+    def _full(self) -> bool:
+        # requests not yet admitted count against the free slots first, then the queue
+        free = sum(s is None for s in self.slots)
+        return len(self._waiting) >= free + self.max_waiting
+
+    def submit(self, r: SlotRequest) -> None:
+        """Queue ``r``; raises QueueFull when every slot is busy and the queue is full."""
+        with self.lock:
+            if self._stopping:
+                raise RuntimeError("engine is stopped")
+            if self._full():
+                raise QueueFull("all slots busy and the wait queue is full")
+            heapq.heappush(self._waiting, (r.sort_key(), self._seq, r))
+            self._seq += 1
+            self._wake.notify()
+
+    def cancel(self, request_id: str, notify: bool = True) -> bool:
+        """Drop a request, queued or running; its slot is free when this returns."""
+        with self.lock:
+            found = self._remove(request_id)
+        if found is None:
+            return False
+        if notify:
+            found.emit(found.event([], FinishReason.ABORT))
+        return True
+
+    def _remove(self, request_id: str) -> SlotRequest | None:
+        for i, r in enumerate(self.slots):
+            if r is not None and r.request.request_id == request_id:
+                self.slots[i] = None
+                return r
+        for i, (_, _, r) in enumerate(self._waiting):
+            if r.request.request_id == request_id:
+                self._waiting.pop(i)
+                heapq.heapify(self._waiting)
+                return r
+        return None
+
+    def snapshot(self) -> SchedulerSnapshot:
+        with self.lock:
+            busy = [r for r in self.slots if r is not None]
+            remaining = [r.budget - r.generated for r in busy]
+            per_slot = -(-self.decoder.context // KV_BLOCK)
+            return SchedulerSnapshot(
+                running=len(busy),
+                waiting=len(self._waiting),
+                kv_blocks_used=sum(-(-r.filled // KV_BLOCK) for r in busy),
+                kv_blocks_total=per_slot * len(self.slots),
+                prefill_tokens_per_s=self.prefill_tps.value,
+                decode_ms_per_step=self.decode_ms.value,
+                soonest_free_tokens=min(remaining) if remaining else 0,
+            )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="edge-slots", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop; every request still queued or running gets an ABORT event."""
+        with self.lock:
+            self._stopping = True
+            pending = [r for r in self.slots if r is not None] + [w[2] for w in self._waiting]
+            self.slots = [None] * len(self.slots)
+            self._waiting.clear()
+            self._wake.notify_all()
+        for r in pending:
+            r.emit(r.event([], FinishReason.ABORT))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # --- the loop thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stopping and not self._waiting and not any(self.slots):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                self._admit()
+                busy = [r for r in self.slots if r is not None]
+                prefilling = sorted((r for r in busy if r.prefilling), key=SlotRequest.sort_key)
+                decoding = [r for r in busy if not r.prefilling]
+            try:
+                if prefilling:
+                    self._prefill_chunk(prefilling[0])
+                if decoding:
+                    self._decode_step()
+            except Exception:
+                log.exception("edge generation step failed; aborting the running requests")
+                self._abort_running()
+
+    def _admit(self) -> None:
+        for slot, occupant in enumerate(self.slots):
+            if occupant is None and self._waiting:
+                r = heapq.heappop(self._waiting)[2]
+                r.slot, r.filled = slot, 0
+                self.slots[slot] = r
+
+    def _prefill_chunk(self, r: SlotRequest) -> None:
+        start = r.filled
+        chunk = r.request.prompt_token_ids[start : start + self.prefill_chunk]
+        t0 = time.perf_counter()
+        logits = self.decoder.prefill(r.slot, chunk, start)
+        dt = time.perf_counter() - t0
+        done = start + len(chunk) == r.prompt_len
+        token = r.sampler(logits) if done else -1
+        with self.lock:
+            if self.slots[r.slot] is not r:
+                return  # cancelled while the chunk ran
+            r.filled += len(chunk)
+            self.prefill_tps.update(len(chunk) / max(dt, 1e-9))
+            if done:
+                self._accept(r, token)
+
+    def _decode_step(self) -> None:
+        with self.lock:
+            busy = [(i, r) for i, r in enumerate(self.slots) if r is not None]
+            decoding = [(i, r) for i, r in busy if not r.prefilling]
+            if not decoding:
+                return
+            rows = max(i for i, _ in decoding) + 1
+            tokens = np.zeros(rows, np.int64)
+            lengths = np.zeros(rows, np.int64)
+            active = np.zeros(rows, bool)
+            for i, r in busy:
+                if i < rows:
+                    lengths[i] = r.filled  # a prefilling row writes one harmless position
+            for i, r in decoding:
+                tokens[i], active[i] = r.last_token, True
+        t0 = time.perf_counter()
+        logits = self.decoder.decode(tokens, lengths, active)
+        dt = time.perf_counter() - t0
+        sampled = [(r, r.sampler(logits[i])) for i, r in decoding]
+        with self.lock:
+            self.decode_ms.update(dt * 1e3)
+            for r, token in sampled:
+                if self.slots[r.slot] is r:
+                    r.filled += 1
+                    self._accept(r, token)
+
+    def _accept(self, r: SlotRequest, token: int) -> None:
+        """Under the lock: a sampled token -> an event; frees the slot when r finishes."""
+        if token in r.stops:
+            self._finish(r, [], FinishReason.STOP)
+            return
+        r.generated += 1
+        if r.generated >= r.budget or r.filled >= self.decoder.context:
+            self._finish(r, [token], FinishReason.LENGTH)
+            return
+        r.last_token = token
+        r.emit(r.event([token], None))
+
+    def _finish(self, r: SlotRequest, tokens: list[int], reason: FinishReason) -> None:
+        self.slots[r.slot] = None
+        r.emit(r.event(tokens, reason))
+
+    def _abort_running(self) -> None:
+        with self.lock:
+            busy = [r for r in self.slots if r is not None]
+            self.slots = [None] * len(self.slots)
+        for r in busy:
+            r.emit(r.event([], FinishReason.ABORT))
