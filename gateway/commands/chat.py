@@ -12,7 +12,9 @@ import time
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("chat", help="answer one prompt with the torch reference model, streaming")
     p.add_argument("prompt", help="the user message")
-    p.add_argument("--model", default=None, help="store name or HF folder (default: the default model)")
+    p.add_argument(
+        "--model", default=None, help="store name or HF folder (default: the default model)"
+    )
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -20,8 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores, at most 8)")
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, token ids) instead")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores, at most 8)"
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (text, token ids) instead"
+    )
     p.set_defaults(func=run)
 
 
@@ -57,8 +63,14 @@ def run(args: argparse.Namespace) -> int:
         {"role": "user", "content": args.prompt}
     ]
     prompt_ids = fmt.encode_chat(messages)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop_token_ids=fmt.stop_token_ids)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop_token_ids=fmt.stop_token_ids,
+    )
     streamer = TextStreamer(fmt.tokenizer, args.stop)
     tokens: list[int] = []
     reason = FinishReason.LENGTH
@@ -80,9 +92,19 @@ def run(args: argparse.Namespace) -> int:
     tail = streamer.flush()
     elapsed = time.perf_counter() - t0
     if args.json:
-        print(json.dumps({"model": info.name, "text": streamer.text, "token_ids": tokens,
-                          "prompt_tokens": len(prompt_ids), "finish_reason": reason.value,
-                          "seconds": round(elapsed, 3)}, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "model": info.name,
+                    "text": streamer.text,
+                    "token_ids": tokens,
+                    "prompt_tokens": len(prompt_ids),
+                    "finish_reason": reason.value,
+                    "seconds": round(elapsed, 3),
+                },
+                ensure_ascii=False,
+            )
+        )
     else:
         sys.stdout.write(tail + "\n")
     return 0

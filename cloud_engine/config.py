@@ -1,0 +1,41 @@
+"""Engine configuration: device, KV budget and batching limits, with per-device defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # weights and KV; default fp32 on CPU, bf16 on CUDA
+    kv_memory_bytes: int | None = None  # KV budget in bytes (required on CPU unless defaulted)
+    kv_memory_fraction: float = 0.8  # CUDA: share of the free memory after the weights load
+    max_kv_blocks: int | None = None  # cap on the pool size (tests use small pools)
+    kv_int8: bool = False
+    max_running: int | None = None  # max sequences in a batch
+    max_tokens_per_step: int | None = None  # token budget of one forward pass
+    max_waiting: int = 1024  # beyond this, check() raises QueueFull
+    max_context: int | None = None  # default: the model's max_position_embeddings
+    cuda_graphs: bool = True  # CUDA: replay captured graphs for decode-only steps
+    max_graph_batch: int = 256
+    debug_checks: bool = False  # run the block integrity check around every step
+    threads: int | None = None  # CPU: torch intra-op threads (None leaves torch's choice)
+
+    def resolved(self) -> EngineConfig:
+        """Fill the per-device defaults."""
+        cuda = torch.device(self.device).type == "cuda"
+        debug = self.debug_checks or os.environ.get("EDGECLOUD_DEBUG_KV", "") not in ("", "0")
+        return replace(
+            self,
+            dtype=self.dtype or (torch.bfloat16 if cuda else torch.float32),
+            kv_memory_bytes=self.kv_memory_bytes
+            if self.kv_memory_bytes is not None or cuda
+            else 512 * 2**20,
+            max_running=self.max_running or (256 if cuda else 64),
+            max_tokens_per_step=self.max_tokens_per_step or (8192 if cuda else 1024),
+            debug_checks=debug,
+        )

@@ -1,0 +1,254 @@
+"""The synchronous engine core: block manager + scheduler + model runner, one step at a time.
+
+:class:`EngineCore` is single-threaded (the async :class:`cloud_engine.engine.CloudEngine`
+drives it from its own thread). One :meth:`EngineCore.step` schedules a batch, runs it,
+commits the written KV (publishing newly full blocks to the prefix cache), appends the sampled
+tokens and retires finished sequences, whose blocks are released before ``step`` returns.
+
+Token accounting: a stop token ends a sequence with ``FinishReason.STOP`` and is *not* part of
+its output (as in ``cloud_engine.model.dense.generate``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cloud_engine.block_manager import BlockEvents, BlockManager
+from cloud_engine.config import EngineConfig
+from cloud_engine.kv_pool import KVPool, KVSpec, budget_bytes_for
+from cloud_engine.model.llama import LlamaForCausalLM
+from cloud_engine.runner import ModelRunner, TorchRunner
+from cloud_engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from cloud_engine.sequence import Sequence, SeqStatus
+from routing.blocks import model_seed
+from routing.engine import FinishReason, GenerationRequest, QueueFull, RequestTooLong
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """What one step produced for one sequence."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class CoreCounters:
+    """Totals since start; rates are EWMAs of per-step measurements."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    cached_prompt_tokens: int = 0  # of which served from the prefix cache
+    prefill_tokens: int = 0  # prompt tokens actually computed (recompute included)
+    recomputed_tokens: int = 0  # output tokens recomputed after a preemption
+    decode_tokens: int = 0  # tokens sampled
+    preemptions: int = 0
+    prefill_tok_s: float = 0.0
+    decode_ms: float = 0.0
+    peak_blocks_used: int = 0
+    kv_waste_at_peak: float = 0.0  # allocated slots holding no token / allocated slots
+
+
+def _ewma(old: float, new: float, alpha: float = 0.2) -> float:
+    return new if old == 0.0 else (1 - alpha) * old + alpha * new
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        identity: str,
+        config: EngineConfig = EngineConfig(),
+        runner: ModelRunner | None = None,
+    ) -> None:
+        self.config = cfg = config.resolved()
+        self.model = model
+        self.identity = identity
+        self.seed = model_seed(identity)
+        mc = model.config
+        self.max_context = cfg.max_context or mc.max_position_embeddings
+        device = torch.device(cfg.device)
+        if cfg.threads and device.type == "cpu":
+            torch.set_num_threads(cfg.threads)
+        assert cfg.dtype is not None
+        spec = KVSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.dtype, cfg.kv_int8)
+        if runner is None:
+            budget = budget_bytes_for(device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)
+            pool = KVPool.from_budget(spec, device, budget, cfg.max_kv_blocks)
+            if device.type == "cuda":
+                from cloud_engine.cuda_runner import CudaRunner
+
+                runner = CudaRunner(
+                    model,
+                    pool,
+                    max_batch=cfg.max_running or 256,
+                    max_context=self.max_context,
+                    cuda_graphs=cfg.cuda_graphs,
+                    max_graph_batch=cfg.max_graph_batch,
+                )
+            else:
+                runner = TorchRunner(model, pool)
+        self.runner = runner
+        self.pool = runner.pool
+        self.blocks = BlockManager(self.pool.num_blocks, spec.block_size)
+        assert cfg.max_running is not None and cfg.max_tokens_per_step is not None
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_running=cfg.max_running,
+                max_tokens_per_step=cfg.max_tokens_per_step,
+                max_waiting=cfg.max_waiting,
+                watermark_blocks=max(1, self.pool.num_blocks // 100),
+            ),
+            self.blocks,
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self.counters = CoreCounters()
+        self._order = itertools.count()
+
+    # -- admission -------------------------------------------------------------------------
+    def check(self, request: GenerationRequest) -> None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise RequestTooLong("empty prompt")
+        total = n + request.sampling.max_tokens
+        if total > self.max_context:
+            raise RequestTooLong(
+                f"prompt ({n}) + max_tokens ({request.sampling.max_tokens}) = {total} tokens "
+                f"exceeds the context of {self.max_context}"
+            )
+        need = -(-total // self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise RequestTooLong(
+                f"{total} tokens need {need} KV blocks; the pool has {self.blocks.num_blocks}"
+            )
+        if self.scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFull(
+                f"{self.scheduler.num_waiting} requests waiting", retry_after_s=self.retry_after_s()
+            )
+
+    def retry_after_s(self) -> float:
+        """A rough wait before a queue slot frees: one request's expected decode time."""
+        per_tok = (self.counters.decode_ms or 20.0) / 1000.0
+        return float(min(30.0, max(1.0, per_tok * 128)))
+
+    def add(self, request: GenerationRequest) -> Sequence:
+        """Queue a request (call :meth:`check` first). Request ids must be unique."""
+        if request.request_id in self.seqs:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        seq = Sequence(request, next(self._order), self.max_context)
+        seq.extend_hashes(self.seed, self.blocks.block_size)
+        self.seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Cancel a request; its blocks are released before this returns."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return None
+        self.scheduler.finish(seq)
+        self.runner.release(seq)
+        seq.finish_reason = FinishReason.ABORT
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[SeqOutput]:
+        if self.config.debug_checks:
+            self.blocks.check_integrity()
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self.runner.release(seq)
+            self.counters.preemptions += 1
+        if not batch.items:
+            return []
+        t0 = time.perf_counter()
+        sampled = self.runner.execute(batch)
+        dt = time.perf_counter() - t0
+        outputs = self._commit(batch, sampled)
+        self._account(batch, dt)
+        if self.config.debug_checks:
+            self.blocks.check_integrity()
+        return outputs
+
+    def _commit(self, batch: ScheduledBatch, sampled: list[int]) -> list[SeqOutput]:
+        outputs: list[SeqOutput] = []
+        finished: list[Sequence] = []
+        k = 0
+        bs = self.blocks.block_size
+        for it in batch.items:
+            seq = it.seq
+            self.scheduler.commit(it)
+            if not it.samples:
+                continue
+            tok = sampled[k]
+            k += 1
+            sp = seq.sampling
+            if not sp.ignore_eos and tok in sp.stop_token_ids:
+                seq.finish_reason = FinishReason.STOP
+                outputs.append(SeqOutput(seq, [], FinishReason.STOP))
+                finished.append(seq)
+                continue
+            seq.token_ids.append(tok)
+            if seq.num_tokens % bs == 0:
+                seq.extend_hashes(self.seed, bs)
+            if seq.num_output >= seq.max_output:
+                seq.finish_reason = FinishReason.LENGTH
+                finished.append(seq)
+            outputs.append(SeqOutput(seq, [tok], seq.finish_reason))
+        for seq in finished:
+            self.scheduler.finish(seq)
+            self.runner.release(seq)
+            self.seqs.pop(seq.request_id, None)
+        return outputs
+
+    def _account(self, batch: ScheduledBatch, dt: float) -> None:
+        c = self.counters
+        c.steps += 1
+        prefill = 0
+        for it in batch.items:
+            seq = it.seq
+            if not seq.counted:  # first time in a batch: its first admission
+                seq.counted = True
+                c.prompt_tokens += seq.num_prompt
+                c.cached_prompt_tokens += seq.num_cached
+            prompt_part = max(0, min(it.num_new, seq.num_prompt - it.start))
+            prefill += prompt_part
+            c.recomputed_tokens += max(0, it.num_new - prompt_part - (1 if it.samples else 0))
+        c.prefill_tokens += prefill
+        sampled = sum(1 for it in batch.items if it.samples)
+        c.decode_tokens += sampled
+        if prefill > 0:
+            c.prefill_tok_s = _ewma(c.prefill_tok_s, prefill / dt)
+        elif sampled:
+            c.decode_ms = _ewma(c.decode_ms, dt * 1000.0)
+        used = self.blocks.num_used
+        if used >= c.peak_blocks_used and used > 0:
+            c.peak_blocks_used = used
+            c.kv_waste_at_peak = self.kv_waste()
+
+    def kv_waste(self) -> float:
+        """Share of the slots of in-use blocks that hold no token (now)."""
+        used = self.blocks.num_used
+        if used == 0:
+            return 0.0
+        bs = self.blocks.block_size
+        empty = sum(
+            len(s.block_table) * bs - s.num_computed for s in self.scheduler.running if s.block_table
+        )
+        return empty / (used * bs)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        c = self.counters
+        return c.cached_prompt_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+
+    def drain_block_events(self) -> BlockEvents:
+        return self.blocks.drain_events()

@@ -1,0 +1,205 @@
+"""The CUDA model runner: fused weights, Triton kernels, CUDA graphs for decode.
+
+Block tables live on the device as ``[max_rows, max_blocks]`` int32: each running sequence owns
+one row while it runs, and only the entries appended since the last step are uploaded. All other
+per-step integers go up in one packed host-to-device copy.
+
+Decode-only steps of up to ``max_graph_batch`` sequences replay a CUDA graph captured for the
+next batch size of a ladder (padding rows have slot -1, so they write no KV, and length 1);
+anything else (prefill chunks, mixed batches) runs eagerly with prefill tiling. Sampling runs on
+the device; greedy batches take the argmax captured inside the graph.
+
+Invariants: a sequence's device row mirrors its ``block_table`` prefix of ``synced`` entries
+before any kernel reads it; rows are returned by :meth:`release` whenever a sequence leaves the
+running set (finish, abort, preemption), so a row never serves two live sequences.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cloud_engine.attention_torch import make_meta
+from cloud_engine.kernels.tiling import make_tiles, tile_shape
+from cloud_engine.kv_pool import KVPool
+from cloud_engine.model.fused import AttnInputs, FusedLlama, Ops, TorchOps, TritonOps
+from cloud_engine.model.llama import LlamaForCausalLM
+from cloud_engine.sampler import make_generator, sample_batch
+from cloud_engine.scheduler import ScheduledBatch
+from cloud_engine.sequence import Sequence
+from cloud_engine.step_inputs import StepInputs, build_step_inputs
+
+GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass(slots=True)
+class _DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    ints: torch.Tensor  # [5, B] int32: input ids, positions, slots, rows, seq lens
+    logits: torch.Tensor  # [B, V]
+    tokens: torch.Tensor  # [B] greedy argmax
+
+
+class CudaRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        max_batch: int,
+        max_context: int,
+        cuda_graphs: bool = True,
+        max_graph_batch: int = 256,
+        ops: Ops | None = None,
+    ) -> None:
+        self.pool = pool
+        self.device = pool.device
+        self.fm = FusedLlama(model, pool, ops or TritonOps(), consume=True)
+        self.torch_ops = isinstance(self.fm.ops, TorchOps)
+        self.bs = pool.spec.block_size
+        self.group = self.fm.hq // self.fm.hkv
+        self.max_rows = max_batch
+        self.width = -(-max_context // self.bs)
+        self.tables = torch.zeros((max_batch, self.width), dtype=torch.int32, device=self.device)
+        self._free_rows = list(range(max_batch - 1, -1, -1))
+        self._synced = [0] * max_batch
+        self._pin = self.device.type == "cuda"
+        self._staging = torch.empty(0, dtype=torch.int32)
+        self._arange = torch.arange(GRAPH_LADDER[-1] + 1, dtype=torch.int32, device=self.device)
+        self._zeros = torch.zeros(GRAPH_LADDER[-1], dtype=torch.int32, device=self.device)
+        sizes = [b for b in GRAPH_LADDER if b <= min(max_graph_batch, max_batch)]
+        self.graph_sizes = sizes if cuda_graphs and self.device.type == "cuda" else []
+        self.graphs: dict[int, _DecodeGraph] = {}
+        self._graph_pool: object | None = None
+
+    # -- rows ------------------------------------------------------------------------------
+    def release(self, seq: Sequence) -> None:
+        if seq.row >= 0:
+            self._free_rows.append(seq.row)
+            seq.row = -1
+
+    def _sync_tables(self, batch: ScheduledBatch) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[int] = []
+        for it in batch.items:
+            seq = it.seq
+            if seq.row < 0:
+                seq.row = self._free_rows.pop()
+                self._synced[seq.row] = 0
+            k, t = self._synced[seq.row], seq.block_table
+            if len(t) > k:
+                rows.extend([seq.row] * (len(t) - k))
+                cols.extend(range(k, len(t)))
+                vals.extend(t[k:])
+                self._synced[seq.row] = len(t)
+        if rows:
+            up = self._upload(np.asarray([rows, cols, vals], dtype=np.int32).ravel())
+            n = len(rows)
+            self.tables[up[:n].long(), up[n : 2 * n].long()] = up[2 * n :]
+
+    def _upload(self, arr: np.ndarray) -> torch.Tensor:
+        """One host-to-device copy of an int32 array (through a reused pinned buffer)."""
+        src = torch.from_numpy(arr)
+        if not self._pin:
+            return src.to(self.device)
+        n = src.numel()
+        if self._staging.numel() < n:
+            self._staging = torch.empty(max(n, 2 * self._staging.numel()), dtype=torch.int32).pin_memory()
+        self._staging[:n].copy_(src)
+        return self._staging[:n].to(self.device, non_blocking=True)
+
+    # -- execution -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        self._sync_tables(batch)
+        inp = build_step_inputs(batch, self.bs)
+        rows = np.fromiter((it.seq.row for it in batch.items), dtype=np.int32, count=len(batch.items))
+        s = inp.num_seqs
+        if inp.max_q_len == 1 and self.graph_sizes and s <= self.graph_sizes[-1]:
+            logits, greedy = self._replay(inp, rows)
+        else:
+            logits, greedy = self._eager(inp, rows), None
+        if not inp.sample_items:
+            return []
+        seqs = [batch.items[i].seq for i in inp.sample_items]
+        params = [q.sampling for q in seqs]
+        if greedy is not None and all(p.greedy for p in params):
+            return greedy[: len(seqs)].tolist()
+        gens = []
+        for q in seqs:
+            if q.generator is None and not q.sampling.greedy:
+                q.generator = make_generator(q.sampling, self.device)
+            gens.append(q.generator)
+        return sample_batch(logits[: len(seqs)], params, gens).tolist()  # type: ignore[arg-type]
+
+    def _eager(self, inp: StepInputs, rows: np.ndarray) -> torch.Tensor:
+        n, s = inp.num_tokens, inp.num_seqs
+        shape = tile_shape(self.group, inp.max_q_len)
+        tile_seq, tile_q0 = make_tiles(inp.q_start, shape.block_q)
+        p, m = len(tile_seq), len(inp.sample_idx)
+        parts = [inp.input_ids, inp.positions, inp.slot_mapping, rows, inp.seq_lens, inp.q_start]
+        packed = np.concatenate([*parts, tile_seq, tile_q0, inp.sample_idx]).astype(np.int32)
+        dev = self._upload(packed)
+        o = np.cumsum([0, n, n, n, s, s, s + 1, p, p, m])
+        v = [dev[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+        ids, pos, slots, seq_rows, seq_lens, q_start, t_seq, t_q0, sample_idx = v
+        meta = None
+        if self.torch_ops:
+            meta = make_meta(
+                slots.long(), self.tables[seq_rows.long()].long(), inp.q_start.tolist(), inp.seq_lens.tolist()
+            )
+        a = AttnInputs(slots, self.tables, seq_rows, seq_lens, q_start, t_seq, t_q0, shape, meta)
+        hidden = self.fm.forward(ids, pos, a)
+        return self.fm.logits(hidden[sample_idx.long()])
+
+    def _decode_forward(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b = ints.shape[1]
+        a = AttnInputs(
+            ints[2], self.tables, ints[3], ints[4], self._arange[: b + 1], self._arange[:b],
+            self._zeros[:b], tile_shape(self.group, 1),
+        )  # fmt: skip
+        logits = self.fm.logits(self.fm.forward(ints[0], ints[1], a))
+        return logits, torch.argmax(logits, dim=-1)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per ladder size, largest first (sharing one memory pool)."""
+        if not self.graph_sizes:
+            return
+        for b in reversed(self.graph_sizes):
+            ints = torch.zeros((5, b), dtype=torch.int32, device=self.device)
+            ints[2] = -1
+            ints[4] = 1
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._decode_forward(ints)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._graph_pool):
+                logits, tokens = self._decode_forward(ints)
+            self._graph_pool = g.pool()
+            self.graphs[b] = _DecodeGraph(g, ints, logits, tokens)
+        torch.cuda.synchronize(self.device)
+
+    def _replay(self, inp: StepInputs, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        s = inp.num_seqs
+        if not self.graphs:
+            self.capture_graphs()
+        b = self.graph_sizes[bisect.bisect_left(self.graph_sizes, s)]
+        g = self.graphs[b]
+        host = np.zeros((5, b), dtype=np.int32)
+        host[0, :s] = inp.input_ids
+        host[1, :s] = inp.positions
+        host[2, :s] = inp.slot_mapping
+        host[2, s:] = -1
+        host[3, :s] = rows
+        host[4, :s] = inp.seq_lens
+        host[4, s:] = 1
+        g.ints.copy_(self._upload(host.ravel()).view(5, b))
+        g.graph.replay()
+        return g.logits, g.tokens

@@ -1,0 +1,241 @@
+"""``CloudEngine``: the async :class:`routing.engine.Engine` over :class:`EngineCore`.
+
+The core runs in one dedicated thread (the *step thread*) that owns it: requests and aborts
+reach it through an inbox, and each step's token events go back to the asyncio loop of each
+request in one ``call_soon_threadsafe`` per loop per step.
+
+Invariants:
+- Only the step thread touches the core's mutable state (scheduler, blocks, runner); other
+  threads read counters only (``stats``, ``check``).
+- Leaving a ``generate`` iterator early (``aclose``, task cancelled, client gone) queues an
+  abort; the step thread releases the request's blocks at the next step boundary, before it
+  plans another batch.
+- ``abort(request_id)`` ends the request's stream with ``FinishReason.ABORT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from cloud_engine.block_manager import BlockEvents
+from cloud_engine.config import EngineConfig
+from cloud_engine.core import EngineCore, SeqOutput
+from cloud_engine.sequence import Sequence
+from routing.engine import (
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    QueueFull,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[TokenEvent]"]
+
+
+def _event(seq: Sequence, tokens: list[int], reason: FinishReason | None) -> TokenEvent:
+    return TokenEvent(
+        request_id=seq.request_id,
+        token_ids=tokens,
+        completion_tokens=seq.num_output,
+        prompt_tokens=seq.num_prompt,
+        cached_tokens=max(seq.num_cached, 0),
+        finish_reason=reason,
+    )
+
+
+class CloudEngine:
+    """The cloud tier's engine (kind ``"cloud"``). Build it with :meth:`from_model`."""
+
+    kind = "cloud"
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.model_id = core.identity
+        self.max_context = core.max_context
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._pending_adds = 0
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str | os.PathLike[str],
+        device: str = "cpu",
+        *,
+        kv_memory_bytes: int | None = None,
+        kv_memory_fraction: float | None = None,
+        config: EngineConfig | None = None,
+    ) -> CloudEngine:
+        """Load a model (a store name or an HF folder) onto ``device`` and size the KV pool
+        from the budget: ``kv_memory_bytes``, else (CUDA) ``kv_memory_fraction`` of the free
+        device memory once the weights are loaded."""
+        from cloud_engine.model.loader import load_model
+        from routing.model_store import resolve
+
+        info = resolve(model)
+        cfg = replace(config or EngineConfig(), device=device)
+        if kv_memory_bytes is not None:
+            cfg = replace(cfg, kv_memory_bytes=kv_memory_bytes)
+        if kv_memory_fraction is not None:
+            cfg = replace(cfg, kv_memory_fraction=kv_memory_fraction)
+        cfg = cfg.resolved()
+        assert cfg.dtype is not None
+        weights = load_model(Path(info.path), dtype=cfg.dtype, device=device)
+        return cls(EngineCore(weights, info.identity, cfg))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        warm = getattr(self.core.runner, "capture_graphs", None)
+        if warm is not None:
+            await asyncio.get_running_loop().run_in_executor(None, warm)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="cloud-engine-step", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop = True
+        self._wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        for rid in list(self._streams):
+            seq = self.core.abort(rid)
+            if seq is not None:
+                self._deliver_threadsafe([(rid, _event(seq, [], FinishReason.ABORT))])
+
+    # -- requests --------------------------------------------------------------------------
+    def check(self, request: GenerationRequest) -> None:
+        self.core.check(request)
+        waiting = self.core.scheduler.num_waiting + self._pending_adds
+        if waiting >= self.core.config.max_waiting:
+            raise QueueFull(f"{waiting} requests waiting", retry_after_s=self.core.retry_after_s())
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        self.check(request)
+        rid = request.request_id
+        if rid in self._streams:
+            raise ValueError(f"duplicate request id {rid}")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), queue)
+        self._submit("add", request)
+        finished = False
+        try:
+            while True:
+                ev = await queue.get()
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._submit("abort", rid)
+
+    async def abort(self, request_id: str) -> None:
+        self._submit("abort", request_id)
+
+    def _submit(self, kind: str, payload: object) -> None:
+        with self._lock:
+            self._inbox.append((kind, payload))
+            if kind == "add":
+                self._pending_adds += 1
+        self._wake.set()
+
+    # -- observation -----------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        c = self.core
+        return EngineStats(
+            device=str(c.pool.device),
+            max_batch=c.scheduler.config.max_running,
+            running=c.scheduler.num_running,
+            waiting=c.scheduler.num_waiting + self._pending_adds,
+            kv_blocks_used=c.blocks.num_used,
+            kv_blocks_total=c.blocks.num_blocks,
+            prefill_tokens_per_s=c.counters.prefill_tok_s,
+            decode_ms_per_token=c.counters.decode_ms,
+            prefix_hit_rate=c.prefix_hit_rate,
+        )
+
+    def drain_block_events(self) -> BlockEvents:
+        """Prefix-cache hashes stored and removed since the last call (thread-safe); the node
+        app forwards them to ``FleetStore.record_blocks(node_id, ev.stored, ev.removed)``."""
+        return self.core.drain_block_events()
+
+    # -- the step thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        with torch.inference_mode():
+            while not self._stop:
+                self._drain_inbox()
+                if not core.has_work():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    outs = core.step()
+                except Exception:  # a failed step must not strand its requests
+                    log.exception("engine step failed; aborting the running requests")
+                    outs = [
+                        SeqOutput(s, [], FinishReason.ABORT)
+                        for s in list(core.seqs.values())
+                        if core.abort(s.request_id) is not None
+                    ]
+                self._deliver_threadsafe(
+                    [(o.seq.request_id, _event(o.seq, o.new_token_ids, o.finish_reason)) for o in outs]
+                )
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            cmds = list(self._inbox)
+            self._inbox.clear()
+        aborted: list[tuple[str, TokenEvent]] = []
+        for kind, payload in cmds:
+            if kind == "add":
+                req = payload
+                assert isinstance(req, GenerationRequest)
+                with self._lock:
+                    self._pending_adds -= 1
+                if req.request_id in self._streams:
+                    self.core.add(req)
+            else:
+                rid = str(payload)
+                seq = self.core.abort(rid)
+                if seq is not None:
+                    aborted.append((rid, _event(seq, [], FinishReason.ABORT)))
+        if aborted:
+            self._deliver_threadsafe(aborted)
+
+    def _deliver_threadsafe(self, events: list[tuple[str, TokenEvent]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
+        for rid, ev in events:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], ev))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)

@@ -1,0 +1,186 @@
+"""Paged attention over the KV pool for a ragged batch: decodes and prefill chunks alike.
+
+Each program handles one *tile* (a sequence and ``BLOCK_Q`` of its query tokens) for one kv
+head, with the ``G`` query heads that share that kv head packed into the rows of one matrix
+(``rows = BLOCK_Q * G_PAD``), so a decode tile reads each key once for all its query heads.
+It walks the sequence's keys ``BLOCK_N`` at a time through the block table, with an online
+softmax in float32.
+
+Invariants: a query at absolute position ``p`` (``seq_len - q_len + t``) sees exactly keys
+``0..p`` of its own sequence; keys are read only below the tile's causal limit, and masked
+loads return 0, so stale or padding slots never reach the output; a tile whose sequence has no
+key (CUDA-graph padding) writes zeros, not NaN. The loop bound is read from ``seq_lens`` on the
+device, so the launch is the same for every step of a captured decode graph.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import triton
+import triton.language as tl
+
+from cloud_engine.kernels.tiling import TileShape
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    o_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    tables_ptr,
+    seq_rows_ptr,
+    seq_lens_ptr,
+    q_start_ptr,
+    tile_seq_ptr,
+    tile_q0_ptr,
+    qk_scale,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_sb,
+    stride_st,
+    stride_tr,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    qs = tl.load(q_start_ptr + s)
+    q_len = tl.load(q_start_ptr + s + 1) - qs
+    ctx = tl.load(seq_lens_ptr + s)
+    row = tl.load(seq_rows_ptr + s).to(tl.int64)
+
+    M: tl.constexpr = BLOCK_Q * G_PAD
+    offs_m = tl.arange(0, M)
+    t = q0 + offs_m // G_PAD
+    g = offs_m % G_PAD
+    valid = (t < q_len) & (g < G)
+    head = kvh * G + g
+    qpos = ctx - q_len + t
+    offs_d = tl.arange(0, D)
+    tok = (qs + t).to(tl.int64)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+
+    m_i = tl.full([M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([M], dtype=tl.float32)
+    acc = tl.zeros([M, D], dtype=tl.float32)
+    kv_end = tl.minimum(ctx, ctx - q_len + q0 + BLOCK_Q)  # 1 + the tile's last query position
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        blk = tl.load(tables_ptr + row * stride_tr + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
+        slot_off = blk * stride_cb + (offs_n % BS) * stride_ct + kvh * stride_ch
+        k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if KV_INT8:
+            s_off = blk * stride_sb + (offs_n % BS) * stride_st + kvh
+            ks = tl.load(k_scale_ptr + s_off, mask=n_ok, other=0.0)
+            vs = tl.load(v_scale_ptr + s_off, mask=n_ok, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        if IEEE:  # float32 models: exact products, not tf32
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+        ok = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        scores = tl.where(ok, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=valid[:, None],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    tables: torch.Tensor,
+    seq_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_start: torch.Tensor,
+    tile_seq: torch.Tensor,
+    tile_q0: torch.Tensor,
+    shape: TileShape,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[N, Hq, D]`` over the pool (``k_cache`` ``[blocks, bs, Hkv, D]``)
+    for the sequences described by the int32 tensors (see the module docstring)."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    n_tiles = tile_seq.shape[0]
+    if n_tiles == 0:
+        return out
+    int8 = k_scale is not None
+    _paged_attention_kernel[(n_tiles, hkv)](
+        q,
+        out,
+        k_cache,
+        v_cache,
+        k_scale if int8 else q,
+        v_scale if int8 else q,
+        tables,
+        seq_rows,
+        seq_lens,
+        q_start,
+        tile_seq,
+        tile_q0,
+        (1.0 / math.sqrt(d)) * 1.4426950408889634,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_scale.stride(0) if k_scale is not None else 0,
+        k_scale.stride(1) if k_scale is not None else 0,
+        tables.stride(0),
+        G=hq // hkv,
+        G_PAD=shape.g_pad,
+        BLOCK_Q=shape.block_q,
+        BLOCK_N=shape.block_n,
+        BS=k_cache.shape[1],
+        D=d,
+        KV_INT8=int8,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out

@@ -1,0 +1,70 @@
+"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds.
+
+Invariants: a greedy row is ``argmax`` of its logits (so paged and dense greedy agree whenever
+their logits do); a seeded row uses the reference ``cloud_engine.model.sampling.sample`` with
+its own generator, so it reproduces the dense reference's draws; unseeded rows share one
+vectorized draw (exponential race over the filtered probabilities).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cloud_engine.model.sampling import sample
+from routing.engine import SamplingParams
+
+
+def _filtered_probs_batch(
+    logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Row-wise softmax of ``logits / temp`` restricted to each row's top-k and top-p."""
+    x = logits.float() / temp.clamp_min(1e-5).unsqueeze(1)
+    sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+    v = x.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp_max(v), torch.full_like(top_k, v))
+    kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    p = torch.softmax(sorted_x, dim=-1)
+    drop = (p.cumsum(-1) - p) > top_p.unsqueeze(1)
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    x = torch.full_like(x, float("-inf")).scatter(1, idx, sorted_x)
+    return torch.softmax(x, dim=-1)
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One token id per row of ``logits`` ``[S, V]``, as an int64 tensor on the same device."""
+    greedy = [p.greedy for p in params]
+    out = torch.argmax(logits, dim=-1)
+    if all(greedy):
+        return out
+    dev = logits.device
+    seeded = [i for i, p in enumerate(params) if not greedy[i] and generators[i] is not None]
+    rest = [i for i, p in enumerate(params) if not greedy[i] and generators[i] is None]
+    for i in seeded:
+        out[i] = sample(logits[i], params[i], generators[i])
+    if rest:
+        rows = torch.tensor(rest, device=dev)
+        sub = [params[i] for i in rest]
+        probs = _filtered_probs_batch(
+            logits[rows],
+            torch.tensor([p.temperature for p in sub], device=dev),
+            torch.tensor([p.top_k for p in sub], device=dev),
+            torch.tensor([p.top_p for p in sub], device=dev),
+        )
+        race = torch.empty_like(probs).exponential_()
+        out[rows] = torch.argmax(probs / race, dim=-1)
+    return out
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    if params.greedy or params.seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(int(params.seed))
+    return g

@@ -1,0 +1,190 @@
+"""One ONNX decoder session and the KV cache of its slots, bound with IOBinding.
+
+Two cache layouts, chosen by the graph (see ``graph_info``):
+
+``gqa`` (in place). Per layer one k and one v buffer ``[slots, kv_heads, context, head_dim]``,
+allocated once. A run binds a contiguous range of slots as both ``past_key_values.N.*`` and
+``present.N.*`` (same memory); GroupQueryAttention writes each row's new keys and values at that
+row's own length, given by the row's ``attention_mask`` (right padded). Nothing is reallocated
+and nothing but the new tokens' keys and values is written per step. Decode batches rows
+``0..B-1`` (B = highest busy slot + 1); rows of idle or still-prefilling slots are harmless
+dummies that write one position at their current length, which is overwritten later.
+
+``concat`` (portable graphs, ``present = concat(past, new)``). Each slot has two buffers of
+``kv_heads * context * head_dim`` values per layer; a run reads ``past`` from one and writes
+``present`` into the other, then they swap. No allocation per step; the graph's own Concat
+copies the slot's cache once per step (inherent in that graph form). Slots run one at a time.
+
+Invariants: ``prefill(slot, tokens, start)`` requires positions ``0..start-1`` of the slot to
+hold the sequence's cache and leaves ``0..start+len(tokens)-1`` valid; callers never exceed
+``context`` positions per slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from edge_runtime.graph_info import GraphInfo
+
+_ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def _ptr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+class Decoder:
+    """Runs prefill chunks and batched decode steps; owns the KV buffers of ``slots`` slots."""
+
+    def __init__(
+        self, session: ort.InferenceSession, info: GraphInfo, slots: int, context: int
+    ) -> None:
+        if info.extra_inputs:
+            raise ValueError(f"graph needs inputs this runtime does not feed: {info.extra_inputs}")
+        self.session, self.info = session, info
+        self.slots, self.context = slots, context
+        self.kv_dtype = np.dtype(info.kv_dtype)
+        logits_meta = next(o for o in session.get_outputs() if o.name == "logits")
+        self.logits_dtype = np.dtype(_ORT_TO_NUMPY.get(logits_meta.type, np.float32))
+        self.vocab = info.vocab_size
+        h, d = info.num_kv_heads, info.head_dim
+        self._names = [
+            (info.past_name(i, kv), info.present_name(i, kv))
+            for i in range(info.num_layers)
+            for kv in ("key", "value")
+        ]
+        if info.attention == "gqa":
+            # np.zeros: pages are committed only when a slot first reaches them.
+            self._kv = [np.zeros((slots, h, context, d), self.kv_dtype) for _ in self._names]
+        else:
+            self._pp = [
+                [[np.zeros(h * context * d, self.kv_dtype) for _ in self._names] for _ in (0, 1)]
+                for _ in range(slots)
+            ]
+            self._cur = [0] * slots
+        self._bindings: dict[tuple[str, int], ort.IOBinding] = {}
+        self._keep: list[np.ndarray] = []  # inputs bound for the current run
+        # an overridable initializer: IOBinding accepts it only as an OrtValue
+        self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64))
+        if self.vocab:
+            self._logits = np.zeros((slots, self.vocab), self.logits_dtype)
+
+    @property
+    def kv_bytes(self) -> int:
+        per = 2 if self.info.attention == "concat" else 1
+        h, d = self.info.num_kv_heads, self.info.head_dim
+        return per * len(self._names) * self.slots * h * self.context * d * self.kv_dtype.itemsize
+
+    # --- bindings ---------------------------------------------------------------------------
+
+    def _gqa_binding(self, first: int, rows: int, kind: str) -> ort.IOBinding:
+        key = (kind, first if kind == "prefill" else rows)
+        io = self._bindings.get(key)
+        if io is None:
+            io = self.session.io_binding()
+            shape = [rows, self.info.num_kv_heads, self.context, self.info.head_dim]
+            for buf, (past, present) in zip(self._kv, self._names, strict=True):
+                ptr = _ptr(buf[first:])
+                io.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
+                io.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
+            self._bindings[key] = io
+        return io
+
+    def _bind_step(
+        self,
+        io: ort.IOBinding,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        positions: np.ndarray,
+        logits_rows: int | None,
+    ) -> None:
+        """Bind the token inputs; logits go to the preallocated buffer when ``logits_rows``."""
+        self._keep = [ids, mask, positions]
+        io.bind_cpu_input("input_ids", ids)
+        io.bind_cpu_input("attention_mask", mask)
+        if self.info.has_position_ids:
+            io.bind_cpu_input("position_ids", positions)
+        if self.info.has_logits_to_keep:
+            io.bind_ortvalue_input("logits_to_keep", self._keep_last)
+        if logits_rows is not None and self.vocab and self.info.has_logits_to_keep:
+            shape = [logits_rows, 1, self.vocab]
+            io.bind_output("logits", "cpu", 0, self.logits_dtype, shape, _ptr(self._logits))
+        else:
+            io.bind_output("logits", "cpu")
+
+    def _run(self, io: ort.IOBinding, rows: int) -> np.ndarray:
+        """Run; the last position's logits of each row as ``[rows, vocab]`` float32."""
+        self.session.run_with_iobinding(io)
+        if self.vocab and self.info.has_logits_to_keep:
+            out = self._logits[:rows]
+        else:
+            # presents are bound first (when the binding is made), logits after them
+            out = io.get_outputs()[len(self._names)].numpy()[:, -1, :]
+        return out if out.dtype == np.float32 else out.astype(np.float32)
+
+    # --- public API ---------------------------------------------------------------------------
+
+    def prefill(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
+        """Feed ``tokens`` at positions ``start..``; the logits ``[vocab]`` after the last one."""
+        t = len(tokens)
+        if t == 0 or start + t > self.context:
+            raise ValueError(f"prefill of {t} tokens at {start} exceeds context {self.context}")
+        ids = np.asarray(tokens, np.int64).reshape(1, t)
+        mask = np.ones((1, start + t), np.int64)
+        positions = np.arange(start, start + t, dtype=np.int64).reshape(1, t)
+        if self.info.attention == "gqa":
+            io = self._gqa_binding(slot, 1, "prefill")
+        else:
+            io = self._concat_binding(slot, start, t)
+        self._bind_step(io, ids, mask, positions, 1)
+        out = self._run(io, 1)[0]
+        if self.info.attention == "concat":
+            self._cur[slot] ^= 1
+        return out
+
+    def decode(self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """One token for each row ``b`` (slot b) at position ``lengths[b]``.
+
+        ``tokens``, ``lengths`` and ``active`` have one entry per row for slots ``0..B-1``.
+        Inactive rows are dummies (gqa) or skipped (concat); their logits are meaningless.
+        Returns logits ``[B, vocab]`` (a view, valid until the next call).
+        """
+        rows = len(tokens)
+        if np.any(lengths[active] >= self.context):
+            raise ValueError("decode past the context")
+        if self.info.attention == "concat":
+            return self._decode_concat(tokens, lengths, active)
+        ids = np.ascontiguousarray(tokens, np.int64).reshape(rows, 1)
+        total = int(lengths.max()) + 1
+        mask = (np.arange(total)[None, :] <= lengths[:, None]).astype(np.int64)
+        positions = np.ascontiguousarray(lengths, np.int64).reshape(rows, 1)
+        io = self._gqa_binding(0, rows, "decode")
+        self._bind_step(io, ids, mask, positions, rows)
+        return self._run(io, rows)
+
+    # --- concat graphs ------------------------------------------------------------------------
+
+    def _concat_binding(self, slot: int, start: int, t: int) -> ort.IOBinding:
+        io = self.session.io_binding()
+        h, d = self.info.num_kv_heads, self.info.head_dim
+        src, dst = self._pp[slot][self._cur[slot]], self._pp[slot][self._cur[slot] ^ 1]
+        for a, b, (past, present) in zip(src, dst, self._names, strict=True):
+            io.bind_input(past, "cpu", 0, self.kv_dtype, [1, h, start, d], _ptr(a))
+            io.bind_output(present, "cpu", 0, self.kv_dtype, [1, h, start + t, d], _ptr(b))
+        return io
+
+    def _decode_concat(
+        self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray
+    ) -> np.ndarray:
+        rows: dict[int, np.ndarray] = {}
+        for row in np.flatnonzero(active):
+            logits = self.prefill(int(row), [int(tokens[row])], int(lengths[row]))
+            rows[int(row)] = logits.copy()
+        vocab = self.vocab or (next(iter(rows.values())).shape[0] if rows else 1)
+        out = np.zeros((len(tokens), vocab), np.float32)
+        for row, logits in rows.items():
+            out[row] = logits
+        return out

@@ -1,0 +1,268 @@
+"""``EdgeEngine``: the edge tier's :class:`routing.engine.Engine` over an ONNX decoder graph.
+
+The asyncio side only queues requests and relays events; the ONNX Runtime loop runs in the
+scheduler's own thread (``edge_runtime.scheduler``), so the event loop never blocks on a run.
+
+Build one from a model name or folder (exported and cached on first use)::
+
+    engine = EdgeEngine.from_model("smollm2-135m-instruct", variant="int8")
+    await engine.start()
+
+or from an exported graph folder, ours or one exported elsewhere in the same layout::
+
+    engine = EdgeEngine("path/to/graph-folder", EdgeEngineConfig(slots=4, threads=2))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_runtime.decoder import Decoder
+from edge_runtime.graph_info import GRAPH_FILE, ExportMeta, GraphInfo, read_graph_info
+from edge_runtime.providers import (
+    ProviderChoice,
+    ProviderSpec,
+    SessionFactory,
+    create_session,
+    session_options,
+)
+from edge_runtime.scheduler import SlotRequest, SlotScheduler
+from routing.engine import (
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    QueueFull,
+    RequestTooLong,
+    SamplingParams,
+    TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 2048
+
+
+class InvalidRequest(EngineError):
+    """The request can never run (empty prompt, token id outside the vocabulary): HTTP 400."""
+
+
+@dataclass(frozen=True)
+class EdgeEngineConfig:
+    """How an edge engine runs its graph.
+
+    ``context`` is the KV capacity per slot (default: the model's context, at most 2048);
+    ``providers`` is the execution-provider preference (default: NPUs first, then CPU);
+    ``threads`` is ONNX Runtime's intra-op thread count (default: CPUs available, at most 8).
+    """
+
+    slots: int = 4
+    context: int | None = None
+    max_waiting: int = 16
+    prefill_chunk: int = 256
+    threads: int | None = None
+    providers: tuple[str | ProviderSpec, ...] | None = None
+    spin: bool = True
+    warmup: bool = True
+
+
+class EdgeEngine:
+    """An :class:`routing.engine.Engine` of kind ``"edge"``."""
+
+    kind = "edge"
+
+    def __init__(
+        self,
+        graph_dir: str | os.PathLike[str],
+        config: EdgeEngineConfig | None = None,
+        *,
+        model_id: str | None = None,
+        session_factory: SessionFactory | None = None,
+    ) -> None:
+        self.folder = Path(graph_dir)
+        self.config = config or EdgeEngineConfig()
+        self.meta = ExportMeta.read(self.folder)
+        graph_file = self.meta.graph_file if self.meta else GRAPH_FILE
+        self.graph_path = self.folder / graph_file
+        if not self.graph_path.is_file():
+            raise FileNotFoundError(f"no {graph_file} in {self.folder}")
+        self.info: GraphInfo = read_graph_info(self.graph_path)
+        model_ctx = self.meta.context_length if self.meta else DEFAULT_CONTEXT
+        self.max_context = self.config.context or min(model_ctx, DEFAULT_CONTEXT)
+        self.model_id = model_id or (self.meta.model_identity if self.meta else self.folder.name)
+        self.vocab_size = self.info.vocab_size or (self.meta.vocab_size if self.meta else None)
+        self._session_factory = session_factory
+        self.provider: ProviderChoice | None = None
+        self._scheduler: SlotScheduler | None = None
+        self._start_lock = asyncio.Lock()
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str | os.PathLike[str],
+        variant: str = "int8",
+        attention: str = "gqa",
+        config: EdgeEngineConfig | None = None,
+        **kwargs: object,
+    ) -> EdgeEngine:
+        """Export ``model`` (a store name or HF folder) if not cached, then build the engine.
+
+        Blocking: the first export of a model takes about a minute (torch is imported then).
+        """
+        from edge_runtime.export import ensure_export
+
+        graph = ensure_export(model, variant, attention)
+        return cls(graph.folder, config, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        """Folder with tokenizer.json and the chat template (the export copies them)."""
+        return (self.folder / (self.meta.tokenizer_dir if self.meta else ".")).resolve()
+
+    @property
+    def device(self) -> str:
+        if self.provider is None:
+            return "unstarted"
+        return self.provider.short_name
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._scheduler is not None:
+                return
+            self._scheduler = await asyncio.to_thread(self._load)
+            self._scheduler.start()
+
+    def _load(self) -> SlotScheduler:
+        cfg = self.config
+        t0 = time.perf_counter()
+        kwargs = {} if self._session_factory is None else {"session_factory": self._session_factory}
+        session, self.provider = create_session(
+            self.graph_path,
+            cfg.providers,
+            options_factory=lambda: session_options(cfg.threads, cfg.spin),
+            **kwargs,  # type: ignore[arg-type]
+        )
+        decoder = Decoder(session, self.info, cfg.slots, self.max_context)
+        scheduler = SlotScheduler(decoder, cfg.max_waiting, cfg.prefill_chunk)
+        if cfg.warmup:
+            _warm_up(decoder, scheduler)
+        log.info(
+            "edge engine %s: %s, %d slots x %d tokens, loaded in %.1f s",
+            self.model_id,
+            self.provider.active,
+            cfg.slots,
+            self.max_context,
+            time.perf_counter() - t0,
+        )
+        return scheduler
+
+    async def shutdown(self) -> None:
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            await asyncio.to_thread(scheduler.stop)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("empty prompt")
+        if self.vocab_size is not None:
+            ids = request.prompt_token_ids
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise InvalidRequest(f"token ids must lie in [0, {self.vocab_size})")
+        wanted = n + request.sampling.max_tokens
+        if wanted > self.max_context:
+            raise RequestTooLong(
+                f"prompt ({n} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+                f"{wanted} tokens, over this node's context of {self.max_context}"
+            )
+        scheduler = self._require_started()
+        if scheduler.full():
+            raise QueueFull("all slots are busy and the queue is full", self._retry_after())
+
+    def _retry_after(self) -> float:
+        snap = self._require_started().snapshot()
+        step_s = (snap.decode_ms_per_step or 50.0) / 1e3
+        return float(min(60.0, max(0.1, snap.soonest_free_tokens * step_s)))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        self.check(request)
+        scheduler = self._require_started()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+
+        def emit(event: TokenEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                pass
+
+        n = len(request.prompt_token_ids)
+        budget = min(request.sampling.max_tokens, self.max_context - n)
+        scheduler.submit(SlotRequest(request, emit, budget))
+        finished = False
+        try:
+            while True:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                scheduler.cancel(request.request_id, notify=False)
+
+    async def abort(self, request_id: str) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel(request_id)
+
+    def stats(self) -> EngineStats:
+        cfg = self.config
+        if self._scheduler is None:
+            return EngineStats(self.device, cfg.slots, 0, 0, 0, 0, 0.0, 0.0)
+        snap = self._scheduler.snapshot()
+        return EngineStats(
+            device=self.device,
+            max_batch=cfg.slots,
+            running=snap.running,
+            waiting=snap.waiting,
+            kv_blocks_used=snap.kv_blocks_used,
+            kv_blocks_total=snap.kv_blocks_total,
+            prefill_tokens_per_s=snap.prefill_tokens_per_s,
+            decode_ms_per_token=snap.decode_ms_per_step,
+        )
+
+    def _require_started(self) -> SlotScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("EdgeEngine.start() has not been awaited")
+        return self._scheduler
+
+
+def _warm_up(decoder: Decoder, scheduler: SlotScheduler, prompt_len: int = 16) -> None:
+    """Run a short prefill and decode step twice (the first ORT runs allocate), and seed the
+    rate estimates with the second run's timings. Slot 0's cache is overwritten later."""
+    import numpy as np
+
+    prompt = [0] * min(prompt_len, decoder.context - 2)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        decoder.prefill(0, prompt, 0)
+        t1 = time.perf_counter()
+        one = np.array([0], np.int64)
+        decoder.decode(one, np.array([len(prompt)], np.int64), np.array([True]))
+        t2 = time.perf_counter()
+    scheduler.prefill_tps.value = len(prompt) / max(t1 - t0, 1e-9)
+    scheduler.decode_ms.value = (t2 - t1) * 1e3
+
+
+def greedy(max_tokens: int, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
+    """Greedy sampling parameters (a convenience for tests and benchmarks)."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids))

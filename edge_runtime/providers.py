@@ -1,0 +1,175 @@
+"""Execution-provider choice: the first provider of a preference list that creates a session.
+
+Invariants:
+- Providers the installed onnxruntime does not offer are skipped without trying them.
+- A provider whose session creation raises is recorded as failed and the next one is tried.
+- CPU is always the last resort: it is appended to any preference list that lacks it.
+- Every provider other than CPU is registered with CPU behind it, so nodes it cannot run
+  (e.g. ``GroupQueryAttention`` on an NPU) fall back to CPU inside the one session.
+- :class:`ProviderChoice` records which provider is active and why each earlier one was not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+
+log = logging.getLogger(__name__)
+
+CPU = "CPUExecutionProvider"
+
+
+@dataclass(frozen=True)
+class ProviderSpec:
+    name: str
+    options: dict[str, str] = field(default_factory=dict)
+
+
+def _qnn_backend() -> str:
+    return "QnnHtp.dll" if sys.platform == "win32" else "libQnnHtp.so"
+
+
+# NPU first, then other accelerators, then CPU.
+DEFAULT_PREFERENCE: tuple[ProviderSpec, ...] = (
+    ProviderSpec("QNNExecutionProvider", {"backend_path": _qnn_backend()}),
+    ProviderSpec("OpenVINOExecutionProvider", {"device_type": "NPU"}),
+    ProviderSpec("VitisAIExecutionProvider"),
+    ProviderSpec("CoreMLExecutionProvider"),
+    ProviderSpec("DmlExecutionProvider"),
+    ProviderSpec(CPU),
+)
+
+ALIASES = {
+    "qnn": "QNNExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider",
+    "vitisai": "VitisAIExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+    "dml": "DmlExecutionProvider",
+    "directml": "DmlExecutionProvider",
+    "cpu": CPU,
+}
+
+
+def parse_provider(text: str | ProviderSpec) -> ProviderSpec:
+    """``"openvino:device_type=NPU,precision=FP16"`` or a full provider name, as a spec.
+
+    A bare alias of a provider in :data:`DEFAULT_PREFERENCE` keeps that entry's options.
+    """
+    if isinstance(text, ProviderSpec):
+        return text
+    name, _, opts = text.partition(":")
+    full = ALIASES.get(name.strip().lower(), name.strip())
+    options: dict[str, str] = {}
+    for item in filter(None, (o.strip() for o in opts.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"provider option {item!r} is not key=value")
+        options[key.strip()] = value.strip()
+    if not opts:
+        default = next((p for p in DEFAULT_PREFERENCE if p.name == full), None)
+        if default is not None:
+            return default
+    return ProviderSpec(full, options)
+
+
+@dataclass(frozen=True)
+class ProviderAttempt:
+    name: str
+    outcome: str  # "active" | "skipped" | "failed"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ProviderChoice:
+    active: str
+    attempts: tuple[ProviderAttempt, ...]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Provider name -> why it is not the active one."""
+        return {a.name: a.reason for a in self.attempts if a.outcome != "active"}
+
+    @property
+    def short_name(self) -> str:
+        """``"CPU"``, ``"QNN"``, ... (the provider name without ``ExecutionProvider``)."""
+        return self.active.removesuffix("ExecutionProvider")
+
+
+def default_threads() -> int:
+    """Intra-op threads: the CPUs this process may run on, at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+def session_options(threads: int | None = None, spin: bool = True) -> ort.SessionOptions:
+    """Full graph optimizations, sequential execution, ``threads`` intra-op threads.
+
+    ``spin=False`` stops idle intra-op threads from busy-waiting (friendlier to other work
+    on a small box, a little slower per token).
+    """
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or default_threads()
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    so.log_severity_level = 3
+    return so
+
+
+SessionFactory = Callable[..., ort.InferenceSession]
+
+
+def create_session(
+    graph_path: Path,
+    preference: Sequence[str | ProviderSpec] | None = None,
+    options_factory: Callable[[], ort.SessionOptions] = session_options,
+    session_factory: SessionFactory = ort.InferenceSession,
+    available: Sequence[str] | None = None,
+) -> tuple[ort.InferenceSession, ProviderChoice]:
+    """Create a session on the first provider of ``preference`` that works.
+
+    Raises RuntimeError (with every provider's reason) only if even CPU fails.
+    """
+    specs = [parse_provider(p) for p in (preference or DEFAULT_PREFERENCE)]
+    if not any(s.name == CPU for s in specs):
+        specs.append(ProviderSpec(CPU))
+    offered = set(available if available is not None else ort.get_available_providers())
+    attempts: list[ProviderAttempt] = []
+    for spec in specs:
+        if spec.name not in offered:
+            attempts.append(ProviderAttempt(spec.name, "skipped", "not offered by this onnxruntime"))
+            continue
+        providers: list[tuple[str, dict[str, Any]]] = [(spec.name, dict(spec.options))]
+        if spec.name != CPU:
+            providers.append((CPU, {}))
+        try:
+            session = session_factory(
+                str(graph_path), sess_options=options_factory(), providers=providers
+            )
+        except Exception as exc:  # any EP error: driver missing, bad options, unsupported graph
+            reason = f"session creation failed: {type(exc).__name__}: {str(exc)[:300]}"
+            log.warning("%s: %s", spec.name, reason)
+            attempts.append(ProviderAttempt(spec.name, "failed", reason))
+            continue
+        registered = session.get_providers()
+        if not registered or registered[0] != spec.name:
+            reason = f"session created without it (providers: {registered})"
+            attempts.append(ProviderAttempt(spec.name, "failed", reason))
+            continue
+        attempts.append(ProviderAttempt(spec.name, "active"))
+        choice = ProviderChoice(spec.name, tuple(attempts))
+        log.info("execution provider %s (skipped: %s)", spec.name, choice.skipped or "none")
+        return session, choice
+    detail = "; ".join(f"{a.name}: {a.reason}" for a in attempts)
+    raise RuntimeError(f"no execution provider could create a session: {detail}")

@@ -1,0 +1,62 @@
+"""Token sampling in numpy: greedy, temperature, top-k, top-p, per-request seed.
+
+Invariants:
+- Greedy (``temperature == 0`` or ``top_k == 1``) is ``argmax`` of the logits: deterministic and
+  equal to the torch reference's choice for the same logits.
+- The top-p nucleus is the smallest prefix of the tokens sorted by probability whose mass
+  reaches ``top_p`` (the token that crosses ``top_p`` is kept), as in the torch reference.
+- With a seed, a request's token sequence depends only on its logits and the seed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from routing.engine import SamplingParams
+
+_FIRST_NUCLEUS = 256  # candidates examined first; widened until they hold top_p of the mass
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        """One token id from a ``[vocab]`` logits row."""
+        p = self.params
+        if p.greedy:
+            return int(np.argmax(logits))
+        x = logits.astype(np.float64) / max(p.temperature, 1e-5)
+        ids: np.ndarray | None = None
+        if 0 < p.top_k < x.size:
+            ids = np.argpartition(x, x.size - p.top_k)[x.size - p.top_k :]
+            x = x[ids]
+        if p.top_p < 1.0:
+            keep, probs = _nucleus(x, p.top_p)
+            choice = int(keep[self.rng.choice(keep.size, p=probs / probs.sum())])
+        else:
+            probs = np.exp(x - x.max())
+            choice = int(self.rng.choice(x.size, p=probs / probs.sum()))
+        return int(ids[choice]) if ids is not None else choice
+
+
+def _nucleus(x: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into ``x`` of the top-p nucleus (most probable first) and their probabilities.
+
+    Only the top candidates are sorted: first 256, widened while they hold less than top_p.
+    """
+    n = x.size
+    m = x.max()
+    z = np.exp(x - m).sum()
+    k = min(n, _FIRST_NUCLEUS)
+    while True:
+        part = np.argpartition(x, n - k)[n - k :] if k < n else np.arange(n)
+        order = np.argsort(-x[part], kind="stable")
+        part = part[order]
+        probs = np.exp(x[part] - m) / z
+        cum = np.cumsum(probs)
+        if cum[-1] >= top_p or k == n:
+            count = min(int(np.searchsorted(cum, top_p, side="left")) + 1, k)
+            return part[:count], probs[:count]
+        k = min(n, k * 8)

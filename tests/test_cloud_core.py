@@ -1,0 +1,217 @@
+"""The paged engine core against the dense reference (tiny random fp32 model, CPU).
+
+Parity, prefix sharing, preemption, cancellation and admission errors, all with assertions on
+exact token ids and on the engine's own counters.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud_engine.config import EngineConfig
+from cloud_engine.core import EngineCore
+from cloud_engine.cuda_runner import CudaRunner
+from cloud_engine.kv_pool import KVPool, KVSpec
+from cloud_engine.model.dense import generate
+from cloud_engine.model.fused import TorchOps
+from cloud_engine.model.llama import LlamaForCausalLM
+from cloud_engine.model.loader import load_model, save_random_model, tiny_config
+from routing.blocks import block_hashes, model_seed
+from routing.engine import GenerationRequest, QueueFull, RequestTooLong, SamplingParams
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    path = save_random_model(tmp_path_factory.mktemp("tiny-cloud"), tiny_config(), seed=7)
+    return load_model(Path(path))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def reference(model: LlamaForCausalLM, reqs: list[GenerationRequest]) -> dict[str, list[int]]:
+    return {r.request_id: generate(model, r.prompt_token_ids, r.sampling).token_ids for r in reqs}
+
+
+def drive(
+    core: EngineCore,
+    reqs: list[GenerationRequest],
+    arrivals: list[int] | None = None,
+    after_step: Callable[[EngineCore], None] | None = None,
+) -> dict[str, list[int]]:
+    """Submit each request at its arrival step; step until everything finished."""
+    arrivals = arrivals or [0] * len(reqs)
+    order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    step = k = 0
+    while k < len(order) or core.has_work():
+        while k < len(order) and arrivals[order[k]] <= step:
+            core.add(reqs[order[k]])
+            k += 1
+        for o in core.step():
+            out[o.seq.request_id] += o.new_token_ids
+        if after_step is not None:
+            after_step(core)
+        step += 1
+        assert step < 10_000
+    return out
+
+
+def random_requests(n: int, seed: int, max_prompt: int = 300, max_out: int = 40) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    return [
+        GenerationRequest(
+            [rng.randrange(VOCAB) for _ in range(rng.randint(1, max_prompt))],
+            greedy(rng.randint(1, max_out)),
+            request_id=f"r{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def make_core(model: LlamaForCausalLM, runner: str = "reference", **kw: object) -> EngineCore:
+    cfg = EngineConfig(**{"max_tokens_per_step": 256, "max_running": 16, "debug_checks": True, **kw})  # type: ignore[arg-type]
+    if runner == "reference":
+        return EngineCore(model, "tiny", cfg)
+    # The CUDA runner's logic (fused weights, device block tables, tiling) with torch ops on CPU.
+    c = model.config
+    blocks = int(kw.get("max_kv_blocks", 400))  # type: ignore[call-overload]
+    pool = KVPool(KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32), blocks, "cpu")
+    run = CudaRunner(copy.deepcopy(model), pool, max_batch=16, max_context=1024, ops=TorchOps())
+    return EngineCore(model, "tiny", cfg, runner=run)
+
+
+@pytest.mark.parametrize("runner", ["reference", "fused"])
+def test_paged_matches_dense_with_random_arrivals(tiny: LlamaForCausalLM, runner: str) -> None:
+    reqs = random_requests(32, seed=1)
+    ref = reference(tiny, reqs)
+    rng = random.Random(2)
+    arrivals = [rng.randint(0, 60) for _ in reqs]
+    core = make_core(tiny, runner, max_kv_blocks=400)
+    out = drive(core, reqs, arrivals)
+    assert out == ref
+    assert core.counters.preemptions == 0
+    assert core.blocks.num_used == 0
+    core.blocks.check_integrity()
+    # mixed steps happened: some step carried both decodes and prefill chunks
+    assert core.counters.decode_tokens == sum(len(v) for v in ref.values())
+
+
+def test_prefix_sharing_computes_only_new_tokens(tiny: LlamaForCausalLM) -> None:
+    rng = random.Random(3)
+    system = [rng.randrange(VOCAB) for _ in range(200)]
+    reqs = [
+        GenerationRequest(system + [rng.randrange(VOCAB) for _ in range(rng.randint(5, 40))], greedy(12), request_id=f"p{i}")
+        for i in range(6)
+    ]
+    ref = reference(tiny, reqs)
+    core = make_core(tiny, max_kv_blocks=200)
+    out = drive(core, reqs[:1])
+    first = core.counters.prefill_tokens
+    assert first == len(reqs[0].prompt_token_ids)
+    out.update(drive(core, reqs[1:]))
+    shared = (200 // 16) * 16  # 12 full blocks of the system prompt
+    expected_new = sum(len(r.prompt_token_ids) - shared for r in reqs[1:])
+    assert core.counters.prefill_tokens - first == expected_new
+    assert core.counters.cached_prompt_tokens == shared * 5
+    assert out == ref
+    assert core.prefix_hit_rate == pytest.approx(shared * 5 / sum(len(r.prompt_token_ids) for r in reqs))
+
+
+def test_preemption_recomputes_and_keeps_output(tiny: LlamaForCausalLM) -> None:
+    reqs = random_requests(12, seed=4, max_prompt=120, max_out=60)
+    ref = reference(tiny, reqs)
+    core = make_core(tiny, max_kv_blocks=24, max_tokens_per_step=128)
+    checks = []
+
+    def integrity(c: EngineCore) -> None:
+        c.blocks.check_integrity()
+        checks.append(c.blocks.num_used)
+
+    out = drive(core, reqs, after_step=integrity)
+    assert core.counters.preemptions > 0
+    assert out == ref
+    assert max(checks) <= 24 and core.blocks.num_used == 0
+
+
+def test_cancellation_frees_blocks(tiny: LlamaForCausalLM) -> None:
+    core = make_core(tiny, max_kv_blocks=100)
+    reqs = random_requests(4, seed=5, max_prompt=100, max_out=1)
+    for r in reqs:
+        core.add(GenerationRequest(r.prompt_token_ids, greedy(500), request_id=r.request_id))
+    for _ in range(3):
+        core.step()
+    assert core.blocks.num_used > 0
+    for r in reqs[:3]:
+        assert core.abort(r.request_id) is not None
+    assert core.abort("nope") is None
+    # only the last request's blocks remain in use
+    seq = core.seqs[reqs[3].request_id]
+    assert core.blocks.num_used == len(seq.block_table)
+    core.abort(reqs[3].request_id)
+    assert core.blocks.num_used == 0 and not core.has_work()
+    core.blocks.check_integrity()
+
+
+def test_check_rejects_what_can_never_fit(tiny: LlamaForCausalLM) -> None:
+    core = make_core(tiny, max_kv_blocks=10, max_waiting=2)
+    with pytest.raises(RequestTooLong):  # context (1024)
+        core.check(GenerationRequest([1] * 1000, greedy(100)))
+    with pytest.raises(RequestTooLong):  # the whole pool (160 slots)
+        core.check(GenerationRequest([1] * 150, greedy(20)))
+    ok = GenerationRequest([1] * 10, greedy(5))
+    core.check(ok)
+    core.add(ok)
+    core.add(GenerationRequest([1] * 10, greedy(5)))
+    with pytest.raises(QueueFull) as info:
+        core.check(GenerationRequest([1] * 10, greedy(5)))
+    assert info.value.retry_after_s > 0
+
+
+def test_block_events_use_routing_hashes(tiny: LlamaForCausalLM) -> None:
+    core = make_core(tiny, max_kv_blocks=12)
+    prompt = list(range(40))
+    drive(core, [GenerationRequest(prompt, greedy(3), request_id="a")])
+    ev = core.drain_block_events()
+    # both full prompt blocks are announced under the gateway's hashes
+    assert set(block_hashes(prompt, model_seed("tiny"))) <= set(ev.stored)
+    assert ev.removed == []
+    # a request that needs the whole pool evicts them, and says so
+    drive(core, [GenerationRequest([7] * 150, greedy(30), request_id="b")])
+    ev = core.drain_block_events()
+    assert set(block_hashes(prompt, model_seed("tiny"))) <= set(ev.removed)
+
+
+def test_priority_is_served_first(tiny: LlamaForCausalLM) -> None:
+    core = make_core(tiny, max_kv_blocks=100, max_running=1)
+    order: list[str] = []
+    reqs = [
+        GenerationRequest([1, 2, 3], greedy(2), request_id="low", priority=5),
+        GenerationRequest([1, 2, 3], greedy(2), request_id="high", priority=0),
+        GenerationRequest([1, 2, 3], greedy(2), request_id="mid", priority=1),
+    ]
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        for o in core.step():
+            if o.finish_reason is not None:
+                order.append(o.seq.request_id)
+    assert order == ["high", "mid", "low"]
+
+
+def test_int8_kv_stays_close_on_tiny_model(tiny: LlamaForCausalLM) -> None:
+    reqs = random_requests(8, seed=6, max_prompt=200, max_out=20)
+    ref = reference(tiny, reqs)
+    out = drive(make_core(tiny, kv_int8=True, max_kv_blocks=400), reqs)
+    agree = sum(a == b for r in ref for a, b in zip(ref[r], out[r], strict=False))
+    assert agree / sum(len(v) for v in ref.values()) > 0.8
