@@ -62,6 +62,25 @@ log = logging.getLogger(__name__)
 _OFFLOAD_CHARS = 2000  # prompts longer than this are tokenized in a worker thread
 
 
+def _prompt_chars(body: dict[str, Any]) -> int:
+    """About how many characters the prompt has (text parts; a token id counts as 4)."""
+    n = 0
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                n += len(text) if isinstance(text, str) else 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        n += len(prompt)
+    elif isinstance(prompt, list):
+        n += sum(len(p) if isinstance(p, str) else 4 for p in prompt)
+    return n
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig, store: FleetStore | None = None) -> None:
         self.config = config
@@ -156,6 +175,11 @@ class Gateway:
                 [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
             ) from None
 
+    def client_region(self, request: Request) -> str:
+        """The client's region; clients geo cannot place get the routing policy's default."""
+        found = self.geo.locate(self.client_ip.from_scope(request.scope))
+        return found.region if found.source != "default" else self.router.config.default_region
+
     def concrete_model(self, requested: str) -> str:
         return self.config.virtual_models.get(requested, requested)
 
@@ -183,19 +207,15 @@ class Gateway:
     ) -> tuple[RequestProfile, FleetView]:
         for _ in range(2):  # a second pass only when the model's identity changed under us
             ident, view0 = await self._identity(model)
-            nodes = (
-                (view0 or await self.store.view([])).nodes
-                if ident not in self._known_tokenizers()
-                else []
-            )
-            try:
-                fmt = self.tokenizers.cached(ident) or await self.tokenizers.get(
-                    model, ident, nodes
-                )
-            except TokenizerUnavailable as exc:
-                raise APIError(
-                    503, str(exc), type_="server_error", code="tokenizer_unavailable"
-                ) from exc
+            fmt = self.tokenizers.cached(ident)
+            if fmt is None:
+                nodes = (view0 or await self.store.view([])).nodes
+                try:
+                    fmt = await self.tokenizers.get(model, ident, nodes)
+                except TokenizerUnavailable as exc:
+                    raise APIError(
+                        503, str(exc), type_="server_error", code="tokenizer_unavailable"
+                    ) from exc
 
             build = functools.partial(
                 build_profile,
@@ -210,10 +230,7 @@ class Gateway:
             )
 
             try:
-                big = (
-                    len(json.dumps(body.get("messages") or body.get("prompt") or ""))
-                    > _OFFLOAD_CHARS
-                )
+                big = _prompt_chars(body) > _OFFLOAD_CHARS
                 prof = await anyio.to_thread.run_sync(build) if big else build()
             except (ProfileError, TemplateError) as exc:
                 raise bad_request(
@@ -226,16 +243,13 @@ class Gateway:
             self.identities.pop(model, None)
         return prof, view
 
-    def _known_tokenizers(self) -> set[str]:
-        return set(self.tokenizers._by_identity)
-
     def decide(self, prof: RequestProfile, view: FleetView) -> Decision:
         try:
             return self.router.decide(
                 prof, view, exclude=self.breakers.open_nodes(), policy=self.policy_override
             )
         except NoRoute as exc:
-            if exc.code == "unknown_model":
+            if exc.code == "unknown_model" and view.nodes:
                 raise not_found_model(prof.model) from exc
             if exc.code == "too_long":
                 raise bad_request(
@@ -288,7 +302,7 @@ class Gateway:
     ) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         model = self.concrete_model(req.model)
-        region = self.geo.region_for(self.client_ip.from_scope(request.scope))
+        region = self.client_region(request)
         t_start = time.perf_counter()
         prof, view = await self.profile(data, route, model, region, identity.key_id)
         decision = self.decide(prof, view)
@@ -518,7 +532,7 @@ class Gateway:
         self, data: dict[str, Any], route: str, req: Any, request: Request, api_key: str | None
     ) -> dict[str, Any]:
         model = self.concrete_model(req.model)
-        region = self.geo.region_for(self.client_ip.from_scope(request.scope))
+        region = self.client_region(request)
         prof, view = await self.profile(data, route, model, region, api_key)
         out = self.decide(prof, view).to_dict()
         out["client_region"] = region
