@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source .venv/bin/activate
-exec edgecloud chat "What is the capital of France?" "$@"
+edgecloud edge export smollm2-135m-instruct --variant int8 >/dev/null  # once; cached
+exec edgecloud serve "$@"
