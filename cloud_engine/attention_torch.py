@@ -52,7 +52,9 @@ def make_meta(
     )
 
 
-def store_kv(pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv(
+    pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Write ``k, v`` ``[N, Hkv, D]`` into the pool at ``slots`` (quantizing for int8)."""
     kc, vc, ks, vs = pool.layer(layer)
     h, d = kc.shape[-2], kc.shape[-1]
@@ -93,9 +95,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.reshape(*lead, t, hq, d)
 
 
-def paged_attention(
-    pool: KVPool, layer: int, q: torch.Tensor, meta: PagedMeta
-) -> torch.Tensor:
+def paged_attention(pool: KVPool, layer: int, q: torch.Tensor, meta: PagedMeta) -> torch.Tensor:
     """Attention of ``q`` ``[N, Hq, D]`` over each sequence's cached keys (already stored)."""
     out = torch.empty_like(q)
     if meta.decode_seqs.numel():

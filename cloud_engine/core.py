@@ -23,7 +23,7 @@ from cloud_engine.kv_pool import KVPool, KVSpec, budget_bytes_for
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.runner import ModelRunner, TorchRunner
 from cloud_engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from cloud_engine.sequence import Sequence, SeqStatus
+from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
 from routing.engine import FinishReason, GenerationRequest, QueueFull, RequestTooLong
 
@@ -75,8 +75,10 @@ class EngineCore:
         device = torch.device(cfg.device)
         if cfg.threads and device.type == "cpu":
             torch.set_num_threads(cfg.threads)
-        assert cfg.dtype is not None
-        spec = KVSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, cfg.dtype, cfg.kv_int8)
+        kv_dtype = next(model.parameters()).dtype  # the KV cache holds what the model computes
+        spec = KVSpec(
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype, cfg.kv_int8
+        )
         if runner is None:
             budget = budget_bytes_for(device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)
             pool = KVPool.from_budget(spec, device, budget, cfg.max_kv_blocks)
@@ -241,7 +243,9 @@ class EngineCore:
             return 0.0
         bs = self.blocks.block_size
         empty = sum(
-            len(s.block_table) * bs - s.num_computed for s in self.scheduler.running if s.block_table
+            len(s.block_table) * bs - s.num_computed
+            for s in self.scheduler.running
+            if s.block_table
         )
         return empty / (used * bs)
 

@@ -32,13 +32,35 @@ from cloud_engine.scheduler import ScheduledBatch
 from cloud_engine.sequence import Sequence
 from cloud_engine.step_inputs import StepInputs, build_step_inputs
 
-GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+GRAPH_LADDER = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    80,
+    96,
+    112,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+)
 
 
 @dataclass(slots=True)
 class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
-    ints: torch.Tensor  # [5, B] int32: input ids, positions, slots, rows, seq lens
+    ints: torch.Tensor  # [5, W] int32 (W = B rounded up to 4): ids, positions, slots, rows, lens
     logits: torch.Tensor  # [B, V]
     tokens: torch.Tensor  # [B] greedy argmax
 
@@ -65,8 +87,6 @@ class CudaRunner:
         self.tables = torch.zeros((max_batch, self.width), dtype=torch.int32, device=self.device)
         self._free_rows = list(range(max_batch - 1, -1, -1))
         self._synced = [0] * max_batch
-        self._pin = self.device.type == "cuda"
-        self._staging = torch.empty(0, dtype=torch.int32)
         self._arange = torch.arange(GRAPH_LADDER[-1] + 1, dtype=torch.int32, device=self.device)
         self._zeros = torch.zeros(GRAPH_LADDER[-1], dtype=torch.int32, device=self.device)
         sizes = [b for b in GRAPH_LADDER if b <= min(max_graph_batch, max_batch)]
@@ -101,24 +121,21 @@ class CudaRunner:
             self.tables[up[:n].long(), up[n : 2 * n].long()] = up[2 * n :]
 
     def _upload(self, arr: np.ndarray) -> torch.Tensor:
-        """One host-to-device copy of an int32 array (through a reused pinned buffer)."""
-        src = torch.from_numpy(arr)
-        if not self._pin:
-            return src.to(self.device)
-        n = src.numel()
-        if self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 2 * self._staging.numel()), dtype=torch.int32).pin_memory()
-        self._staging[:n].copy_(src)
-        return self._staging[:n].to(self.device, non_blocking=True)
+        """One host-to-device copy of an int32 array. From pageable memory: the copy is staged
+        before it returns, so ``arr`` may be reused at once, and the host never waits for the
+        device."""
+        return torch.from_numpy(arr).to(self.device)
 
     # -- execution -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         self._sync_tables(batch)
         inp = build_step_inputs(batch, self.bs)
-        rows = np.fromiter((it.seq.row for it in batch.items), dtype=np.int32, count=len(batch.items))
+        rows = np.fromiter(
+            (it.seq.row for it in batch.items), dtype=np.int32, count=len(batch.items)
+        )
         s = inp.num_seqs
-        if inp.max_q_len == 1 and self.graph_sizes and s <= self.graph_sizes[-1]:
+        if batch.is_decode_only and self.graph_sizes and s <= self.graph_sizes[-1]:
             logits, greedy = self._replay(inp, rows)
         else:
             logits, greedy = self._eager(inp, rows), None
@@ -136,32 +153,40 @@ class CudaRunner:
         return sample_batch(logits[: len(seqs)], params, gens).tolist()  # type: ignore[arg-type]
 
     def _eager(self, inp: StepInputs, rows: np.ndarray) -> torch.Tensor:
-        n, s = inp.num_tokens, inp.num_seqs
         shape = tile_shape(self.group, inp.max_q_len)
         tile_seq, tile_q0 = make_tiles(inp.q_start, shape.block_q)
-        p, m = len(tile_seq), len(inp.sample_idx)
-        parts = [inp.input_ids, inp.positions, inp.slot_mapping, rows, inp.seq_lens, inp.q_start]
-        packed = np.concatenate([*parts, tile_seq, tile_q0, inp.sample_idx]).astype(np.int32)
+        parts = [
+            inp.input_ids, inp.positions, inp.slot_mapping, rows, inp.seq_lens, inp.q_start,
+            tile_seq, tile_q0, inp.sample_idx,
+        ]  # fmt: skip
+        # Every part starts on a 16-byte boundary: Triton specializes kernels on pointer
+        # alignment, and unaligned views would recompile them step after step.
+        sizes = [len(x) for x in parts]
+        starts = np.cumsum([0] + [-(-k // 4) * 4 for k in sizes])
+        packed = np.zeros(int(starts[-1]), dtype=np.int32)
+        for x, a in zip(parts, starts[:-1], strict=True):
+            packed[a : a + len(x)] = x
         dev = self._upload(packed)
-        o = np.cumsum([0, n, n, n, s, s, s + 1, p, p, m])
-        v = [dev[o[i] : o[i + 1]] for i in range(len(o) - 1)]
+        v = [dev[a : a + k] for a, k in zip(starts[:-1], sizes, strict=True)]
         ids, pos, slots, seq_rows, seq_lens, q_start, t_seq, t_q0, sample_idx = v
         meta = None
         if self.torch_ops:
             meta = make_meta(
-                slots.long(), self.tables[seq_rows.long()].long(), inp.q_start.tolist(), inp.seq_lens.tolist()
+                slots.long(),
+                self.tables[seq_rows.long()].long(),
+                inp.q_start.tolist(),
+                inp.seq_lens.tolist(),
             )
         a = AttnInputs(slots, self.tables, seq_rows, seq_lens, q_start, t_seq, t_q0, shape, meta)
         hidden = self.fm.forward(ids, pos, a)
         return self.fm.logits(hidden[sample_idx.long()])
 
-    def _decode_forward(self, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b = ints.shape[1]
+    def _decode_forward(self, ints: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         a = AttnInputs(
-            ints[2], self.tables, ints[3], ints[4], self._arange[: b + 1], self._arange[:b],
-            self._zeros[:b], tile_shape(self.group, 1),
+            ints[2, :b], self.tables, ints[3, :b], ints[4, :b], self._arange[: b + 1],
+            self._arange[:b], self._zeros[:b], tile_shape(self.group, 1),
         )  # fmt: skip
-        logits = self.fm.logits(self.fm.forward(ints[0], ints[1], a))
+        logits = self.fm.logits(self.fm.forward(ints[0, :b], ints[1, :b], a))
         return logits, torch.argmax(logits, dim=-1)
 
     @torch.inference_mode()
@@ -170,18 +195,19 @@ class CudaRunner:
         if not self.graph_sizes:
             return
         for b in reversed(self.graph_sizes):
-            ints = torch.zeros((5, b), dtype=torch.int32, device=self.device)
+            # rows padded to 4 entries: every row starts on a 16-byte boundary
+            ints = torch.zeros((5, -(-b // 4) * 4), dtype=torch.int32, device=self.device)
             ints[2] = -1
             ints[4] = 1
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._decode_forward(ints)
+                    self._decode_forward(ints, b)
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._graph_pool):
-                logits, tokens = self._decode_forward(ints)
+                logits, tokens = self._decode_forward(ints, b)
             self._graph_pool = g.pool()
             self.graphs[b] = _DecodeGraph(g, ints, logits, tokens)
         torch.cuda.synchronize(self.device)
@@ -192,7 +218,7 @@ class CudaRunner:
             self.capture_graphs()
         b = self.graph_sizes[bisect.bisect_left(self.graph_sizes, s)]
         g = self.graphs[b]
-        host = np.zeros((5, b), dtype=np.int32)
+        host = np.zeros(tuple(g.ints.shape), dtype=np.int32)
         host[0, :s] = inp.input_ids
         host[1, :s] = inp.positions
         host[2, :s] = inp.slot_mapping
@@ -200,6 +226,6 @@ class CudaRunner:
         host[3, :s] = rows
         host[4, :s] = inp.seq_lens
         host[4, s:] = 1
-        g.ints.copy_(self._upload(host.ravel()).view(5, b))
+        g.ints.copy_(self._upload(host.ravel()).view(g.ints.shape))
         g.graph.replay()
         return g.logits, g.tokens

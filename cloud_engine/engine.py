@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -199,7 +200,10 @@ class CloudEngine:
                         if core.abort(s.request_id) is not None
                     ]
                 self._deliver_threadsafe(
-                    [(o.seq.request_id, _event(o.seq, o.new_token_ids, o.finish_reason)) for o in outs]
+                    [
+                        (o.seq.request_id, _event(o.seq, o.new_token_ids, o.finish_reason))
+                        for o in outs
+                    ]
                 )
 
     def _drain_inbox(self) -> None:
@@ -224,16 +228,16 @@ class CloudEngine:
             self._deliver_threadsafe(aborted)
 
     def _deliver_threadsafe(self, events: list[tuple[str, TokenEvent]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]] = {}
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]
+        ] = {}
         for rid, ev in events:
             stream = self._streams.get(rid)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], ev))
         for loop, items in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:

@@ -84,7 +84,11 @@ class KVPool:
 
     @classmethod
     def from_budget(
-        cls, spec: KVSpec, device: torch.device | str, budget_bytes: int, max_blocks: int | None = None
+        cls,
+        spec: KVSpec,
+        device: torch.device | str,
+        budget_bytes: int,
+        max_blocks: int | None = None,
     ) -> KVPool:
         n = budget_bytes // spec.bytes_per_block
         if max_blocks is not None:

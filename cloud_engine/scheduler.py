@@ -24,7 +24,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from cloud_engine.block_manager import BlockManager
-from cloud_engine.sequence import Sequence, SeqStatus
+from cloud_engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,9 @@ class Scheduler:
                 break
             if need > 0:
                 seq.block_table.extend(self.blocks.allocate(need))
-            batch.items.append(ScheduledSeq(seq, n, seq.num_computed, seq.num_computed + n == seq.num_tokens))
+            batch.items.append(
+                ScheduledSeq(seq, n, seq.num_computed, seq.num_computed + n == seq.num_tokens)
+            )
             budget -= n
             i += 1
         if batch.preempted:

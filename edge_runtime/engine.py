@@ -265,4 +265,6 @@ def _warm_up(decoder: Decoder, scheduler: SlotScheduler, prompt_len: int = 16) -
 
 def greedy(max_tokens: int, stop_token_ids: Sequence[int] = ()) -> SamplingParams:
     """Greedy sampling parameters (a convenience for tests and benchmarks)."""
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids))
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, stop_token_ids=tuple(stop_token_ids)
+    )

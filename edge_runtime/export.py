@@ -116,7 +116,9 @@ def ensure_export(
             _replace(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        log.info("exported %s %s (%s) in %.1f s", info.name, variant, attention, meta.export_seconds)
+        log.info(
+            "exported %s %s (%s) in %.1f s", info.name, variant, attention, meta.export_seconds
+        )
         return ExportedGraph(folder, meta)
 
 

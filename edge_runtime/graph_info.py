@@ -97,7 +97,9 @@ def read_graph_info(graph_path: Path) -> GraphInfo:
         if out.name == "logits":
             last = _dims(out)[-1] if _dims(out) else None
             vocab = last if isinstance(last, int) else None
-    gqa = any(n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft" for n in graph.node)
+    gqa = any(
+        n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft" for n in graph.node
+    )
     return GraphInfo(
         num_layers=len(layers),
         num_kv_heads=kv_heads,

@@ -127,3 +127,40 @@ def fuse_skip_norms(model: onnx.ModelProto) -> int:
     if fused and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return fused
+
+
+def unfuse_skip_norms(model: onnx.ModelProto) -> int:
+    """The inverse of :func:`fuse_skip_norms` (``Add`` + ``SimplifiedLayerNormalization``).
+
+    Used before int8 dynamic quantization: ONNX Runtime 1.32 computes wrong values for
+    ``SkipSimplifiedLayerNormalization`` feeding ``DynamicQuantizeLinear`` in such graphs
+    (garbage text; correct again with the unfused pair, or when the intermediate tensors are
+    made graph outputs), so int8 graphs keep the unfused form.
+    """
+    graph = model.graph
+    nodes: list[onnx.NodeProto] = []
+    count = 0
+    for node in graph.node:
+        if node.op_type != "SkipSimplifiedLayerNormalization" or len(node.input) != 3:
+            nodes.append(node)
+            continue
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        total = node.output[3] if len(node.output) > 3 and node.output[3] else node.name + "/sum"
+        nodes.append(
+            helper.make_node("Add", list(node.input[:2]), [total], name=node.name + "/add")
+        )
+        nodes.append(
+            helper.make_node(
+                "SimplifiedLayerNormalization",
+                [total, node.input[2]],
+                [node.output[0]],
+                name=node.name + "/norm",
+                axis=-1,
+                epsilon=eps,
+                stash_type=1,
+            )
+        )
+        count += 1
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return count

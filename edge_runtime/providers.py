@@ -148,7 +148,9 @@ def create_session(
     attempts: list[ProviderAttempt] = []
     for spec in specs:
         if spec.name not in offered:
-            attempts.append(ProviderAttempt(spec.name, "skipped", "not offered by this onnxruntime"))
+            attempts.append(
+                ProviderAttempt(spec.name, "skipped", "not offered by this onnxruntime")
+            )
             continue
         providers: list[tuple[str, dict[str, Any]]] = [(spec.name, dict(spec.options))]
         if spec.name != CPU:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import onnx
 
+from edge_runtime.graph_passes import unfuse_skip_norms
+
 log = logging.getLogger(__name__)
 
 INT4_BLOCK_SIZE = 32
@@ -27,8 +29,10 @@ INT4_ACCURACY_LEVEL = 4
 def quantize_int8(src: Path, dst: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    model = onnx.load(str(src), load_external_data=True)
+    unfuse_skip_norms(model)  # see graph_passes.unfuse_skip_norms
     quantize_dynamic(
-        src,
+        model,
         dst,
         op_types_to_quantize=["MatMul"],
         per_channel=True,

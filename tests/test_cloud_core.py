@@ -67,7 +67,9 @@ def drive(
     return out
 
 
-def random_requests(n: int, seed: int, max_prompt: int = 300, max_out: int = 40) -> list[GenerationRequest]:
+def random_requests(
+    n: int, seed: int, max_prompt: int = 300, max_out: int = 40
+) -> list[GenerationRequest]:
     rng = random.Random(seed)
     return [
         GenerationRequest(
@@ -80,13 +82,17 @@ def random_requests(n: int, seed: int, max_prompt: int = 300, max_out: int = 40)
 
 
 def make_core(model: LlamaForCausalLM, runner: str = "reference", **kw: object) -> EngineCore:
-    cfg = EngineConfig(**{"max_tokens_per_step": 256, "max_running": 16, "debug_checks": True, **kw})  # type: ignore[arg-type]
+    cfg = EngineConfig(
+        **{"max_tokens_per_step": 256, "max_running": 16, "debug_checks": True, **kw}
+    )  # type: ignore[arg-type]
     if runner == "reference":
         return EngineCore(model, "tiny", cfg)
     # The CUDA runner's logic (fused weights, device block tables, tiling) with torch ops on CPU.
     c = model.config
     blocks = int(kw.get("max_kv_blocks", 400))  # type: ignore[call-overload]
-    pool = KVPool(KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32), blocks, "cpu")
+    pool = KVPool(
+        KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32), blocks, "cpu"
+    )
     run = CudaRunner(copy.deepcopy(model), pool, max_batch=16, max_context=1024, ops=TorchOps())
     return EngineCore(model, "tiny", cfg, runner=run)
 
@@ -111,7 +117,11 @@ def test_prefix_sharing_computes_only_new_tokens(tiny: LlamaForCausalLM) -> None
     rng = random.Random(3)
     system = [rng.randrange(VOCAB) for _ in range(200)]
     reqs = [
-        GenerationRequest(system + [rng.randrange(VOCAB) for _ in range(rng.randint(5, 40))], greedy(12), request_id=f"p{i}")
+        GenerationRequest(
+            system + [rng.randrange(VOCAB) for _ in range(rng.randint(5, 40))],
+            greedy(12),
+            request_id=f"p{i}",
+        )
         for i in range(6)
     ]
     ref = reference(tiny, reqs)
@@ -125,7 +135,9 @@ def test_prefix_sharing_computes_only_new_tokens(tiny: LlamaForCausalLM) -> None
     assert core.counters.prefill_tokens - first == expected_new
     assert core.counters.cached_prompt_tokens == shared * 5
     assert out == ref
-    assert core.prefix_hit_rate == pytest.approx(shared * 5 / sum(len(r.prompt_token_ids) for r in reqs))
+    assert core.prefix_hit_rate == pytest.approx(
+        shared * 5 / sum(len(r.prompt_token_ids) for r in reqs)
+    )
 
 
 def test_preemption_recomputes_and_keeps_output(tiny: LlamaForCausalLM) -> None:

@@ -11,11 +11,16 @@ Invariants: a query at absolute position ``p`` (``seq_len - q_len + t``) sees ex
 loads return 0, so stale or padding slots never reach the output; a tile whose sequence has no
 key (CUDA-graph padding) writes zeros, not NaN. The loop bound is read from ``seq_lens`` on the
 device, so the launch is the same for every step of a captured decode graph.
+
+Small decode batches split each sequence's keys over ``SPLITS`` programs (chosen from the grid
+size alone, so a graph's launch stays fixed), each writing a partial output and its log-sum-exp;
+``_combine_kernel`` merges them. Without that, a batch of one runs on only ``Hkv`` programs.
 """
 
 from __future__ import annotations
 
 import math
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +42,8 @@ def _paged_attention_kernel(
     q_start_ptr,
     tile_seq_ptr,
     tile_q0_ptr,
+    part_o_ptr,
+    part_lse_ptr,
     qk_scale,
     stride_qn,
     stride_qh,
@@ -56,9 +63,12 @@ def _paged_attention_kernel(
     D: tl.constexpr,
     KV_INT8: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HQ: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     s = tl.load(tile_seq_ptr + tile)
     q0 = tl.load(tile_q0_ptr + tile)
     qs = tl.load(q_start_ptr + s)
@@ -85,13 +95,20 @@ def _paged_attention_kernel(
     l_i = tl.zeros([M], dtype=tl.float32)
     acc = tl.zeros([M, D], dtype=tl.float32)
     kv_end = tl.minimum(ctx, ctx - q_len + q0 + BLOCK_Q)  # 1 + the tile's last query position
-    for start in range(0, kv_end, BLOCK_N):
+    chunk = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N  # keys of one split
+    lo = split * chunk
+    hi = tl.minimum(kv_end, lo + chunk)
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < kv_end
+        n_ok = offs_n < hi
         blk = tl.load(tables_ptr + row * stride_tr + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
         slot_off = blk * stride_cb + (offs_n % BS) * stride_ct + kvh * stride_ch
-        k = tl.load(k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        k = tl.load(
+            k_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0
+        )
+        v = tl.load(
+            v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0
+        )
         if KV_INT8:
             s_off = blk * stride_sb + (offs_n % BS) * stride_st + kvh
             ks = tl.load(k_scale_ptr + s_off, mask=n_ok, other=0.0)
@@ -116,11 +133,46 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=valid[:, None],
-    )
+    if SPLITS == 1:
+        tl.store(
+            o_ptr + tok[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=valid[:, None],
+        )
+    else:  # partial result of this split, merged by _combine_kernel
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        part = (tok * HQ + head) * SPLITS + split
+        tl.store(part_o_ptr + part[:, None] * D + offs_d[None, :], out, mask=valid[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=valid)
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, o_ptr, stride_on, stride_oh, HQ: tl.constexpr,
+    SPLITS: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    base = (tok * HQ + h) * SPLITS
+    lse = tl.load(part_lse_ptr + base + sp)
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+    o = tl.load(part_o_ptr + (base + sp)[:, None] * D + offs_d[None, :])
+    o = tl.where(w[:, None] > 0.0, o, 0.0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)
+    tl.store(o_ptr + tok * stride_on + h * stride_oh + offs_d, res.to(o_ptr.dtype.element_ty))
+
+
+def decode_splits(programs: int, max_splits: int = 16, target: int = 264) -> int:
+    """How many KV splits per decode tile keep about ``target`` programs in flight (two per
+    multiprocessor of an H100/H200): 1 from 33 kv-head tiles up."""
+    s = 1
+    while s < max_splits and programs * s < target:
+        s *= 2
+    return s
 
 
 def paged_attention(
@@ -140,7 +192,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` ``[N, Hq, D]`` over the pool (``k_cache`` ``[blocks, bs, Hkv, D]``)
     for the sequences described by the int32 tensors (see the module docstring)."""
-    n, hq, d = q.shape
+    _, hq, d = q.shape
     hkv = k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q)
@@ -148,7 +200,12 @@ def paged_attention(
     if n_tiles == 0:
         return out
     int8 = k_scale is not None
-    _paged_attention_kernel[(n_tiles, hkv)](
+    splits = decode_splits(n_tiles * hkv) if shape.block_q == 1 else 1
+    part_o = part_lse = out
+    if splits > 1:  # decode of a small batch: split every sequence's keys (flash-decoding)
+        part_o = torch.empty((n_tiles, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((n_tiles, hq, splits), dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(n_tiles, hkv, splits)](
         q,
         out,
         k_cache,
@@ -161,6 +218,8 @@ def paged_attention(
         q_start,
         tile_seq,
         tile_q0,
+        part_o,
+        part_lse,
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
         q.stride(0),
         q.stride(1),
@@ -180,7 +239,14 @@ def paged_attention(
         D=d,
         KV_INT8=int8,
         IEEE=q.dtype == torch.float32,
+        SPLITS=splits,
+        HQ=hq,
         num_warps=4,
         num_stages=2,
     )
+    if splits > 1:
+        _combine_kernel[(n_tiles, hq)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, SPLITS=splits, D=d,
+            num_warps=2,
+        )  # fmt: skip
     return out

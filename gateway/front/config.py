@@ -45,6 +45,9 @@ class GatewayConfig(BaseModel):
     read_timeout_s: float = Field(default=600.0, gt=0)
     poll_interval_s: float = Field(default=1.0, gt=0)
     log_prompts: bool = False
+    tune_gc: bool = Field(
+        default=True, description="freeze start-up objects and collect garbage less often"
+    )
 
 
 def load_gateway_config(path: str | Path) -> GatewayConfig:

@@ -46,7 +46,9 @@ class FleetStore(abc.ABC):
         """Forget a node and its prefix blocks (called on clean shutdown)."""
 
     @abc.abstractmethod
-    async def record_blocks(self, node_id: str, stored: Sequence[int], removed: Sequence[int]) -> None:
+    async def record_blocks(
+        self, node_id: str, stored: Sequence[int], removed: Sequence[int]
+    ) -> None:
         """Apply a node's block events to the prefix index."""
 
     @abc.abstractmethod

@@ -1,0 +1,445 @@
+"""Cloud engine throughput: our paged engine vs transformers' continuous batching, same run.
+
+CPU (the default model, real weights):
+    python bench/cloud_throughput.py --device cpu --requests 64
+GPU (random bf16 models of real shapes; weights do not change speed):
+    python bench/cloud_throughput.py --device cuda --shapes qwen3-0.6b,llama-3.2-1b --requests 256
+
+Both engines get the same prompts (random token ids, lengths uniform in [--prompt-min,
+--prompt-max]) and the same output lengths (uniform in [--out-min, --out-max]; EOS ignored), and
+are timed from submission of all requests to the last token. Ours runs after start-up (CUDA
+graphs captured, kernels compiled: the start-up time is reported apart); the peer is warmed up
+with a small batch first. On CUDA it also measures decode memory-bandwidth utilization at
+batch 1 and 64 (weights + KV bytes read per step over the measured copy bandwidth) and the KV
+waste at peak (slots of in-use blocks holding no token). Writes JSON and markdown to
+bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cloud_engine.config import EngineConfig
+from cloud_engine.core import CoreCounters, EngineCore
+from cloud_engine.model.config import ModelConfig
+from cloud_engine.model.llama import LlamaForCausalLM
+from routing.engine import GenerationRequest, SamplingParams
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=500_000.0, max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+}  # fmt: skip
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif p.dim() == 2:
+                p.normal_(0.0, 1.0 / (p.shape[1] ** 0.5))
+            else:
+                p.normal_(0.0, 0.02)
+    model = model.to(dtype).eval()
+    model.rotary = type(model.rotary)(cfg).to(device)  # keep inv_freq in float32
+    return model
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(100, 30000) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+        for _ in range(args.requests)
+    ]
+    outs = [rng.randint(args.out_min, args.out_max) for _ in range(args.requests)]
+    return prompts, outs
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_ours(
+    core: EngineCore, prompts: list[list[int]], outs: list[int], device: str
+) -> dict[str, Any]:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in outs]
+    # warm-up: compile kernels for prefill and decode, capture graphs
+    t0 = time.perf_counter()
+    warm = getattr(core.runner, "capture_graphs", None)
+    if warm is not None:
+        warm()
+    for i in range(2):
+        core.add(
+            GenerationRequest(
+                prompts[i][:200], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            )
+        )
+    while core.has_work():
+        core.step()
+    sync(device)
+    startup_s = time.perf_counter() - t0
+    core.blocks.reset_cache()
+    core.counters = CoreCounters()
+    tokens: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        core.add(GenerationRequest(p, sp, request_id=f"b{i}"))
+    while core.has_work():
+        for o in core.step():
+            tokens.setdefault(o.seq.request_id, []).extend(o.new_token_ids)
+    sync(device)
+    wall = time.perf_counter() - t0
+    n = sum(len(v) for v in tokens.values())
+    c = core.counters
+    return {
+        "wall_s": wall,
+        "output_tokens": n,
+        "tok_s": n / wall,
+        "startup_s": startup_s,
+        "steps": c.steps,
+        "preemptions": c.preemptions,
+        "kv_waste_at_peak": c.kv_waste_at_peak,
+        "peak_blocks_used": c.peak_blocks_used,
+        "kv_blocks_total": core.blocks.num_blocks,
+        "prefill_tok_s_ewma": c.prefill_tok_s,
+        "decode_ms_ewma": c.decode_ms,
+        "first_tokens": [tokens[f"b{i}"][:1] for i in range(len(prompts))],
+    }
+
+
+def run_peer(hf: Any, prompts: list[list[int]], outs: list[int], device: str) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    gcfg = GenerationConfig(
+        max_new_tokens=max(outs), do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    hf.generate_batch(
+        inputs=[p[:100] for p in prompts[:4]], generation_config=gcfg, max_new_tokens=8
+    )
+    sync(device)
+    t0 = time.perf_counter()
+    firsts: dict[int, list[int]] = {}
+    if len(set(outs)) == 1:
+        mode = "generate_batch"
+        res = hf.generate_batch(inputs=prompts, generation_config=gcfg, max_new_tokens=outs[0])
+        n = 0
+        for rid, r in res.items():
+            n += len(r.generated_tokens)
+            firsts[int(rid.split("_")[-1])] = list(r.generated_tokens[:1])
+    else:  # per-request output lengths: the manager that generate_batch wraps
+        mode = "continuous batching manager (add_request with per-request max_new_tokens)"
+        mgr = hf.init_continuous_batching(generation_config=gcfg)
+        mgr.start()
+        for i, (p, m) in enumerate(zip(prompts, outs, strict=True)):
+            mgr.add_request(p, request_id=f"q{i}", max_new_tokens=m)
+        n = done = 0
+        while done < len(prompts):
+            r = mgr.get_result(timeout=5)
+            if r is not None and r.is_finished():
+                done += 1
+                n += len(r.generated_tokens)
+                firsts[int(r.request_id[1:])] = list(r.generated_tokens[:1])
+        mgr.stop(block=True)
+    sync(device)
+    wall = time.perf_counter() - t0
+    return {
+        "mode": mode,
+        "wall_s": wall,
+        "output_tokens": n,
+        "tok_s": n / wall,
+        "first_tokens": [firsts.get(i, []) for i in range(len(prompts))],
+    }
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    x = torch.randn(2**30 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    bw = 2 * x.numel() * x.element_size() / statistics.median(times)
+    del x, y
+    return bw
+
+
+def decode_bandwidth(
+    core: EngineCore, batch: int, ctx: int, copy_bw: float, steps: int = 24
+) -> dict[str, Any]:
+    """Decode step time at ``batch`` sequences of about ``ctx`` tokens: through the engine
+    (host work included) and as a bare graph replay; bytes read = weights + every KV byte."""
+    runner: Any = core.runner
+    rng = random.Random(batch)
+    for i in range(batch):
+        prompt = [rng.randrange(100, 30000) for _ in range(ctx)]
+        core.add(
+            GenerationRequest(
+                prompt,
+                SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True),
+                request_id=f"bw{batch}-{i}",
+            )
+        )
+    while any(s.num_output < 2 for s in core.seqs.values()):
+        core.step()
+    seqs = list(core.seqs.values())
+    assert len(seqs) == batch
+    sync("cuda")
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync("cuda")
+    step_s = (time.perf_counter() - t0) / steps
+    mean_ctx = statistics.mean(s.num_tokens for s in seqs) - steps / 2
+    kv_bytes = batch * mean_ctx * core.pool.spec.bytes_per_token
+    w_bytes = runner.fm.weight_bytes()
+    g = runner.graphs[min(b for b in runner.graphs if b >= batch)]
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    replay_s = statistics.median(times)
+    for s in seqs:
+        core.abort(s.request_id)
+    total = w_bytes + kv_bytes
+    return {
+        "batch": batch,
+        "ctx": round(mean_ctx),
+        "weight_bytes": w_bytes,
+        "kv_bytes": int(kv_bytes),
+        "engine_step_ms": step_s * 1e3,
+        "graph_replay_ms": replay_s * 1e3,
+        "util_engine": total / step_s / copy_bw,
+        "util_graph": total / replay_s / copy_bw,
+    }
+
+
+def bench_model(
+    name: str, cfg: ModelConfig, args: argparse.Namespace, hf_path: Path | None
+) -> dict[str, Any]:
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    prompts, outs = workload(args)
+    out: dict[str, Any] = {
+        "model": name,
+        "requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_len": [min(outs), max(outs)],
+    }
+    if hf_path is not None:
+        from cloud_engine.model.loader import load_model
+
+        model = load_model(hf_path, dtype=dtype, device=device)
+    else:
+        model = random_model(cfg, dtype, device, args.seed)
+    state = (
+        {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if not args.skip_peer
+        else None
+    )
+    econf = EngineConfig(
+        device=device,
+        kv_memory_fraction=args.kv_fraction,
+        kv_memory_bytes=None if device == "cuda" else args.kv_bytes,
+        max_running=args.max_running,
+        max_tokens_per_step=args.max_tokens_per_step,
+        max_context=min(cfg.max_position_embeddings, 4096),
+        threads=args.threads,
+    )
+    core = EngineCore(model, f"bench-{name}", econf)
+    print(f"[{name}] ours: {core.blocks.num_blocks} KV blocks", flush=True)
+    out["ours"] = ours = run_ours(core, prompts, outs, device)
+    print(f"[{name}] ours: {ours['tok_s']:.0f} tok/s ({ours['wall_s']:.1f} s)", flush=True)
+    if device == "cuda" and not args.skip_bw:
+        bw = copy_bandwidth()
+        out["copy_bw_Bps"] = bw
+        out["decode_bw"] = [decode_bandwidth(core, b, args.bw_ctx, bw) for b in (1, 64)]
+        for r in out["decode_bw"]:
+            print(
+                f"[{name}] decode b={r['batch']}: {r['engine_step_ms']:.3f} ms/step engine, {r['graph_replay_ms']:.3f} ms replay; util {r['util_engine']:.0%} / {r['util_graph']:.0%}",
+                flush=True,
+            )
+    del core, model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_peer:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if hf_path is not None:
+            hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).to(device).eval()
+        else:
+            hcfg = AutoConfig.for_model(**cfg.to_hf_dict())
+            hf = AutoModelForCausalLM.from_config(hcfg, dtype=dtype).to(device).eval()
+            assert state is not None
+            hf.load_state_dict({k: v for k, v in state.items() if "rotary" not in k}, strict=False)
+        out["peer"] = peer = run_peer(hf, prompts, outs, device)
+        firsts = [
+            a == b for a, b in zip(ours["first_tokens"], peer["first_tokens"], strict=True) if b
+        ]
+        out["first_token_agreement"] = sum(firsts) / max(1, len(firsts))
+        out["speedup"] = ours["tok_s"] / peer["tok_s"]
+        print(
+            f"[{name}] peer: {peer['tok_s']:.0f} tok/s ({peer['wall_s']:.1f} s); speedup {out['speedup']:.1f}x",
+            flush=True,
+        )
+        del hf
+    ours.pop("first_tokens")
+    if "peer" in out:
+        out["peer"].pop("first_tokens")
+    return out
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"# Cloud engine throughput ({meta['device_name']})",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "| model | requests | ours tok/s | peer tok/s | speedup | ours start-up s | KV waste at peak | preemptions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        o, p = r["ours"], r.get("peer")
+        lines.append(
+            f"| {r['model']} | {r['requests']} | {o['tok_s']:.0f} | {p['tok_s']:.0f} | {r['speedup']:.1f}x | {o['startup_s']:.1f} | {o['kv_waste_at_peak']:.2%} | {o['preemptions']} |"
+            if p
+            else f"| {r['model']} | {r['requests']} | {o['tok_s']:.0f} | - | - | {o['startup_s']:.1f} | {o['kv_waste_at_peak']:.2%} | {o['preemptions']} |"
+        )
+    if any("decode_bw" in r for r in results):
+        lines += [
+            "",
+            "Decode memory-bandwidth utilization: (weights + KV bytes read per step) / step time / copy bandwidth.",
+            "",
+            "| model | batch | ctx | bytes/step | engine ms/step | util (engine) | graph replay ms | util (replay) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in results:
+            for d in r.get("decode_bw", []):
+                lines.append(
+                    f"| {r['model']} | {d['batch']} | {d['ctx']} | {(d['weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB | {d['engine_step_ms']:.3f} | {d['util_engine']:.0%} | {d['graph_replay_ms']:.3f} | {d['util_graph']:.0%} |"
+                )
+        bws = {r["model"]: r["copy_bw_Bps"] for r in results if "copy_bw_Bps" in r}
+        lines += [
+            "",
+            "Copy bandwidth (read + write): "
+            + ", ".join(f"{v / 1e12:.2f} TB/s" for v in bws.values()),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--shapes", default="qwen3-0.6b,llama-3.2-1b", help="CUDA: random models of these shapes"
+    )
+    ap.add_argument(
+        "--model", default=None, help="CPU: model name or folder (default: the default model)"
+    )
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--prompt-min", type=int, default=100)
+    ap.add_argument("--prompt-max", type=int, default=None)
+    ap.add_argument("--out-min", type=int, default=None)
+    ap.add_argument("--out-max", type=int, default=256)
+    ap.add_argument("--max-running", type=int, default=None)
+    ap.add_argument("--max-tokens-per-step", type=int, default=None)
+    ap.add_argument("--kv-fraction", type=float, default=0.5)
+    ap.add_argument("--kv-bytes", type=int, default=2 * 2**30)
+    ap.add_argument("--bw-ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--skip-bw", action="store_true")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    args.requests = args.requests or (256 if cuda else 64)
+    args.prompt_max = args.prompt_max or (1024 if cuda else 1000)
+    args.out_min = args.out_min or (256 if cuda else 32)
+    args.max_running = args.max_running or (256 if cuda else 64)
+
+    meta = {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "command": "python bench/cloud_throughput.py " + " ".join(sys.argv[1:]),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        args.skip_peer = True
+    tag = args.tag or ("h200" if cuda and "H200" in meta["device_name"] else args.device)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+
+    def save() -> str:  # after every model, so a cut-short run keeps what it measured
+        (out_dir / f"cloud_throughput_{tag}.json").write_text(
+            json.dumps({"meta": meta, "results": results}, indent=2)
+        )
+        md = markdown(results, meta)
+        (out_dir / f"cloud_throughput_{tag}.md").write_text(md)
+        return md
+
+    if cuda:
+        for name in args.shapes.split(","):
+            cfg = ModelConfig.from_dict(dict(SHAPES[name]))
+            results.append(bench_model(name, cfg, args, None))
+            md = save()
+    else:
+        from routing.model_store import DEFAULT_MODEL, resolve
+
+        info = resolve(args.model or DEFAULT_MODEL)
+        results.append(
+            bench_model(info.name, ModelConfig.from_folder(info.path), args, Path(info.path))
+        )
+        md = save()
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
