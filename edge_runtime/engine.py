@@ -16,6 +16,7 @@ or from an exported graph folder, ours or one exported elsewhere in the same lay
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -200,10 +201,8 @@ class EdgeEngine:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
         def emit(event: TokenEvent) -> None:
-            try:
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
                 loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the event loop is closed: nobody is listening
-                pass
 
         n = len(request.prompt_token_ids)
         budget = min(request.sampling.max_tokens, self.max_context - n)
