@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
+from starlette.routing import Route
 
 from gateway.auth import KeyIdentity
 from gateway.body_limit import BodyLimitMiddleware
@@ -60,15 +61,21 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.state.gateway = gw
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request, who: KeyIdentity = Depends(gw.auth)) -> Response:
+    # The two hot routes are plain Starlette routes: FastAPI's per-request dependency solving
+    # was about a tenth of the gateway's CPU per request; errors still go through the app's
+    # exception handlers, and the auth check is the same ``gw.auth`` dependency, called here.
+    async def chat(request: Request) -> Response:
+        who = await gw.auth(request)
         data, req = await gw.parse(request, ChatCompletionRequest)
         return await gw.forward(request, data, "chat", req, who)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, who: KeyIdentity = Depends(gw.auth)) -> Response:
+    async def completions(request: Request) -> Response:
+        who = await gw.auth(request)
         data, req = await gw.parse(request, CompletionRequest)
         return await gw.forward(request, data, "completion", req, who)
+
+    app.router.routes.append(Route("/v1/chat/completions", chat, methods=["POST"]))
+    app.router.routes.append(Route("/v1/completions", completions, methods=["POST"]))
 
     @app.post("/v1/route")
     async def route(request: Request, who: KeyIdentity = Depends(gw.auth)) -> dict[str, Any]:
