@@ -31,6 +31,11 @@ class StatePublisher:
         self.last_push: float | None = None
 
     async def start(self) -> None:
+        # a restarted node holds no blocks: forget the index a previous run left behind
+        try:
+            await self.store.remove_node(self.service.config.node_id)
+        except Exception as exc:
+            log.warning("fleet store unreachable at start-up: %s", exc)
         await self.push_once()
         self._task = asyncio.create_task(self._loop())
 
@@ -39,7 +44,8 @@ class StatePublisher:
             await self.store.put_node(self.service.node_state())
             drain = getattr(self.service.engine, "drain_block_events", None)
             if drain is not None:
-                stored, removed = drain()
+                events = drain()  # any object with .stored and .removed hash lists
+                stored, removed = list(events.stored), list(events.removed)
                 if stored or removed:
                     await self.store.record_blocks(self.service.config.node_id, stored, removed)
             if self.last_error is not None:
