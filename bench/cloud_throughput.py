@@ -333,7 +333,15 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         f"# Cloud engine throughput ({meta['device_name']})",
         "",
+        *([f"Note: {meta['note']}.", ""] if meta.get("note") else []),
         f"Command: `{meta['command']}`",
+        "",
+        *(
+            f"- Workload {r['model']}: {r['requests']} requests, {r['prompt_tokens']} prompt tokens, "
+            f"outputs {r['output_len'][0]}-{r['output_len'][1]} tokens (greedy, EOS ignored); "
+            f"peer: transformers {meta.get('transformers', '-')} ({r.get('peer', {}).get('mode', '-')})."
+            for r in results
+        ),
         "",
         "| model | requests | ours tok/s | peer tok/s | speedup | ours start-up s | KV waste at peak | preemptions |",
         "|---|---|---|---|---|---|---|---|",
@@ -365,6 +373,19 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             + ", ".join(f"{v / 1e12:.2f} TB/s" for v in bws.values()),
         ]
     return "\n".join(lines) + "\n"
+
+
+def _args_without_out_dir(argv: list[str]) -> str:
+    """The command line as recorded in results: no local output folder in it."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out-dir":
+            skip = True
+        elif not a.startswith("--out-dir="):
+            out.append(a)
+    return " ".join(out)
 
 
 def main() -> None:
@@ -403,7 +424,7 @@ def main() -> None:
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "command": "python bench/cloud_throughput.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/cloud_throughput.py " + _args_without_out_dir(sys.argv[1:]),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     try:

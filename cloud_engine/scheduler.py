@@ -158,7 +158,10 @@ class Scheduler:
         cached = len(matched) * self.bs
         n = min(seq.num_tokens - cached, budget)
         need = -(-(cached + n) // self.bs) - len(matched)
-        if not self.blocks.can_allocate(need, matched, reserve=self.config.watermark_blocks):
+        # The watermark keeps room for running sequences to grow; with none running it would
+        # only stop a request that needs the whole pool from ever starting.
+        reserve = self.config.watermark_blocks if self.running else 0
+        if not self.blocks.can_allocate(need, matched, reserve=reserve):
             return False
         self.blocks.acquire(matched)
         seq.block_table = matched + self.blocks.allocate(need)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,16 @@ from routing.blocks import block_hashes, model_seed
 from routing.engine import GenerationRequest, QueueFull, RequestTooLong, SamplingParams
 
 VOCAB = 512
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """The tiny model is dispatch-bound: one intra-op thread is faster, and far faster on a
+    busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +237,12 @@ def test_int8_kv_stays_close_on_tiny_model(tiny: LlamaForCausalLM) -> None:
     out = drive(make_core(tiny, kv_int8=True, max_kv_blocks=400), reqs)
     agree = sum(a == b for r in ref for a, b in zip(ref[r], out[r], strict=False))
     assert agree / sum(len(v) for v in ref.values()) > 0.8
+
+
+def test_request_needing_the_whole_pool_runs(tiny: LlamaForCausalLM) -> None:
+    core = make_core(tiny, max_kv_blocks=8, max_tokens_per_step=256)
+    req = GenerationRequest(
+        list(range(100)), greedy(28), request_id="whole"
+    )  # 128 slots = 8 blocks
+    core.check(req)
+    assert drive(core, [req]) == reference(tiny, [req])
