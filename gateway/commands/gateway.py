@@ -61,17 +61,31 @@ def _uvicorn(app: object, host: str, port: int) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    import yaml
+    from pydantic import ValidationError
+
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig, load_gateway_config
 
-    cfg = load_gateway_config(args.config) if args.config else GatewayConfig()
+    try:
+        cfg = load_gateway_config(args.config) if args.config else GatewayConfig()
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        print(f"edgecloud gateway: error: bad config {args.config}: {exc}", file=sys.stderr)
+        return 2
     host, port = args.host or cfg.host, args.port if args.port is not None else cfg.port
     print(
         f"edgecloud gateway on http://{host}:{port} ({len(cfg.nodes)} configured nodes, "
         f"store: {'redis' if cfg.redis_url else 'in-process'})",
         file=sys.stderr,
     )
-    _uvicorn(create_gateway_app(cfg), host, port)
+    from gateway.geo import GeoDatabaseError
+
+    try:
+        app = create_gateway_app(cfg)
+    except GeoDatabaseError as exc:
+        print(f"edgecloud gateway: error: {exc}", file=sys.stderr)
+        return 2
+    _uvicorn(app, host, port)
     return 0
 
 

@@ -1,0 +1,40 @@
+"""Gateway start-up refuses bad configuration with a clear message, not a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.nodes import REPO, cli
+
+GEO = REPO.parent / "shared" / "data" / "geoip"
+
+
+def _start(cfg: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*cli("gateway", "--config", str(cfg), "--port", "0")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.skipif(not GEO.is_dir(), reason=f"MaxMind test databases not found at {GEO}")
+def test_corrupt_geo_database_is_a_clear_startup_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"geo: {{database: {GEO / 'GeoIP2-City-Test-Broken-Double-Format.mmdb'}}}\n")
+    r = _start(cfg)
+    assert r.returncode == 2
+    assert "GeoIP2-City-Test-Broken-Double-Format.mmdb" in r.stderr and "cannot be used" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text", ["nodes: [unclosed", "port: -5\n", "no_such_field: 1\n"])
+def test_bad_config_is_a_clear_startup_error(tmp_path: Path, text: str) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(text)
+    r = _start(cfg)
+    assert r.returncode == 2 and "bad config" in r.stderr and "Traceback" not in r.stderr
