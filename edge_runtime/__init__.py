@@ -1,0 +1,8 @@
+"""The edge engine: ONNX export of a checkpoint, quantization, execution-provider choice, and
+the slot-based generation loop over an ONNX decoder graph with an in-place KV cache.
+
+Modules: ``export`` (cached exports; torch only inside ``torch_export``), ``quantize``,
+``graph_passes``, ``graph_info``, ``providers``, ``decoder`` (session + KV buffers),
+``scheduler`` (the blocking slot loop), ``sampler`` and ``engine`` (``EdgeEngine``, the
+:class:`routing.engine.Engine` of kind ``"edge"``).
+"""

@@ -56,9 +56,13 @@ class Decoder:
             for i in range(info.num_layers)
             for kv in ("key", "value")
         ]
+        # Every page is written once here: GroupQueryAttention touches a bound row's whole
+        # capacity on its first run anyway, so commit the memory up front (a predictable RSS,
+        # and no page-fault storm inside the first request).
         if info.attention == "gqa":
-            # np.zeros: pages are committed only when a slot first reaches them.
-            self._kv = [np.zeros((slots, h, context, d), self.kv_dtype) for _ in self._names]
+            self._kv = [np.empty((slots, h, context, d), self.kv_dtype) for _ in self._names]
+            for buf in self._kv:
+                buf.fill(0)
         else:
             self._pp = [
                 [[np.zeros(h * context * d, self.kv_dtype) for _ in self._names] for _ in (0, 1)]

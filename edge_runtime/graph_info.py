@@ -46,6 +46,7 @@ class GraphInfo:
     has_position_ids: bool
     has_logits_to_keep: bool
     extra_inputs: tuple[str, ...] = ()  # inputs the runtime does not know (an error if required)
+    context_length: int | None = None  # when the folder says (onnxruntime-genai's config)
 
     def past_name(self, layer: int, kv: str) -> str:
         return f"past_key_values.{layer}.{kv}"
@@ -61,9 +62,23 @@ def _dims(value: onnx.ValueInfoProto) -> list[int | str]:
     return out
 
 
+def _genai_config(graph_path: Path) -> dict[str, Any]:
+    """The decoder section of an onnxruntime-genai ``genai_config.json`` next to the graph."""
+    path = graph_path.parent / "genai_config.json"
+    if not path.is_file():
+        return {}
+    model = json.loads(path.read_text()).get("model", {})
+    return {**model.get("decoder", {}), "context_length": model.get("context_length")}
+
+
 def read_graph_info(graph_path: Path) -> GraphInfo:
-    """Derive :class:`GraphInfo` from the graph (weights are not loaded)."""
+    """Derive :class:`GraphInfo` from the graph (weights are not loaded).
+
+    A symbolic head size (onnxruntime-genai graphs) is taken from ``genai_config.json``.
+    """
+    graph_path = Path(graph_path)
     model = onnx.load(str(graph_path), load_external_data=False)
+    genai = _genai_config(graph_path)
     graph = model.graph
     initializers = {i.name for i in graph.initializer}
     inputs = {i.name: i for i in graph.input}
@@ -76,6 +91,8 @@ def read_graph_info(graph_path: Path) -> GraphInfo:
             continue
         layers.add(int(m.group(1)))
         dims = _dims(value)
+        if len(dims) == 4 and not isinstance(dims[3], int) and genai.get("head_size"):
+            dims[3] = int(genai["head_size"])
         if len(dims) != 4 or not isinstance(dims[1], int) or not isinstance(dims[3], int):
             raise ValueError(f"{name}: expected [batch, kv_heads, past, head_dim], got {dims}")
         kv_heads, head_dim = dims[1], dims[3]
@@ -110,6 +127,7 @@ def read_graph_info(graph_path: Path) -> GraphInfo:
         has_position_ids="position_ids" in inputs,
         has_logits_to_keep="logits_to_keep" in inputs,
         extra_inputs=extra,
+        context_length=genai.get("context_length"),
     )
 
 
