@@ -458,6 +458,7 @@ def gateway_cli(argv: list[str]) -> None:
         http="httptools",
         access_log=False,
         log_level="warning",
+        proxy_headers=False,  # as `edgecloud gateway` runs it (the gateway reads XFF itself)
     )
 
 

@@ -125,7 +125,10 @@ class CloudEngine:
     # -- requests --------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> None:
         self.core.check(request)
-        waiting = self.core.scheduler.num_waiting + self._pending_adds
+        sched = self.core.scheduler
+        # requests not yet running take the free running places first, then the queue
+        free = max(0, self.core.config.max_running - sched.num_running)
+        waiting = max(0, sched.num_waiting + self._pending_adds - free)
         if waiting >= self.core.config.max_waiting:
             raise QueueFull(f"{waiting} requests waiting", retry_after_s=self.core.retry_after_s())
 

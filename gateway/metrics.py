@@ -15,8 +15,9 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from fastapi import Request, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -67,6 +68,22 @@ ERROR_BUCKETS: tuple[float, ...] = (
 def _v(value: object) -> str:
     s = str(value) if value is not None else ""
     return s or "none"
+
+
+def _children(metric: Any) -> Callable[..., Any]:
+    """``metric.labels`` with the label values passed through :func:`_v`, remembered per
+    argument tuple: a labelled series, once made, lives as long as its metric (nothing here
+    removes one), so looking it up again (locking, checking and converting the labels each
+    time) only costs."""
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    def child(*values: Any) -> Any:
+        c = cache.get(values)
+        if c is None:
+            c = cache[values] = metric.labels(*(_v(v) for v in values))
+        return c
+
+    return child
 
 
 class GatewayMetrics:
@@ -140,10 +157,15 @@ class GatewayMetrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        self._requests = _children(self.requests)
+        self._ttft = _children(self.ttft)
+        self._e2e = _children(self.e2e)
+        self._decisions = _children(self.decisions)
+        self._ttft_error = _children(self.ttft_error)
 
     # ---- recording ---------------------------------------------------------------------------
     def observe_request(self, route: str, status: int, tier: str | None, node: str | None) -> None:
-        self.requests.labels(_v(route), _v(status), _v(tier), _v(node)).inc()
+        self._requests(route, status, tier, node).inc()
 
     def observe_ttft(
         self,
@@ -153,17 +175,17 @@ class GatewayMetrics:
         predicted_s: float | None = None,
     ) -> None:
         """The measured TTFT and, when the router predicted one, the prediction error."""
-        self.ttft.labels(_v(tier), _v(node)).observe(measured_s)
+        self._ttft(tier, node).observe(measured_s)
         if predicted_s is not None:
             err = measured_s - predicted_s
             direction = "late" if err > 0 else "early"
-            self.ttft_error.labels(_v(tier), direction).observe(abs(err))
+            self._ttft_error(tier, direction).observe(abs(err))
 
     def observe_e2e(self, tier: str | None, node: str | None, seconds: float) -> None:
-        self.e2e.labels(_v(tier), _v(node)).observe(seconds)
+        self._e2e(tier, node).observe(seconds)
 
     def observe_decision(self, policy: str, reason: str) -> None:
-        self.decisions.labels(_v(policy), _v(reason)).inc()
+        self._decisions(policy, reason).inc()
 
     def redis_error(self, component: str) -> None:
         self.redis_errors.labels(_v(component)).inc()

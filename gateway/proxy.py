@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.cookiejar
 import json
 import random
@@ -24,6 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from gateway.front import fastjson
+
+try:  # the gateway's own HTTP/1.1 client for plain-HTTP nodes (needs httptools)
+    from gateway.front.http1 import H1Pool, H1Response
+except ImportError:  # pragma: no cover - every request then goes through httpx
+    H1Pool = H1Response = None  # type: ignore[assignment,misc]
 
 try:  # the aiohttp transport is 3.5x faster under concurrency (see the measured notes)
     import aiohttp
@@ -73,7 +81,19 @@ def make_client(
     )
     if transport is not None:
         _FAST[client] = (transport, timeout.as_dict())
+    if H1Pool is not None:
+        _POOLS[client] = H1Pool(
+            connect_timeout_s, read_timeout_s, max_connections, limits.keepalive_expiry or 30.0
+        )
     return client
+
+
+async def close_client(client: httpx.AsyncClient) -> None:
+    """Close a client from :func:`make_client` and its plain-HTTP connection pool."""
+    pool = _POOLS.pop(client, None)
+    if pool is not None:
+        await pool.aclose()
+    await client.aclose()
 
 
 class _NoCookies(http.cookiejar.CookieJar):
@@ -90,7 +110,11 @@ class _NoCookies(http.cookiejar.CookieJar):
 _FAST: weakref.WeakKeyDictionary[
     httpx.AsyncClient, tuple[httpx.AsyncBaseTransport, dict[str, float | None]]
 ] = weakref.WeakKeyDictionary()
+# Clients made by make_client: their own HTTP/1.1 pool, for plain-HTTP nodes.
+_POOLS: weakref.WeakKeyDictionary[httpx.AsyncClient, H1Pool] = weakref.WeakKeyDictionary()
 _URLS: dict[str, httpx.URL] = {}
+
+Upstream = Any  # an httpx.Response, or an H1Response (the same interface, as far as used here)
 
 
 def _url(url: str) -> httpx.URL:
@@ -104,15 +128,20 @@ def _url(url: str) -> httpx.URL:
 
 async def send_upstream(
     client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
-) -> httpx.Response:
+) -> Upstream:
     """POST ``body`` to ``url`` and return the response unread (status and headers only).
 
-    A client from :func:`make_client` goes straight to its transport: the gateway needs none of
-    the client's redirect, auth and cookie handling per request, and skipping them (and parsing
-    the URL again) halves what the call costs in CPU. Any other client (a test's mock
-    transport) goes through ``client.send``.
+    A client from :func:`make_client` sends plain-HTTP requests through its own small HTTP/1.1
+    pool (:mod:`gateway.front.http1`), and anything else (HTTPS) straight to its transport: the
+    gateway needs none of the client's redirect, auth and cookie handling per request. Any
+    other client (a test's mock transport) goes through ``client.send``.
     """
     headers = {"accept-encoding": "identity", **headers}  # streams are relayed raw
+    pool = _POOLS.get(client)
+    if pool is not None and not pool.closed and not client.is_closed:
+        target = pool.target(url)
+        if target is not None:
+            return await pool.post(target, body, headers)
     fast = _FAST.get(client)
     if fast is None or client.is_closed:
         req = client.build_request("POST", url, content=body, headers=headers)
@@ -139,7 +168,7 @@ class Opened:
 
     node_id: str
     index: int  # position in the candidate list
-    response: httpx.Response
+    response: Upstream
     first_event: bytes | None  # streams only
     attempts: list[Attempt]
     sent_at: float
@@ -164,6 +193,56 @@ class StreamTotals:
     events: int = 0
     broken: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SSEReader:
+    """Complete SSE events (each ending in a blank line) from a response's body, read by read.
+
+    :meth:`next_events` returns what one read completed: the complete events as one piece of
+    bytes and how many they are (never none), so that a relay can forward together what arrived
+    together (no event waits for a later one); at the end, a last incomplete event (if the body
+    ended with a non-blank one) counts as one, then None. :meth:`next_batch` gives the same
+    events one by one. The same splitting as :func:`sse_batches` (a blank line ends an event,
+    scanning left to right), as one object rather than stacked generators, and without
+    splitting what only has to be forwarded.
+    """
+
+    __slots__ = ("_buf", "_read")
+
+    def __init__(self, resp: Upstream) -> None:
+        self._buf = b""
+        read = getattr(resp, "read_chunk", None)
+        if read is None:  # an httpx response
+            chunks = resp.aiter_raw()
+            read = functools.partial(anext, chunks, None)
+        self._read: Callable[[], Awaitable[bytes | None]] = read
+
+    async def next_events(self) -> tuple[bytes, int] | None:
+        while True:
+            chunk = await self._read()
+            buf = self._buf
+            if chunk is None:
+                self._buf = b""
+                return (buf, 1) if buf.strip() else None
+            buf = buf + chunk if buf else chunk
+            parts = buf.split(b"\n\n")
+            if len(parts) == 1:
+                self._buf = buf
+                continue
+            rest = parts[-1]
+            self._buf = rest
+            return (buf[: len(buf) - len(rest)] if rest else buf), len(parts) - 1
+
+    async def next_batch(self) -> list[bytes] | None:
+        got = await self.next_events()
+        return None if got is None else split_events(got[0])
+
+
+def split_events(data: bytes) -> list[bytes]:
+    """The events of what :meth:`SSEReader.next_events` returned."""
+    if not data.endswith(b"\n\n"):  # the last, incomplete event
+        return [data]
+    return [p + b"\n\n" for p in data.split(b"\n\n")[:-1]]
 
 
 async def sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
@@ -198,7 +277,7 @@ def usage_of(event: bytes) -> dict[str, Any] | None:
     if b'"usage"' not in event or not event.startswith(b"data: {"):
         return None
     try:
-        obj = json.loads(event[6:])
+        obj = fastjson.loads(event[6:])[0]
     except ValueError:
         return None
     u = obj.get("usage")
@@ -255,21 +334,23 @@ async def open_first(
             continue
         if not stream or resp.status_code != 200:
             return Opened(node_id, index, resp, None, attempts, sent_at)
-        batches = sse_batches(resp.aiter_raw())
+        reader = SSEReader(resp)
         try:
-            first = await anext(batches)
+            first = await reader.next_events()
+            if first is None:
+                raise StopAsyncIteration
         except (StopAsyncIteration, httpx.TransportError, OSError) as exc:
             att.error = f"stream broke before the first byte: {exc!r}"
             await resp.aclose()
             on_failure(node_id)
             continue
-        resp.extensions["edgecloud_batches"] = batches
+        resp.extensions["edgecloud_batches"] = reader
         resp.extensions["edgecloud_first_batch"] = first
-        return Opened(node_id, index, resp, first[0], attempts, sent_at)
+        return Opened(node_id, index, resp, split_events(first[0])[0], attempts, sent_at)
     raise Exhausted(attempts, last_status, last_body, retry_after)
 
 
-async def _read_quietly(resp: httpx.Response) -> bytes:
+async def _read_quietly(resp: Upstream) -> bytes:
     try:
         return await resp.aread()
     except (httpx.TransportError, OSError):
@@ -279,36 +360,42 @@ async def _read_quietly(resp: httpx.Response) -> bytes:
 
 
 async def relay_stream(
-    opened: Opened, totals: StreamTotals, forward_usage: bool
+    opened: Opened,
+    totals: StreamTotals,
+    forward_usage: bool,
+    on_close: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncIterator[bytes]:
     """Relay the upstream SSE events; a usage chunk is kept out when the client did not ask.
 
     What one upstream read completed goes out as one piece (one write, not one per event).
+    ``on_close`` is awaited last, however the relay ends (finished, broken, or closed early
+    because the client went away), after the upstream response is closed.
     """
     resp = opened.response
-    batches: AsyncIterator[list[bytes]] = resp.extensions["edgecloud_batches"]
-    batch: list[bytes] = resp.extensions.get("edgecloud_first_batch") or []
     try:
+        reader: SSEReader = resp.extensions["edgecloud_batches"]
+        got: tuple[bytes, int] | None = resp.extensions["edgecloud_first_batch"]
         totals.first_event_at = time.perf_counter()
         done = False
-        while True:
-            out = []
-            for ev in batch:
-                totals.events += 1
-                u = usage_of(ev)
-                if u is not None:
-                    totals.usage = u
-                    if not forward_usage:
-                        continue
-                if ev.startswith(b"data: [DONE]"):
-                    done = True
-                out.append(ev)
-            if out:
-                yield out[0] if len(out) == 1 else b"".join(out)
-            try:
-                batch = await anext(batches)
-            except StopAsyncIteration:
-                break
+        while got is not None:
+            data, n = got
+            totals.events += n
+            # Only an event with [DONE] or a usage object needs a look: the rest goes as it came.
+            if b"[DONE]" in data or b'"usage"' in data:
+                out = []
+                for ev in split_events(data):
+                    u = usage_of(ev)
+                    if u is not None:
+                        totals.usage = u
+                        if not forward_usage:
+                            continue
+                    if ev.startswith(b"data: [DONE]"):
+                        done = True
+                    out.append(ev)
+                data = b"".join(out)
+            if data:
+                yield data
+            got = await reader.next_events()
         if not done:
             totals.broken = "upstream closed the stream before [DONE]"
             yield sse_error("the node closed the stream before it finished")
@@ -316,8 +403,12 @@ async def relay_stream(
         totals.broken = f"{type(exc).__name__}: {exc}"
         yield sse_error(f"the node failed mid-stream ({type(exc).__name__})")
     finally:
-        await resp.aclose()
+        try:
+            await resp.aclose()
+        finally:
+            if on_close is not None:
+                await on_close()
 
 
-def passthrough_headers(resp: httpx.Response) -> dict[str, str]:
+def passthrough_headers(resp: Upstream) -> dict[str, str]:
     return {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}

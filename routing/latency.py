@@ -157,8 +157,12 @@ class PredictionErrors:
 
     def add(self, metric: str, tier: str, predicted: float, measured: float, alpha: float) -> float:
         """Record one pair; returns the signed error (measured - predicted) in ms."""
+        stats = self.stats
         for key in ((metric, "all"), (metric, tier)):
-            self.stats.setdefault(key, ErrorStats()).add(predicted, measured, alpha)
+            s = stats.get(key)
+            if s is None:
+                s = stats[key] = ErrorStats()
+            s.add(predicted, measured, alpha)
         return measured - predicted
 
     def get(self, metric: str, tier: str = "all") -> ErrorStats:
@@ -178,6 +182,9 @@ class PredictionErrors:
 
 def _finite(x: float, fallback: float) -> float:
     return x if math.isfinite(x) and x > 0 else fallback
+
+
+_NO_RATES = NodeRates()  # what a node never measured has (read only, never updated)
 
 
 class LatencyModel:
@@ -209,14 +216,14 @@ class LatencyModel:
         return w * measured.value + (1.0 - w) * reported
 
     def prefill_tokens_per_s(self, node: NodeState) -> float:
-        rates = self.rates.get(node.id) or NodeRates()
+        rates = self.rates.get(node.id) or _NO_RATES
         default = self.knobs.defaults(node.kind).prefill_tokens_per_s
         value = self._blend(rates.prefill_tokens_per_s, node.prefill_tokens_per_s, default)
         return _finite(value, default)
 
     def decode_ms_per_token_b1(self, node: NodeState) -> float:
         """Decode ms/token of one sequence at batch 1 (the node's report is normalized)."""
-        rates = self.rates.get(node.id) or NodeRates()
+        rates = self.rates.get(node.id) or _NO_RATES
         default = self.knobs.defaults(node.kind).decode_ms_per_token
         reported = node.decode_ms_per_token / self.batch_factor(node.kind, max(1, node.running))
         return _finite(self._blend(rates.decode_ms_per_token_b1, reported, default), default)
@@ -249,8 +256,17 @@ class LatencyModel:
         uncached = max(1, prompt_tokens - cached)
         slots = max(1, node.max_batch)
         occupied = node.running + node.waiting + max(0, extra_inflight)
-        d1 = self.decode_ms_per_token_b1(node)
-        prefill_rate = self.prefill_tokens_per_s(node)
+        # decode_ms_per_token_b1(node) and prefill_tokens_per_s(node), inlined (hot path)
+        kd = k.defaults(node.kind)
+        slope = kd.batch_slope
+        rates = self.rates.get(node.id) or _NO_RATES
+        reported = node.decode_ms_per_token / (1.0 + slope * max(0.0, max(1, node.running) - 1.0))
+        default = kd.decode_ms_per_token
+        d1 = _finite(self._blend(rates.decode_ms_per_token_b1, reported, default), default)
+        default = kd.prefill_tokens_per_s
+        prefill_rate = _finite(
+            self._blend(rates.prefill_tokens_per_s, node.prefill_tokens_per_s, default), default
+        )
 
         ahead = max(0, occupied - slots + 1)
         if ahead == 0 and node.kv_blocks_total > 0:
@@ -260,11 +276,13 @@ class LatencyModel:
                 ahead = 1  # no room in the KV cache: wait for a request to finish
         queue_ms = 0.0
         if ahead:
-            service_ms = self.mean_output_tokens(node.id) * d1 * self.batch_factor(node.kind, slots)
+            service_ms = (
+                self.mean_output_tokens(node.id) * d1 * (1.0 + slope * max(0.0, slots - 1.0))
+            )
             queue_ms = ahead * service_ms / slots
 
         batch = min(slots, occupied + 1)
-        per_token = d1 * self.batch_factor(node.kind, batch)
+        per_token = d1 * (1.0 + slope * max(0.0, batch - 1.0))
         prefill_ms = 1000.0 * uncached / prefill_rate
         ttft = max(0.0, rtt_ms) + queue_ms + prefill_ms
         e2e = ttft + max(0.0, expected_output_tokens) * per_token
@@ -286,7 +304,9 @@ class LatencyModel:
     def observe(self, obs: Observation) -> dict[str, float]:
         """Learn from one finished request; returns the prediction errors recorded (ms)."""
         k = self.knobs
-        rates = self.rates.setdefault(obs.node_id, NodeRates())
+        rates = self.rates.get(obs.node_id)
+        if rates is None:
+            rates = self.rates[obs.node_id] = NodeRates()
         est = obs.estimate
         net = max(0.0, obs.net_rtt_ms)
         queue = (

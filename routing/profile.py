@@ -104,7 +104,7 @@ class RequestProfile:
 
 
 def _get(body: Any, name: str, default: Any = None) -> Any:
-    if isinstance(body, Mapping):
+    if type(body) is dict or isinstance(body, Mapping):  # a plain dict: skip the ABC check
         return body.get(name, default)
     return getattr(body, name, default)
 
@@ -162,6 +162,18 @@ def requested_max_tokens(body: Any) -> int | None:
     return int(value) if value is not None else None
 
 
+_SEEDS: dict[str, int] = {}  # model identity -> model_seed(identity), a pure function
+
+
+def _seed(model_identity: str) -> int:
+    seed = _SEEDS.get(model_identity)
+    if seed is None:
+        if len(_SEEDS) >= 1024:
+            _SEEDS.clear()
+        seed = _SEEDS[model_identity] = model_seed(model_identity)
+    return seed
+
+
 def build_profile(
     body: Any,
     formatter: PromptFormatter,
@@ -182,7 +194,7 @@ def build_profile(
         model_identity=model_identity,
         route=route,
         prompt_token_ids=ids,
-        block_hashes=block_hashes(ids, model_seed(model_identity)),
+        block_hashes=block_hashes(ids, _seed(model_identity)),
         max_tokens=max_tokens,
         expected_output_tokens=estimator.expected(api_key, route, max_tokens),
         stream=bool(_get(body, "stream", False)),

@@ -210,8 +210,10 @@ class Router:
             raise NoRoute(
                 "unavailable", f"no node serving {profile.model!r} is available now", left_out
             )
-        inp = PolicyInput(profile, cands, self.config, view.stale)
-        return self.policy(policy).decide(inp)
+        cfg = self.config
+        inp = PolicyInput(profile, cands, cfg, view.stale)
+        pol = self._policies.get(policy or cfg.policy)
+        return (pol or self.policy(policy)).decide(inp)
 
     # ---- feedback ----------------------------------------------------------------------------
     def begin(

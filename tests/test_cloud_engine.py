@@ -157,9 +157,12 @@ async def test_check_errors_raise_before_streaming(tiny: LlamaForCausalLM) -> No
         await anext(engine.generate(GenerationRequest([1] * 1020, SamplingParams(max_tokens=10))))
     with pytest.raises(RequestTooLong):  # more than the whole pool (200 blocks = 3200 slots)?
         engine.check(GenerationRequest([1] * 10, SamplingParams(max_tokens=5000)))
-    # not started: submissions queue up; the second waiting one is refused
+    # not started: the first submission takes the one running place, the second the one queue
+    # place, a third is refused
     g1 = engine.generate(GenerationRequest([1] * 10, SamplingParams(max_tokens=4)))
     t1 = asyncio.ensure_future(anext(g1))
+    g2 = engine.generate(GenerationRequest([1] * 10, SamplingParams(max_tokens=4)))
+    t2 = asyncio.ensure_future(anext(g2))
     await asyncio.sleep(0)
     with pytest.raises(QueueFull) as info:
         engine.check(GenerationRequest([1] * 10, SamplingParams(max_tokens=4)))
@@ -169,6 +172,8 @@ async def test_check_errors_raise_before_streaming(tiny: LlamaForCausalLM) -> No
         ev = await asyncio.wait_for(t1, 10)
         assert ev.token_ids
         await g1.aclose()
+        assert (await asyncio.wait_for(t2, 10)).token_ids
+        await g2.aclose()
     finally:
         await engine.shutdown()
 

@@ -15,11 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
+import os
 import time
-import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -28,11 +26,13 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
 
 from gateway.auth import Authenticator, KeyIdentity, enforce_rate_limit
 from gateway.circuit import CircuitBreakers
 from gateway.client_ip import ClientIPResolver
 from gateway.errors import APIError, bad_request, not_found_model, too_many_requests
+from gateway.front import fastjson
 from gateway.front.config import GatewayConfig
 from gateway.front.tokenizers import TokenizerCache, TokenizerUnavailable
 from gateway.geo import GeoLocator
@@ -42,6 +42,7 @@ from gateway.proxy import (
     Exhausted,
     Opened,
     StreamTotals,
+    close_client,
     make_client,
     open_first,
     passthrough_headers,
@@ -60,6 +61,14 @@ from routing.router import Measured, Router, Ticket
 log = logging.getLogger(__name__)
 
 _OFFLOAD_CHARS = 2000  # prompts longer than this are tokenized in a worker thread
+
+
+def _request_id() -> str:
+    """A new request id: what ``uuid.uuid4().hex`` gives (random, version 4), made directly."""
+    n = int.from_bytes(os.urandom(16), "big")
+    n = (n & ~(0xC000 << 48)) | (0x8000 << 48)  # the RFC 4122 variant
+    n = (n & ~(0xF000 << 64)) | (4 << 76)  # version 4
+    return f"{n:032x}"
 
 
 def _prompt_chars(body: dict[str, Any]) -> int:
@@ -107,6 +116,7 @@ class Gateway:
         self.auth = self._make_auth()
         self.in_flight = 0
         self.policy_override: str | None = None
+        self._peer_geo: dict[Any, Any] = {}  # socket peer -> GeoResult (no trusted proxies)
 
     def _make_store(self) -> FleetStore:
         trackers = list(self.trackers.values())
@@ -151,17 +161,31 @@ class Gateway:
     async def close(self) -> None:
         await self.limiter.close()
         await self.store.close()
-        await self.client.aclose()
+        await close_client(self.client)
         self.geo.close()
 
     # ---- parsing -------------------------------------------------------------------------------
-    @staticmethod
+    @classmethod
     async def parse(
-        request: Request, model_cls: type[ChatCompletionRequest] | type[CompletionRequest]
+        cls, request: Request, model_cls: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> tuple[dict[str, Any], Any]:
-        raw = await request.body()
+        return cls.parse_body(await request.body(), model_cls)
+
+    @classmethod
+    def parse_body(
+        cls, raw: bytes, model_cls: type[ChatCompletionRequest] | type[CompletionRequest]
+    ) -> tuple[dict[str, Any], Any]:
+        data, req, _ = cls.parse_json(raw, model_cls)
+        return data, req
+
+    @staticmethod
+    def parse_json(
+        raw: bytes, model_cls: type[ChatCompletionRequest] | type[CompletionRequest]
+    ) -> tuple[dict[str, Any], Any, bool]:
+        """The body as JSON, its validated model, and whether orjson parsed it (see
+        :mod:`gateway.front.fastjson`)."""
         try:
-            data = json.loads(raw)
+            data, strict = fastjson.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(
                 f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
@@ -169,7 +193,7 @@ class Gateway:
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object", code="invalid_json")
         try:
-            return data, model_cls.model_validate(data)
+            return data, model_cls.model_validate(data), strict
         except ValidationError as exc:
             raise RequestValidationError(
                 [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
@@ -177,7 +201,18 @@ class Gateway:
 
     def client_region(self, request: Request) -> str:
         """The client's region; clients geo cannot place get the routing policy's default."""
-        found = self.geo.locate(self.client_ip.from_scope(request.scope))
+        scope = request.scope
+        if self.client_ip.trusted:  # X-Forwarded-For counts: the address depends on headers
+            found = self.geo.locate(self.client_ip.from_scope(scope))
+        else:  # the peer alone says where the client is: remember what each peer resolved to
+            peer_info = scope.get("client")
+            peer = peer_info[0] if peer_info else None
+            found = self._peer_geo.get(peer)
+            if found is None:
+                found = self.geo.locate(self.client_ip.from_scope(scope))
+                if len(self._peer_geo) >= 4096:
+                    self._peer_geo.clear()
+                self._peer_geo[peer] = found
         return found.region if found.source != "default" else self.router.config.default_region
 
     def concrete_model(self, requested: str) -> str:
@@ -244,6 +279,7 @@ class Gateway:
         return prof, view
 
     def decide(self, prof: RequestProfile, view: FleetView) -> Decision:
+        self.router.reload_if_changed()  # a stat() at most once a second: hot reload of the YAML
         try:
             return self.router.decide(
                 prof, view, exclude=self.breakers.open_nodes(), policy=self.policy_override
@@ -265,8 +301,17 @@ class Gateway:
 
     # ---- forwarding ------------------------------------------------------------------------------
     async def forward(
-        self, request: Request, data: dict[str, Any], route: str, req: Any, identity: KeyIdentity
+        self,
+        request: Request,
+        data: dict[str, Any],
+        route: str,
+        req: Any,
+        identity: KeyIdentity,
+        *,
+        strict_json: bool = False,
     ) -> Response:
+        """Route and relay one request. ``strict_json``: ``data`` was parsed by orjson (see
+        :mod:`gateway.front.fastjson`), so it may be serialized by orjson too."""
         if self.in_flight >= self.config.max_in_flight:
             raise too_many_requests("the gateway is at its concurrency limit; retry shortly", 1.0)
         self.in_flight += 1
@@ -281,7 +326,7 @@ class Gateway:
 
         self.metrics.in_flight.inc()
         try:
-            return await self._forward(request, data, route, req, identity, release)
+            return await self._forward(request, data, route, req, identity, release, strict_json)
         except APIError as exc:
             self.metrics.observe_request(route, exc.status, None, None)
             if req.stream:
@@ -299,8 +344,9 @@ class Gateway:
         req: Any,
         identity: KeyIdentity,
         release: Any,
+        strict_json: bool = False,
     ) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or _request_id()
         model = self.concrete_model(req.model)
         region = self.client_region(request)
         t_start = time.perf_counter()
@@ -330,7 +376,7 @@ class Gateway:
             body = {**data, "model": model, "stream_options": {"include_usage": True}}
         else:
             body = {**data, "model": model}
-        payload = json.dumps(body).encode()
+        payload = fastjson.dumps(body, strict_json)
         headers = {"content-type": "application/json", "x-request-id": request_id}
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
         try:
@@ -408,7 +454,7 @@ class Gateway:
         e2e = (time.perf_counter() - t_start) * 1000
         usage: dict[str, Any] = {}
         with contextlib.suppress(ValueError, AttributeError):
-            usage = json.loads(content).get("usage") or {}
+            usage = fastjson.usage_of_response(content)
         measured = self._measured(usage, e2e, None)
         self._end(opened.node_id, tickets, measured)
         await self._account(rate, measured, opened, hdrs, route, 200)
@@ -433,25 +479,21 @@ class Gateway:
         totals = StreamTotals()
         ttft = (time.perf_counter() - t_start) * 1000
 
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for ev in relay_stream(opened, totals, include_usage):
-                    yield ev
-            finally:
-                e2e = (time.perf_counter() - t_start) * 1000
-                if totals.broken is not None:
-                    self.breakers.on_failure(opened.node_id)
-                    self._end(opened.node_id, tickets, None)
-                elif totals.usage is not None:
-                    measured = self._measured(totals.usage, e2e, ttft)
-                    self._end(opened.node_id, tickets, measured)
-                    await self._account(rate, measured, opened, hdrs, route, 200)
-                else:  # client went away before the end
-                    self._end(opened.node_id, tickets, None)
-                release()
+        async def finish() -> None:  # however the relay ends
+            e2e = (time.perf_counter() - t_start) * 1000
+            if totals.broken is not None:
+                self.breakers.on_failure(opened.node_id)
+                self._end(opened.node_id, tickets, None)
+            elif totals.usage is not None:
+                measured = self._measured(totals.usage, e2e, ttft)
+                self._end(opened.node_id, tickets, measured)
+                await self._account(rate, measured, opened, hdrs, route, 200)
+            else:  # client went away before the end
+                self._end(opened.node_id, tickets, None)
+            release()
 
-        return StreamingResponse(
-            body(),
+        return RelayResponse(
+            relay_stream(opened, totals, include_usage, on_close=finish),
             media_type="text/event-stream",
             headers={**hdrs, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -561,6 +603,46 @@ class Gateway:
             "policy": self.policy_override or self.router.config.policy,
             "policy_reload_error": self.policy_source.last_error,
         }
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse that watches for the client going away without an anyio task group.
+
+    Under ASGI spec versions before 2.4 (uvicorn says 2.3), Starlette streams in a child task
+    of an anyio task group and waits for ``http.disconnect`` in the parent, cancelling the
+    stream when the client leaves. This does the same with one plain asyncio task watching
+    ``receive``, which cancels the streaming task on a disconnect (and that cancellation, its
+    own, ends the response normally, as Starlette's cancel scope does): the task group, its
+    cancel scope and task handles cost about a tenth of a streamed request's CPU.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        spec = scope.get("asgi", {}).get("spec_version", "2.0")
+        if scope["type"] != "http" or tuple(map(int, spec.split("."))) >= (2, 4):
+            await super().__call__(scope, receive, send)
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"streaming": True, "disconnected": False}
+
+        async def watch() -> None:
+            await self.listen_for_disconnect(receive)
+            if state["streaming"]:
+                state["disconnected"] = True
+                task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not state["disconnected"]:
+                raise
+            task.uncancel()  # our own cancellation: the client left, the response is over
+        finally:
+            state["streaming"] = False
+            watcher.cancel()
+        if self.background is not None:
+            await self.background()
 
 
 def error_response(exc: APIError) -> JSONResponse:

@@ -1,0 +1,77 @@
+"""JSON on the gateway's hot path: orjson where it gives the same answer as :mod:`json`.
+
+- :func:`loads` returns what ``json.loads`` returns and raises what it raises: orjson parses
+  the strict RFC 8259 JSON that requests are made of; anything it refuses (NaN, infinities,
+  lone surrogates, other encodings, invalid documents) is handed to ``json.loads``, which
+  accepts it or raises its own error, message included. orjson reads an integer beyond 64
+  bits as a float where ``json`` keeps it exact: a document in which orjson found a number of
+  that size (|x| >= 2**63) is parsed again by ``json``.
+- :func:`dumps` serializes a document :func:`loads` parsed with orjson (``strict=True``) with
+  orjson, else with ``json.dumps``. The bytes differ from ``json.dumps`` (compact, UTF-8
+  rather than ``\\u`` escapes) but encode the same JSON value.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+try:
+    import orjson
+except ImportError:  # pragma: no cover - the standard library only, slower
+    orjson = None  # type: ignore[assignment]
+
+
+_BIG = 9.2e18  # below 2**63, the smallest magnitude of an integer orjson turns into a float
+
+
+def _has_big_float(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        t = type(o)
+        if t is dict:
+            stack.extend(o.values())
+        elif t is list:
+            stack.extend(o)
+        elif t is float and not -_BIG < o < _BIG:
+            return True
+    return False
+
+
+def loads(raw: bytes | str) -> tuple[Any, bool]:
+    """``(json.loads(raw), True if orjson parsed it)``."""
+    if orjson is not None:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if not _has_big_float(obj):
+                return obj, True
+    return json.loads(raw), False
+
+
+def usage_of_response(raw: bytes) -> Any:
+    """``json.loads(raw).get("usage") or {}`` (raising what that raises), looking at nothing
+    but the usage object for numbers orjson may have read differently."""
+    if orjson is not None:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            usage = obj.get("usage") or {}
+            if not _has_big_float(usage):
+                return usage
+    return json.loads(raw).get("usage") or {}
+
+
+def dumps(obj: Any, strict: bool) -> bytes:
+    """``obj`` as JSON bytes (orjson when ``strict``: it came from :func:`loads` via orjson)."""
+    if strict and orjson is not None:
+        try:
+            return orjson.dumps(obj)
+        except (TypeError, orjson.JSONEncodeError):
+            pass
+    return json.dumps(obj).encode()
