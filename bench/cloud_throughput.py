@@ -36,6 +36,7 @@ from cloud_engine.config import EngineConfig
 from cloud_engine.core import CoreCounters, EngineCore
 from cloud_engine.model.config import ModelConfig
 from cloud_engine.model.llama import LlamaForCausalLM
+from cloud_engine.model.loader import init_random_weights
 from routing.engine import GenerationRequest, SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -59,15 +60,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: str, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.8, 1.2)
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 / (p.shape[1] ** 0.5))
-            else:
-                p.normal_(0.0, 0.02)
+        model = init_random_weights(LlamaForCausalLM(cfg))
     model = model.to(dtype).eval()
     model.rotary = type(model.rotary)(cfg).to(device)  # keep inv_freq in float32
     return model

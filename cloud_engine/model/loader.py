@@ -72,6 +72,20 @@ def tiny_config(**overrides: object) -> ModelConfig:
     return ModelConfig(**base)  # type: ignore[arg-type]
 
 
+def init_random_weights(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Fill ``model`` in place with random weights scaled so logits are well spread (greedy ties
+    are vanishingly rare); uses the global torch RNG, so seed it first."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif p.dim() == 2:
+                p.normal_(0.0, 1.0 / (p.shape[1] ** 0.5))
+            else:
+                p.normal_(0.0, 0.02)
+    return model
+
+
 def save_random_model(
     folder: str | Path, cfg: ModelConfig, seed: int = 0, tokenizer_from: str | Path | None = None
 ) -> Path:
@@ -81,15 +95,7 @@ def save_random_model(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.8, 1.2)
-            elif p.dim() == 2:
-                p.normal_(0.0, 1.0 / (p.shape[1] ** 0.5))
-            else:
-                p.normal_(0.0, 0.02)
+    model = init_random_weights(LlamaForCausalLM(cfg))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
