@@ -5,22 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from gateway.commands.node_args import add_node_arguments
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c = sub.add_parser("cloud", help="cloud engine commands")
     csub = c.add_subparsers(dest="cloud_command", required=True)
     s = csub.add_parser("serve", help="serve a model with the paged torch engine")
-    s.add_argument("--model", default="smollm2-135m-instruct", help="store name or HF folder")
-    s.add_argument("--region", default="local")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8002)
-    s.add_argument("--node-id", default=None)
-    s.add_argument(
-        "--public-url", default=None, help="URL gateways use (default: http://host:port)"
-    )
-    s.add_argument(
-        "--redis", dest="redis_url", default=None, help="fleet store, e.g. redis://host:6379/0"
-    )
+    add_node_arguments(s, default_port=8002)
     s.add_argument("--device", default="auto", help="cuda, cpu or auto")
     s.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     s.add_argument("--kv-budget-mb", type=float, default=None, help="KV pool bytes on CPU")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gateway.commands.node_args import add_node_arguments
 from routing.model_store import DEFAULT_MODEL
 
 VARIANTS = ("fp32", "int8", "int4")
@@ -74,18 +75,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def add_serve(esub: argparse._SubParsersAction) -> None:
     s = esub.add_parser("serve", help="serve a model with the ONNX Runtime edge engine")
-    s.add_argument("--model", default=DEFAULT_MODEL, help="store name or HF folder")
+    add_node_arguments(s, default_port=8001)
     s.add_argument("--variant", "-p", choices=VARIANTS, default="int8")
-    s.add_argument("--region", default="local")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8001)
-    s.add_argument("--node-id", default=None)
-    s.add_argument(
-        "--public-url", default=None, help="URL gateways use (default: http://host:port)"
-    )
-    s.add_argument(
-        "--redis", dest="redis_url", default=None, help="fleet store, e.g. redis://host:6379/0"
-    )
     s.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     s.add_argument("--slots", type=int, default=4, help="concurrent sequences batched per step")
     s.add_argument("--max-waiting", type=int, default=16, help="waiting queue size (then 429)")
