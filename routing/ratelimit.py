@@ -28,7 +28,6 @@ This module also holds :class:`RedisKeyStore`, the small Redis lookup of API key
 from __future__ import annotations
 
 import abc
-import asyncio
 import logging
 import math
 import threading
@@ -38,11 +37,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from routing.fleet.store import KEY_PREFIX
+from routing.redis_link import REDIS_ERRORS, RedisLink, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +47,6 @@ LimitedBy = Literal["requests", "tokens", "too_large"]
 Backend = Literal["redis", "local", "none"]
 
 WINDOW_MS = 60_000.0
-_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 _CODES: dict[int, LimitedBy | None] = {0: None, 1: "requests", 2: "tokens", 3: "too_large"}
 _TOO_LARGE_RETRY_S = 60.0
 
@@ -322,19 +318,6 @@ return 1
 )
 
 
-def redis_client(url: str, *, timeout_s: float = 0.25) -> Redis:
-    """A client that never hangs or retries: short timeouts, errors surface at once."""
-    return Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        retry_on_timeout=False,
-        decode_responses=True,
-        health_check_interval=0,
-    )
-
-
 def _level(raw: Any) -> float | None:
     return float(raw) if raw not in (None, "") else None
 
@@ -359,37 +342,32 @@ class RedisRateLimiter(RateLimiter):
         self.ns = namespace
         self.retry_interval_s = retry_interval_s
         self.fallback = fallback or InProcessRateLimiter()
-        self.on_error = on_error
         self.redis: Redis = client or redis_client(url, timeout_s=timeout_s)
+        self.link = RedisLink(
+            self.redis,
+            what="rate limiter",
+            fallback="limiting in-process",
+            retry_interval_s=retry_interval_s,
+            on_error=on_error,
+        )
         self._acquire = self.redis.register_script(ACQUIRE_SCRIPT)
         self._adjust = self.redis.register_script(ADJUST_SCRIPT)
-        self.healthy = True
-        self.last_error: str | None = None
-        self.errors_total = 0
         self.fallback_decisions = 0
-        self._next_try = 0.0
 
     def key(self, key_id: str) -> str:
         return f"{self.ns}rl:{key_id}"
 
-    def _ok(self) -> None:
-        if not self.healthy:
-            log.info("rate limiter: Redis reachable again")
-        self.healthy = True
-        self.last_error = None
+    @property
+    def healthy(self) -> bool:
+        return self.link.healthy
 
-    def _fail(self, exc: BaseException) -> None:
-        if self.healthy:
-            log.warning("rate limiter: Redis unreachable (%s); limiting in-process", exc)
-        self.healthy = False
-        self.errors_total += 1
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        self._next_try = time.monotonic() + self.retry_interval_s
-        if self.on_error is not None:
-            self.on_error(exc)
+    @property
+    def last_error(self) -> str | None:
+        return self.link.last_error
 
-    def _use_fallback(self) -> bool:
-        return not self.healthy and time.monotonic() < self._next_try
+    @property
+    def errors_total(self) -> int:
+        return self.link.errors_total
 
     async def _local(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
         self.fallback_decisions += 1
@@ -400,16 +378,16 @@ class RedisRateLimiter(RateLimiter):
         tokens = max(0, int(tokens))
         if limits.unlimited:
             return _unlimited(key_id, limits, tokens)
-        if self._use_fallback():
+        if self.link.should_skip():
             return await self._local(key_id, limits, tokens)
         try:
             raw = await self._acquire(
                 keys=[self.key(key_id)], args=[limits.rpm or 0, limits.tpm or 0, tokens]
             )
-        except _ERRORS as exc:
-            self._fail(exc)
+        except REDIS_ERRORS as exc:
+            self.link.fail(exc)
             return await self._local(key_id, limits, tokens)
-        self._ok()
+        self.link.ok()
         allowed, wait_ms, code = int(raw[0]), int(raw[1]), int(raw[2])
         limited_by = _CODES.get(code)
         wait_s = _TOO_LARGE_RETRY_S if code == 3 else max(wait_ms, 1) / 1000.0
@@ -433,10 +411,10 @@ class RedisRateLimiter(RateLimiter):
                 keys=[self.key(d.key_id)],
                 args=[d.limits.rpm or 0, d.limits.tpm or 0, requests, tokens],
             )
-        except _ERRORS as exc:  # the charge stands: conservative, never a client error
-            self._fail(exc)
+        except REDIS_ERRORS as exc:  # the charge stands: conservative, never a client error
+            self.link.fail(exc)
             return
-        self._ok()
+        self.link.ok()
 
     async def settle(self, decision: RateDecision, actual_tokens: int) -> None:
         if not decision.allowed:
@@ -467,13 +445,7 @@ class RedisRateLimiter(RateLimiter):
 
     async def ping(self) -> bool:
         """Probe Redis now; updates ``healthy``."""
-        try:
-            await self.redis.ping()
-        except _ERRORS as exc:
-            self._fail(exc)
-            return False
-        self._ok()
-        return True
+        return await self.link.ping()
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -520,7 +492,7 @@ class RedisKeyStore:
     async def get(self, key_hash: str) -> KeyRecord | None:
         try:
             raw = await self.redis.hgetall(self.key(key_hash))
-        except _ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise KeyStoreUnavailable(f"key store unreachable: {exc}") from exc
         if not raw or "name" not in raw:
             return None
@@ -535,13 +507,13 @@ class RedisKeyStore:
             pipe.delete(self.key(key_hash))
             pipe.hset(self.key(key_hash), mapping=mapping)
             await pipe.execute()
-        except _ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise KeyStoreUnavailable(f"key store unreachable: {exc}") from exc
 
     async def delete(self, key_hash: str) -> bool:
         try:
             return bool(await self.redis.delete(self.key(key_hash)))
-        except _ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise KeyStoreUnavailable(f"key store unreachable: {exc}") from exc
 
     async def close(self) -> None:

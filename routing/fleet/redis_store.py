@@ -23,7 +23,6 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,13 +30,11 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from routing.fleet.memory_store import OpenAINodeTracker, PrefixIndex
 from routing.fleet.state import NodeState
 from routing.fleet.store import KEY_PREFIX, FleetStore, FleetView
+from routing.redis_link import REDIS_ERRORS, RedisLink, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +60,6 @@ for _, id in ipairs(ids) do
 end
 return out
 """
-
-_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class FleetStoreUnavailable(ConnectionError):
@@ -99,69 +94,52 @@ class RedisFleetStore(FleetStore):
         self.events_maxlen = events_maxlen
         self.openai_nodes = {t.id: t for t in openai_nodes}
         self.clock = clock
-        self.redis: Redis = client or Redis.from_url(
-            url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            decode_responses=True,
-            health_check_interval=0,
+        self.redis: Redis = client or redis_client(
+            url, timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
+        )
+        self.link = RedisLink(
+            self.redis,
+            what="fleet store",
+            fallback="serving the last view",
+            retry_interval_s=retry_interval_s,
+            clock=clock,
         )
         self._view_script = self.redis.register_script(VIEW_SCRIPT)
         self.approx = PrefixIndex(max_approx_blocks_per_node)
         self._last_nodes: list[NodeState] = []
         self._parsed: dict[str, NodeState] = {}  # raw JSON -> state, for the last view's nodes
         self._indexed: set[str] = set()
-        self._next_try = 0.0
-        self.healthy = True
-        self.last_error: str | None = None
-        self.errors_total = 0
         self.views_total = 0
         self.stale_views_total = 0
-        self.last_ok_at: float | None = None
 
     # ---- keys --------------------------------------------------------------------------------
     def _key(self, kind: str, node_id: str | None = None) -> str:
         return f"{self.ns}{kind}" if node_id is None else f"{self.ns}{kind}:{node_id}"
 
     # ---- health ------------------------------------------------------------------------------
-    def _ok(self) -> None:
-        if not self.healthy:
-            log.info("fleet store: Redis reachable again")
-        self.healthy = True
-        self.last_error = None
-        self.last_ok_at = self.clock()
+    @property
+    def healthy(self) -> bool:
+        return self.link.healthy
 
-    def _fail(self, exc: BaseException) -> None:
-        if self.healthy:
-            log.warning("fleet store: Redis unreachable (%s); serving the last view", exc)
-        self.healthy = False
-        self.errors_total += 1
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        self._next_try = time.monotonic() + self.retry_interval_s
+    @property
+    def last_error(self) -> str | None:
+        return self.link.last_error
+
+    @property
+    def errors_total(self) -> int:
+        return self.link.errors_total
 
     def health(self) -> dict[str, Any]:
         """For ``/health`` and metrics."""
         return {
-            "backend": "redis",
-            "healthy": self.healthy,
-            "last_error": self.last_error,
-            "errors_total": self.errors_total,
-            "last_ok_at": self.last_ok_at,
+            **self.link.health(),
             "views_total": self.views_total,
             "stale_views_total": self.stale_views_total,
         }
 
     async def ping(self) -> bool:
         """Probe Redis now (ignores the retry interval); updates ``healthy``."""
-        try:
-            await self.redis.ping()
-        except _ERRORS as exc:
-            self._fail(exc)
-            return False
-        self._ok()
-        return True
+        return await self.link.ping()
 
     # ---- writes ------------------------------------------------------------------------------
     async def _write(self, build: Callable[[Any], None]) -> None:
@@ -169,10 +147,10 @@ class RedisFleetStore(FleetStore):
         build(pipe)
         try:
             await pipe.execute()
-        except _ERRORS as exc:
-            self._fail(exc)
+        except REDIS_ERRORS as exc:
+            self.link.fail(exc)
             raise FleetStoreUnavailable(f"fleet store unreachable: {exc}") from exc
-        self._ok()
+        self.link.ok()
 
     async def put_node(self, state: NodeState) -> None:
         ttl_ms = max(1, int(state.ttl_s * 1000))
@@ -246,14 +224,14 @@ class RedisFleetStore(FleetStore):
 
     async def view(self, block_hashes: Sequence[int]) -> FleetView:
         self.views_total += 1
-        if not self.healthy and time.monotonic() < self._next_try:
+        if self.link.should_skip():
             return self._stale_view(block_hashes)
         try:
             raw = await self._view_script(args=[self.ns, *(hex_hash(h) for h in block_hashes)])
-        except _ERRORS as exc:
-            self._fail(exc)
+        except REDIS_ERRORS as exc:
+            self.link.fail(exc)
             return self._stale_view(block_hashes)
-        self._ok()
+        self.link.ok()
         nodes: list[NodeState] = []
         prefix: dict[str, int] = {}
         indexed: set[str] = set()
