@@ -113,7 +113,7 @@ def test_short_prompt_goes_to_the_edge_by_the_latency_model(fleet, sdk) -> None:
     assert completion.usage.completion_tokens <= 8 and completion.choices[0].message.content
 
 
-def test_long_prompt_goes_to_the_cloud(fleet, sdk) -> None:
+def test_prompt_over_the_edge_context_goes_to_the_cloud(fleet, sdk) -> None:
     long = "word " * 1300  # more than the edge box's 1024-token context
     raw = sdk.chat.completions.with_raw_response.create(
         model="auto", messages=[{"role": "user", "content": long}], max_tokens=4, temperature=0
