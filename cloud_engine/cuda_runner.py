@@ -6,8 +6,10 @@ per-step integers go up in one packed host-to-device copy.
 
 Decode-only steps of up to ``max_graph_batch`` sequences replay a CUDA graph captured for the
 next batch size of a ladder (padding rows have slot -1, so they write no KV, and length 1);
-anything else (prefill chunks, mixed batches) runs eagerly with prefill tiling. Sampling runs on
-the device; greedy batches take the argmax captured inside the graph.
+their per-step integers go up in one copy from a pinned staging buffer straight into the
+graph's input tensor. Anything else (prefill chunks, mixed batches) runs eagerly with prefill
+tiling. Sampling runs on the device; greedy batches take the argmax captured inside the graph
+(fused into the logits product for small batches).
 
 Invariants: a sequence's device row mirrors its ``block_table`` prefix of ``synced`` entries
 before any kernel reads it; rows are returned by :meth:`release` whenever a sequence leaves the
@@ -63,6 +65,8 @@ class _DecodeGraph:
     ints: torch.Tensor  # [5, W] int32 (W = B rounded up to 4): ids, positions, slots, rows, lens
     logits: torch.Tensor  # [B, V]
     tokens: torch.Tensor  # [B] greedy argmax
+    host: torch.Tensor  # [5, W] int32 pinned staging of ``ints``: one copy, no host wait
+    uploaded: torch.cuda.Event  # recorded after the last copy out of ``host``
 
 
 class CudaRunner:
@@ -186,8 +190,7 @@ class CudaRunner:
             ints[2, :b], self.tables, ints[3, :b], ints[4, :b], self._arange[: b + 1],
             self._arange[:b], self._zeros[:b], tile_shape(self.group, 1),
         )  # fmt: skip
-        logits = self.fm.logits(self.fm.forward(ints[0, :b], ints[1, :b], a))
-        return logits, torch.argmax(logits, dim=-1)
+        return self.fm.logits_argmax(self.fm.forward(ints[0, :b], ints[1, :b], a))
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -209,8 +212,20 @@ class CudaRunner:
             with torch.cuda.graph(g, pool=self._graph_pool):
                 logits, tokens = self._decode_forward(ints, b)
             self._graph_pool = g.pool()
-            self.graphs[b] = _DecodeGraph(g, ints, logits, tokens)
+            host = torch.empty(tuple(ints.shape), dtype=torch.int32, pin_memory=True)
+            self.graphs[b] = _DecodeGraph(g, ints, logits, tokens, host, torch.cuda.Event())
+        self._warm_eager_logits()
         torch.cuda.synchronize(self.device)
+
+    def _warm_eager_logits(self) -> None:
+        """Compile the eager path's skinny logits kernels (prefill steps that sample one or a
+        few rows) now, so that no Triton compile lands in a served step."""
+        rows = self.fm.ops.gemv_rows if isinstance(self.fm.ops, TritonOps) else 0
+        h = torch.zeros(
+            (rows, self.fm.config.hidden_size), dtype=self.fm.embed.dtype, device=self.device
+        )
+        for m in range(1, rows + 1):
+            self.fm.logits(h[:m])
 
     def _replay(self, inp: StepInputs, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         s = inp.num_seqs
@@ -218,7 +233,9 @@ class CudaRunner:
             self.capture_graphs()
         b = self.graph_sizes[bisect.bisect_left(self.graph_sizes, s)]
         g = self.graphs[b]
-        host = np.zeros(tuple(g.ints.shape), dtype=np.int32)
+        g.uploaded.synchronize()  # the previous step's copy has left the staging buffer
+        host = g.host.numpy()
+        host[:, s:] = 0
         host[0, :s] = inp.input_ids
         host[1, :s] = inp.positions
         host[2, :s] = inp.slot_mapping
@@ -226,6 +243,7 @@ class CudaRunner:
         host[3, :s] = rows
         host[4, :s] = inp.seq_lens
         host[4, s:] = 1
-        g.ints.copy_(self._upload(host.ravel()).view(g.ints.shape))
+        g.ints.copy_(g.host, non_blocking=True)
+        g.uploaded.record()
         g.graph.replay()
         return g.logits, g.tokens

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cloud_engine.attention_torch import make_meta, paged_attention, store_kv
 from cloud_engine.kernels import triton_available
@@ -150,6 +152,131 @@ def test_kernel_rope_store_and_norms_match_torch(qk_norm: bool, int8: bool) -> N
     assert rel_err(o1, o0) < 1e-5 and rel_err(r1, r0) < 1e-6
     gu = torch.randn(n, 2 * cfg.intermediate_size, device=DEV)
     assert rel_err(TritonOps().silu_mul(gu), TorchOps().silu_mul(gu)) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("bn", [None, 16])
+def test_kernel_gemv_matches_torch(m: int, dtype: torch.dtype, bn: int | None) -> None:
+    if INTERPRET and dtype != torch.float32:
+        pytest.skip("interpreter: float32 only (its bf16 rounding is not the GPU's)")
+    from cloud_engine.kernels import gemv
+    from cloud_engine.model.fused import TorchOps
+
+    g = torch.Generator().manual_seed(m)
+    k, n = 48, 40  # K pads to 64; with bn=16 the last program masks rows
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(DEV, dtype)
+
+    x, w, bias, norm, gate_up, res = rnd(m, k), rnd(n, k), rnd(n), rnd(k), rnd(2 * n, k), rnd(m, n)
+    tuning = {"bn": bn} if bn else {}
+    ops = TorchOps()
+
+    def residual(x: torch.Tensor, w: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        return (res.float() + F.linear(x, w).float()).to(x.dtype)
+
+    def check(ours: torch.Tensor, ref: Callable[..., torch.Tensor], *args: torch.Tensor) -> None:
+        """Ours is as close to the float64 result as the torch ops in ``dtype`` are."""
+        exact = ref(*(t.double() for t in args))
+        assert rel_err(ours, exact) <= 1.5 * rel_err(ref(*args), exact) + 1e-6
+
+    check(gemv.linear(x, w, bias, **tuning), F.linear, x, w, bias)
+    check(
+        gemv.linear(x, w, bias, norm, 1e-6, **tuning),
+        lambda x, n, w, b: ops.norm_linear(None, x.clone(), n, 1e-6, w, b)[0],
+        x, norm, w, bias,
+    )  # fmt: skip
+    check(
+        gemv.silu_linear(x, gate_up, norm, 1e-6, **tuning),
+        lambda x, n, gu: ops.norm_swiglu(None, x.clone(), n, 1e-6, gu)[0],
+        x, norm, gate_up,
+    )  # fmt: skip
+    ours = res.clone()
+    gemv.linear_residual(x, w, ours, **tuning)
+    check(ours, residual, x, w, res)
+
+
+@needs_kernels
+def test_kernel_gemv_argmax_picks_first_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cloud_engine.kernels import gemv
+
+    monkeypatch.setattr(gemv, "ARGMAX_BLOCK", 64)  # several passes over the 300 partials
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(3, 32, generator=g), torch.randn(300, 32, generator=g)
+    w[250] = w[17] = 4 * w[0]  # rows 17 and 250 tie for the maximum of row 0
+    x[0] = w[0]
+    logits, ids = gemv.linear_argmax(x.to(DEV), w.to(DEV), bn=1)
+    assert rel_err(logits, F.linear(x, w).to(DEV)) < 1e-5
+    assert ids.dtype == torch.int64 and ids.tolist() == torch.argmax(logits, -1).tolist()
+    assert ids[0].item() == 17
+
+
+def decode_step_inputs(ctx: list[int], group: int) -> tuple[object, torch.Tensor]:
+    """AttnInputs (with the torch metadata) and positions of one decode step of sequences with
+    KV lengths ``ctx`` (after the step), blocks laid out one sequence after another."""
+    from cloud_engine.model.fused import AttnInputs
+
+    i32 = {"dtype": torch.int32, "device": DEV}
+    tables, nxt = [], 0
+    for c in ctx:
+        nb = -(-c // 16)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    width = max(map(len, tables))
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32)  # type: ignore[arg-type]
+    slots = [tables[s][(c - 1) // 16] * 16 + (c - 1) % 16 for s, c in enumerate(ctx)]
+    slot_t = torch.tensor(slots, **i32)  # type: ignore[arg-type]
+    n = len(ctx)
+    meta = make_meta(slot_t.long(), tab.long(), list(range(n + 1)), ctx)
+    a = AttnInputs(
+        slot_t, tab, torch.arange(n, **i32), torch.tensor(ctx, **i32), torch.arange(n + 1, **i32),
+        torch.arange(n, **i32), torch.zeros(n, **i32), tile_shape(group, 1), meta,
+    )  # type: ignore[arg-type]  # fmt: skip
+    return a, torch.tensor([c - 1 for c in ctx], **i32)  # type: ignore[arg-type]
+
+
+@needs_kernels
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("gemv_rows", [0, 8])
+def test_kernel_decode_forward_matches_torch_ops(
+    model_type: str, gemv_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One decode step of three sequences (one long enough for several attention splits)
+    through the fused decode attention, with library or skinny-GEMV products, against
+    TorchOps: logits, greedy tokens and the KV written."""
+    from cloud_engine.kernels import decode_attention
+    from cloud_engine.model.fused import FusedLlama, TorchOps, TritonOps
+    from cloud_engine.model.loader import tiny_config
+
+    calls = []
+    fused = decode_attention.decode_attention
+    monkeypatch.setattr(
+        decode_attention, "decode_attention", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+
+    cfg = tiny_config(model_type=model_type, qk_norm=model_type == "qwen3", head_dim=32)
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg).to(DEV)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    pools = [KVPool(spec, 16, DEV) for _ in range(2)]
+    pools[0].data.normal_()
+    pools[1].data.copy_(pools[0].data)
+    ctx = [5, 20, 150]
+    a, pos = decode_step_inputs(ctx, cfg.num_attention_heads // cfg.num_key_value_heads)
+    ids = torch.tensor([7, 300, 42], device=DEV)
+    outs = []
+    for pool, ops in zip(pools, (TorchOps(), TritonOps(gemv_rows)), strict=True):
+        fm = FusedLlama(model, pool, ops)
+        outs.append(fm.logits_argmax(fm.forward(ids, pos, a)))  # type: ignore[arg-type]
+    assert len(calls) == cfg.num_hidden_layers  # the fused kernel ran in every layer
+    assert rel_err(outs[1][0], outs[0][0]) < 1e-5
+    assert outs[1][1].tolist() == outs[0][1].tolist()
+    assert rel_err(pools[1].data, pools[0].data) < 1e-6
 
 
 def tiny_gpu_model(model_type: str, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:

@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, F, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, F, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -24,7 +27,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, f), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     if n:
+        pdl = use_pdl(gate_up)
         _silu_mul_kernel[(n, triton.cdiv(f, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, num_warps=4
-        )
+            gate_up, out, gate_up.stride(0), out.stride(0), f, BLOCK=block, PDL=pdl,
+            num_warps=4, **launch_kwargs(pdl),
+        )  # fmt: skip
     return out

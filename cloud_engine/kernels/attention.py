@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
 from cloud_engine.kernels.tiling import TileShape
 
 
@@ -65,7 +66,9 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
     HQ: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,8 +152,9 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, o_ptr, stride_on, stride_oh, HQ: tl.constexpr,
-    SPLITS: tl.constexpr, D: tl.constexpr,
+    SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
@@ -205,6 +209,7 @@ def paged_attention(
     if splits > 1:  # decode of a small batch: split every sequence's keys (flash-decoding)
         part_o = torch.empty((n_tiles, hq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((n_tiles, hq, splits), dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)
     _paged_attention_kernel[(n_tiles, hkv, splits)](
         q,
         out,
@@ -241,12 +246,14 @@ def paged_attention(
         IEEE=q.dtype == torch.float32,
         SPLITS=splits,
         HQ=hq,
+        PDL=pdl,
         num_warps=4,
         num_stages=2,
+        **launch_kwargs(pdl),
     )
     if splits > 1:
         _combine_kernel[(n_tiles, hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, SPLITS=splits, D=d,
-            num_warps=2,
+            PDL=pdl, num_warps=2, **launch_kwargs(pdl),
         )  # fmt: skip
     return out

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
@@ -24,7 +26,9 @@ def _add_rmsnorm_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -47,6 +51,7 @@ def add_rmsnorm(
     out = torch.empty_like(x)
     res = x if residual is None else residual
     if n:
+        pdl = use_pdl(x)
         _add_rmsnorm_kernel[(n,)](
             x,
             res,
@@ -59,6 +64,8 @@ def add_rmsnorm(
             eps,
             HAS_RES=residual is not None,
             BLOCK=triton.next_power_of_2(h),
+            PDL=pdl,
             num_warps=4 if h <= 4096 else 8,
+            **launch_kwargs(pdl),
         )
     return out, res

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
+
 
 @triton.jit
 def _rms(x1, x2, w_ptr, half, eps, D: tl.constexpr):
@@ -70,7 +72,9 @@ def _qk_rope_store_kernel(
     BS: tl.constexpr,
     QK_NORM: tl.constexpr,
     KV_INT8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     half = tl.arange(0, D // 2)
@@ -130,6 +134,7 @@ def qk_rope_store(
     q = torch.empty((n, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
     int8 = k_scale is not None
     if n:
+        pdl = use_pdl(qkv)
         _qk_rope_store_kernel[(n, num_q_heads + num_kv_heads)](
             qkv,
             qkv.stride(0),
@@ -157,6 +162,8 @@ def qk_rope_store(
             BS=k_cache.shape[1],
             QK_NORM=q_norm is not None,
             KV_INT8=int8,
+            PDL=pdl,
             num_warps=1 if d <= 64 else 2,
+            **launch_kwargs(pdl),
         )
     return q

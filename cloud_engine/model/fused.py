@@ -1,13 +1,18 @@
 """The reference model's weights rearranged for speed over the paged KV pool.
 
 Per layer: q|k|v concatenated into one projection and gate|up into another, so a layer is
-nine kernels: add+RMSNorm, qkv GEMM, q/k norm + RoPE + KV store, paged attention, o GEMM,
-add+RMSNorm, gate_up GEMM, SwiGLU, down GEMM (the residual add is folded into the next norm).
-Tokens are a flat ragged batch ``[N]``; the per-step attention inputs come in
-:class:`AttnInputs`.
+norm + qkv projection, q/k norm + RoPE + KV store, paged attention, o projection, norm + gate_up
+projection + SwiGLU, down projection. Tokens are a flat ragged batch ``[N]``; the per-step
+attention inputs come in :class:`AttnInputs`.
 
-The elementwise and attention work goes through an :class:`Ops` object: ``TritonOps`` on CUDA
-(``cloud_engine.kernels``), ``TorchOps`` anywhere (the reference for tests). For pipeline
+The residual stream is carried as ``(pending, residual)``: a projection's output either stays
+*pending* (returned, and added by the next norm: one add+RMSNorm kernel, the path for large
+batches) or is added into ``residual`` in place by the projection's own kernel (small batches,
+``cloud_engine.kernels.gemv``), leaving nothing pending. Each op takes and keeps this contract,
+so the two paths mix freely.
+
+The work goes through an :class:`Ops` object: ``TritonOps`` on CUDA (``cloud_engine.kernels``,
+cuBLAS for large products), ``TorchOps`` anywhere (the reference for tests). For pipeline
 parallelism ``forward`` takes a layer range and a hidden state; for tensor parallelism the
 concatenated projections split by heads (qkv, gate_up by rows; o, down by columns) and two
 all-reduces per layer go after o and down: nothing here assumes one device holds every head.
@@ -46,7 +51,51 @@ class AttnInputs:
 class Ops(Protocol):
     def add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rmsnorm(residual + x) * w, residual + x)``, the residual updated in place; with
+        ``residual`` None, ``x`` is the residual stream."""
+        ...
+
+    def norm_linear(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        w: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h @ w.T + bias, residual)`` for ``h = rmsnorm(residual + pending) * norm``."""
+        ...
+
+    def norm_swiglu(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        gate_up: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(silu(h @ Wg.T) * (h @ Wu.T), residual)``, ``h`` as in :meth:`norm_linear`."""
+        ...
+
+    def linear_residual(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor | None:
+        """``x @ w.T``: returned (pending), or added into ``residual`` in place (None)."""
+        ...
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+    def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x @ w.T, argmax of each row)`` (the logits and their greedy tokens, int64)."""
+        ...
+
+    def rope_attention(
+        self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
+    ) -> torch.Tensor:
+        """:meth:`qk_rope_store` then :meth:`attention`: the attention output ``[N, Hq, D]``."""
+        ...
 
     def qk_rope_store(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
@@ -134,26 +183,76 @@ class FusedLlama:
     ) -> torch.Tensor:
         """Final-normed hidden states ``[N, hidden]`` (after the last layer of ``layers``; a
         pipeline stage that stops earlier gets the raw residual stream)."""
-        ops = self.ops
-        x, residual = (F.embedding(input_ids, self.embed), None) if hidden is None else hidden
+        ops, eps = self.ops, self.eps
+        pending, residual = _stream(
+            F.embedding(input_ids, self.embed) if hidden is None else hidden
+        )
         rng = layers if layers is not None else range(len(self.layers))
-        n = x.shape[0]
+        n = residual.shape[0]
         for i in rng:
             w = self.layers[i]
-            h, residual = ops.add_rmsnorm(x, residual, w.in_norm, self.eps)
-            qkv = F.linear(h, w.qkv, w.qkv_bias)
-            q = ops.qk_rope_store(self, i, qkv, positions, a)
-            o = ops.attention(self, i, q, a)
-            x = F.linear(o.view(n, self.hq * self.d), w.o)
-            h, residual = ops.add_rmsnorm(x, residual, w.post_norm, self.eps)
-            x = F.linear(ops.silu_mul(F.linear(h, w.gate_up)), w.down)
+            qkv, residual = ops.norm_linear(pending, residual, w.in_norm, eps, w.qkv, w.qkv_bias)
+            o = ops.rope_attention(self, i, qkv, positions, a)
+            pending = ops.linear_residual(o.view(n, self.hq * self.d), w.o, residual)
+            act, residual = ops.norm_swiglu(pending, residual, w.post_norm, eps, w.gate_up)
+            pending = ops.linear_residual(act, w.down, residual)
         if rng.stop != len(self.layers):
-            return x if residual is None else x + residual
-        out, _ = ops.add_rmsnorm(x, residual, self.final_norm, self.eps)
+            return residual if pending is None else pending + residual
+        out, _ = _add_norm(ops, pending, residual, self.final_norm, eps)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self.ops.linear(hidden, self.lm_head)
+
+    def logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, greedy token ids)``."""
+        return self.ops.linear_argmax(hidden, self.lm_head)
+
+
+def _stream(
+    hidden: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None],
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(pending, residual)`` from the embeddings or a pipeline stage's ``(x, residual)``."""
+    if isinstance(hidden, torch.Tensor):
+        return None, hidden
+    x, residual = hidden
+    return (None, x) if residual is None else (x, residual)
+
+
+def _add_norm(
+    ops: Ops, pending: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(residual + pending) * w, residual)``, adding ``pending`` in place."""
+    if pending is None:
+        return ops.add_rmsnorm(residual, None, w, eps)
+    return ops.add_rmsnorm(pending, residual, w, eps)
+
+
+def _norm_linear(
+    ops: Ops,
+    pending: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`Ops.norm_linear` from an add+RMSNorm and a library product."""
+    h, residual = _add_norm(ops, pending, residual, norm, eps)
+    return F.linear(h, w, bias), residual
+
+
+def _norm_swiglu(
+    ops: Ops,
+    pending: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    gate_up: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`Ops.norm_swiglu` from an add+RMSNorm, a library product and ``silu_mul``."""
+    h, residual = _add_norm(ops, pending, residual, norm, eps)
+    return ops.silu_mul(F.linear(h, gate_up)), residual
 
 
 class TorchOps:
@@ -166,6 +265,44 @@ class TorchOps:
         r32 = res.float()
         y = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)
         return (y * w.float()).to(x.dtype), res
+
+    def norm_linear(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        w: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _norm_linear(self, pending, residual, norm, eps, w, bias)
+
+    def norm_swiglu(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        gate_up: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _norm_swiglu(self, pending, residual, norm, eps, gate_up)
+
+    def linear_residual(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor | None:
+        return F.linear(x, w)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+    def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, w)
+        return logits, torch.argmax(logits, dim=-1)
+
+    def rope_attention(
+        self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
+    ) -> torch.Tensor:
+        return self.attention(fm, layer, self.qk_rope_store(fm, layer, qkv, positions, a), a)
 
     def qk_rope_store(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
@@ -207,17 +344,97 @@ class TorchOps:
 
 
 class TritonOps:
-    """The CUDA path (also runs under ``TRITON_INTERPRET=1`` for tests)."""
+    """The CUDA path (also runs under ``TRITON_INTERPRET=1`` for tests).
 
-    def __init__(self) -> None:
-        from cloud_engine.kernels import activation, attention, norm, rope_store
+    Batches of at most ``gemv_rows`` tokens (and the logits of as many rows) take the skinny
+    GEMV kernels with the norms, the residual adds, the SwiGLU and the greedy argmax folded in;
+    larger ones take cuBLAS between the element-wise kernels (``gemv_rows=0``: always).
+    Decode-only batches take the fused decode attention (q/k norm, RoPE, KV store, attention
+    and split merge in one kernel) where it applies, unless ``decode_attention=False``."""
+
+    def __init__(self, gemv_rows: int | None = None, decode_attention: bool = True) -> None:
+        from cloud_engine.kernels import activation, attention, gemv, norm, rope_store
+        from cloud_engine.kernels import decode_attention as dec
 
         self._norm, self._act, self._att, self._rope = norm, activation, attention, rope_store
+        self._gemv, self._dec = gemv, dec
+        self.gemv_rows = gemv.MAX_ROWS if gemv_rows is None else gemv_rows
+        self.decode_attention = decode_attention
+        self._counters: dict[torch.device, torch.Tensor] = {}
+
+    def _skinny(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.gemv_rows and self._gemv.supports(x.shape[0], x.shape[1])
 
     def add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._norm.add_rmsnorm(x, residual, w, eps)
+
+    def norm_linear(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        w: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if pending is not None or not self._skinny(residual):
+            return _norm_linear(self, pending, residual, norm, eps, w, bias)
+        return self._gemv.linear(residual, w, bias, norm, eps), residual
+
+    def norm_swiglu(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        gate_up: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if pending is not None or not self._skinny(residual):
+            return _norm_swiglu(self, pending, residual, norm, eps, gate_up)
+        return self._gemv.silu_linear(residual, gate_up, norm, eps), residual
+
+    def linear_residual(
+        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor | None:
+        if not self._skinny(x) or not residual.is_contiguous():
+            return F.linear(x, w)
+        self._gemv.linear_residual(x, w, residual)
+        return None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if not self._skinny(x) or x.stride(1) != 1:
+            return F.linear(x, w)
+        return self._gemv.linear(x, w)
+
+    def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._skinny(x) or x.stride(1) != 1:
+            logits = F.linear(x, w)
+            return logits, torch.argmax(logits, dim=-1)
+        return self._gemv.linear_argmax(x, w)
+
+    def rope_attention(
+        self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
+    ) -> torch.Tensor:
+        kc, vc, ks, _ = fm.pool.layer(layer)
+        decode_only = qkv.shape[0] == a.seq_lens.shape[0]  # every sequence has >= 1 token
+        fits = self._dec.supports(qkv.shape[0], fm.d, ks is not None)
+        if not (self.decode_attention and decode_only and fits):
+            return self.attention(fm, layer, self.qk_rope_store(fm, layer, qkv, positions, a), a)
+        w = fm.layers[layer]
+        return self._dec.decode_attention(
+            qkv, positions, fm.cos_sin, w.q_norm, w.k_norm, fm.eps, fm.hq, kc, vc,
+            a.slot_mapping, a.tables, a.seq_rows, a.seq_lens, self._split_counters(qkv.device),
+        )  # fmt: skip
+
+    def _split_counters(self, device: torch.device) -> torch.Tensor:
+        """The decode-attention merge counters of ``device`` (zeros between launches)."""
+        if device not in self._counters:
+            self._counters[device] = torch.zeros(
+                self._dec.MAX_COUNTERS, dtype=torch.int32, device=device
+            )
+        return self._counters[device]
 
     def qk_rope_store(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs

@@ -1,0 +1,271 @@
+"""Decode attention with the q/k norm, RoPE, KV store and split merge folded in: one kernel per
+layer for a decode-only batch (one new token per sequence), where the general path runs
+``rope_store``, ``attention`` and its combine kernel.
+
+Grid ``(S, Hkv, SPLITS)``; program ``(s, h, split)`` covers positions ``[lo, hi)`` of sequence
+``s`` for kv head ``h`` and the ``G`` query heads sharing it (padded to ``G_PAD >= 16`` rows of
+one matrix product). Keys already cached (positions below ``ctx - 1``) do not depend on this
+step's qkv projection, so the first tile of them is loaded before the PDL wait. The new token's
+k (normed, rotated) and v come from the projection in registers, rounded to the cache dtype;
+the split holding position ``ctx - 1`` adds them to its softmax and stores them into the
+token's slot (unless the slot is negative: CUDA-graph padding). Every split norms and rotates
+its q rows itself.
+
+With several splits each writes a partial output and its log-sum-exp; the last split of
+``(s, h)`` to finish (a counter per ``(s, h)``, incremented with acquire-release semantics after
+a block barrier) merges them, bypassing L1, and resets the counter.
+
+Head vectors are handled as their two RoPE halves ``[D/2]``: scores are ``q1·k1 + q2·k2`` and
+outputs are stored half by half, so nothing is concatenated.
+
+Invariants: a query sees keys ``0..ctx-1`` of its own sequence, as in
+``attention._paged_attention_kernel`` with ``q_len = 1``; the KV written equals what
+``rope_store`` writes; the counters are all zero between launches (zeroed once by the caller).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from cloud_engine.kernels.attention import decode_splits
+from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
+
+MAX_COUNTERS = 512  # (sequence, kv head) pairs of a split launch: splits need fewer than 264
+MAX_SEQS = 8  # larger batches run rope_store + attention: at 64 sequences (no splits) they are
+# faster on an H200, at 1..8 this kernel is (bench/profile_decode.py)
+BLOCK_N = 64  # keys per inner iteration
+MAX_SPLITS = 16  # splits of one sequence's keys (small batches)
+
+
+def supports(num_seqs: int, head_dim: int, kv_int8: bool) -> bool:
+    """Small batches over bf16/fp16/fp32 caches with head dims of 32 and up (halves feed
+    16-wide matrix products)."""
+    pow2 = head_dim & (head_dim - 1) == 0
+    return num_seqs <= MAX_SEQS and not kv_int8 and head_dim >= 32 and pow2
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, cos, sin, half, eps, D: tl.constexpr, NORM: tl.constexpr):
+    """Rotate-half RoPE of the halves of the last axis (float32), RMS-normed first if NORM."""
+    if NORM:
+        ss = tl.sum(x1 * x1, axis=-1, keep_dims=True) + tl.sum(x2 * x2, axis=-1, keep_dims=True)
+        r = tl.rsqrt(ss / D + eps)
+        x1 = x1 * r * tl.load(w_ptr + half).to(tl.float32)
+        x2 = x2 * r * tl.load(w_ptr + D // 2 + half).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _kv_tile(
+    k_cache_ptr, v_cache_ptr, tables_ptr, row, start, end, kvh, half,
+    stride_tr, stride_cb, stride_ct, stride_ch,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """Halves of keys and values at positions ``start + [0, BLOCK_N)`` below ``end``."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    ok = offs_n < end
+    blk = tl.load(tables_ptr + row * stride_tr + offs_n // BS, mask=ok, other=0).to(tl.int64)
+    p = (blk * stride_cb + (offs_n % BS) * stride_ct + kvh * stride_ch)[:, None] + half[None, :]
+    k1 = tl.load(k_cache_ptr + p, mask=ok[:, None], other=0.0)
+    k2 = tl.load(k_cache_ptr + p + D // 2, mask=ok[:, None], other=0.0)
+    v1 = tl.load(v_cache_ptr + p, mask=ok[:, None], other=0.0)
+    v2 = tl.load(v_cache_ptr + p + D // 2, mask=ok[:, None], other=0.0)
+    return k1, k2, v1, v2, ok
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # float32 models: exact products, not tf32
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _merge_splits(
+    part_o_ptr, part_lse_ptr, o_ptr, cnt_ptr, tok, head, g_ok, half, stride_on, stride_oh,
+    HQ: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+):  # fmt: skip
+    """Called by every split after writing its partial; the last one to arrive merges."""
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLITS - 1:
+        base = (tok * HQ + head) * SPLITS
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        for sp in tl.static_range(SPLITS):
+            lse = tl.load(part_lse_ptr + base + sp, mask=g_ok, other=0.0, cache_modifier=".cg")
+            m = tl.maximum(m, lse)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        num1 = tl.zeros([G_PAD, D // 2], tl.float32)
+        num2 = tl.zeros([G_PAD, D // 2], tl.float32)
+        den = tl.zeros([G_PAD], tl.float32)
+        for sp in tl.static_range(SPLITS):
+            lse = tl.load(part_lse_ptr + base + sp, mask=g_ok, other=0.0, cache_modifier=".cg")
+            w = tl.where(g_ok, tl.math.exp2(lse - m), 0.0)  # empty splits: exp2(-inf) = 0
+            ok = (g_ok & (w > 0.0))[:, None]
+            p = part_o_ptr + (base + sp)[:, None] * D + half[None, :]
+            num1 += w[:, None] * tl.load(p, mask=ok, other=0.0, cache_modifier=".cg")
+            num2 += w[:, None] * tl.load(p + D // 2, mask=ok, other=0.0, cache_modifier=".cg")
+            den += w
+        den = tl.maximum(den, 1e-30)[:, None]
+        dst = o_ptr + tok * stride_on + head[:, None] * stride_oh + half[None, :]
+        tl.store(dst, (num1 / den).to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(dst + D // 2, (num2 / den).to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(cnt_ptr, 0)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    qkv_ptr, stride_qkv, pos_ptr, cos_sin_ptr, qn_ptr, kn_ptr, eps,
+    k_cache_ptr, v_cache_ptr, slot_ptr, tables_ptr, seq_rows_ptr, seq_lens_ptr,
+    o_ptr, stride_on, stride_oh, part_o_ptr, part_lse_ptr, count_ptr, qk_scale,
+    stride_cb, stride_ct, stride_ch, stride_tr,
+    G: tl.constexpr, G_PAD: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    QK_NORM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    tok = tl.program_id(0).to(tl.int64)  # decode: token s is sequence s
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    half = tl.arange(0, D // 2)
+    # Before the wait: step inputs and cached keys, nothing the qkv projection writes.
+    ctx = tl.load(seq_lens_ptr + tok)
+    row = tl.load(seq_rows_ptr + tok).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(ctx, lo + chunk)
+    cached_end = tl.minimum(hi, ctx - 1)  # this split's cached keys: [lo, cached_end)
+    k1, k2, v1, v2, n_ok = _kv_tile(
+        k_cache_ptr, v_cache_ptr, tables_ptr, row, lo, cached_end, kvh, half,
+        stride_tr, stride_cb, stride_ct, stride_ch, BS, BLOCK_N, D,
+    )  # fmt: skip
+    pdl_enter(PDL)
+
+    dt = qkv_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * D + half)
+    sin = tl.load(cos_sin_ptr + pos * D + D // 2 + half)
+    base = qkv_ptr + tok * stride_qkv
+    g = tl.arange(0, G_PAD)
+    g_ok = g < G
+    head = kvh * G + g
+    qp = base + head[:, None] * D + half[None, :]
+    q1 = tl.load(qp, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qp + D // 2, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q1, q2 = _norm_rope(q1, q2, qn_ptr, cos, sin, half, eps, D, QK_NORM)
+    q1, q2 = q1.to(dt), q2.to(dt)  # q as rope_store writes it
+    kb = base + (HQ + kvh) * D
+    kn1 = tl.load(kb + half).to(tl.float32)
+    kn2 = tl.load(kb + D // 2 + half).to(tl.float32)
+    kn1, kn2 = _norm_rope(kn1, kn2, kn_ptr, cos, sin, half, eps, D, QK_NORM)
+    kn1, kn2 = kn1.to(dt), kn2.to(dt)
+    vb = base + (HQ + HKV + kvh) * D
+    vn1 = tl.load(vb + half)
+    vn2 = tl.load(vb + D // 2 + half)
+
+    owner = (lo <= ctx - 1) & (ctx - 1 < hi)  # this split holds the new token's position
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    keep = (half < D // 2) & owner & (slot >= 0)
+    dst = (slot // BS) * stride_cb + (slot % BS) * stride_ct + kvh * stride_ch + half
+    tl.store(k_cache_ptr + dst, kn1.to(k_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(k_cache_ptr + dst + D // 2, kn2.to(k_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(v_cache_ptr + dst, vn1.to(v_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(v_cache_ptr + dst + D // 2, vn2.to(v_cache_ptr.dtype.element_ty), mask=keep)
+
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc1 = tl.zeros([G_PAD, D // 2], dtype=tl.float32)
+    acc2 = tl.zeros([G_PAD, D // 2], dtype=tl.float32)
+    for start in range(lo, cached_end, BLOCK_N):
+        sc = _dot(q1, tl.trans(k1), IEEE) + _dot(q2, tl.trans(k2), IEEE)
+        sc = tl.where(n_ok[None, :], sc * qk_scale, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(sc - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc1 = acc1 * alpha[:, None] + _dot(p.to(v1.dtype), v1, IEEE)
+        acc2 = acc2 * alpha[:, None] + _dot(p.to(v1.dtype), v2, IEEE)
+        m_i = m_new
+        k1, k2, v1, v2, n_ok = _kv_tile(
+            k_cache_ptr, v_cache_ptr, tables_ptr, row, start + BLOCK_N, cached_end, kvh, half,
+            stride_tr, stride_cb, stride_ct, stride_ch, BS, BLOCK_N, D,
+        )  # fmt: skip
+    # the new token's key, in the owner split only
+    s_new = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :], axis=1)
+    s_new += tl.sum(q2.to(tl.float32) * kn2.to(tl.float32)[None, :], axis=1)
+    s_new = tl.where(owner, s_new * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p_new = tl.math.exp2(s_new - m_safe)
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + p_new
+    p_new = p_new.to(dt).to(tl.float32)[:, None]  # as the tile path rounds p for its product
+    acc1 = acc1 * alpha[:, None] + p_new * vn1.to(tl.float32)[None, :]
+    acc2 = acc2 * alpha[:, None] + p_new * vn2.to(tl.float32)[None, :]
+    m_i = m_new
+
+    inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLITS == 1:
+        out = o_ptr + tok * stride_on + head[:, None] * stride_oh + half[None, :]
+        tl.store(out, (acc1 * inv).to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(out + D // 2, (acc2 * inv).to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        part = (tok * HQ + head) * SPLITS + split
+        out = part_o_ptr + part[:, None] * D + half[None, :]
+        tl.store(out, acc1 * inv, mask=g_ok[:, None])
+        tl.store(out + D // 2, acc2 * inv, mask=g_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=g_ok)
+        _merge_splits(
+            part_o_ptr, part_lse_ptr, o_ptr, count_ptr + tok * HKV + kvh, tok, head, g_ok, half,
+            stride_on, stride_oh, HQ, SPLITS, D, G_PAD,
+        )  # fmt: skip
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    num_q_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    tables: torch.Tensor,
+    seq_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """Attention output ``[S, Hq, D]`` of one new token per sequence, from ``qkv``
+    ``[S, (Hq + 2 Hkv) D]``; the tokens' k and v go into the cache (``k_cache``
+    ``[blocks, bs, Hkv, D]``). ``counters``: int32, at least ``MAX_COUNTERS`` zeros."""
+    s = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    group = num_q_heads // hkv
+    out = torch.empty((s, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if s == 0:
+        return out
+    splits = decode_splits(s * hkv, MAX_SPLITS)
+    part_o = part_lse = out
+    if splits > 1:
+        assert s * hkv <= counters.numel()
+        part_o = torch.empty((s, num_q_heads, splits, d), dtype=torch.float32, device=qkv.device)
+        part_lse = torch.empty((s, num_q_heads, splits), dtype=torch.float32, device=qkv.device)
+    pdl = use_pdl(qkv)
+    _decode_attention_kernel[(s, hkv, splits)](
+        qkv, qkv.stride(0), positions, cos_sin,
+        q_norm if q_norm is not None else cos_sin, k_norm if k_norm is not None else cos_sin, eps,
+        k_cache, v_cache, slot_mapping, tables, seq_rows, seq_lens,
+        out, out.stride(0), out.stride(1), part_o, part_lse, counters,
+        (1.0 / math.sqrt(d)) * 1.4426950408889634,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        G=group, G_PAD=max(16, triton.next_power_of_2(group)), HQ=num_q_heads, HKV=hkv, D=d,
+        BS=k_cache.shape[1], BLOCK_N=BLOCK_N, SPLITS=splits, QK_NORM=q_norm is not None,
+        IEEE=qkv.dtype == torch.float32, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+    )  # fmt: skip
+    return out
