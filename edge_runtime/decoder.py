@@ -12,8 +12,13 @@ dummies that write one position at their current length, which is overwritten la
 
 ``concat`` (portable graphs, ``present = concat(past, new)``). Each slot has two buffers of
 ``kv_heads * context * head_dim`` values per layer; a run reads ``past`` from one and writes
-``present`` into the other, then they swap. No allocation per step; the graph's own Concat
-copies the slot's cache once per step (inherent in that graph form). Slots run one at a time.
+``present`` into the other, then they swap; the graph's own Concat copies the slot's cache once
+per step (inherent in that graph form). A decode step of several slots runs them as one batch:
+their caches are gathered into ``[B, kv_heads, P, head_dim]`` (P = the longest, shorter rows
+zero-padded and masked out, the new token at index P for every row), and each row's valid part
+plus its new position is scattered back afterwards. The gather and scatter copy the caches once
+more, which costs far less than reading the weights once per slot; their buffers grow to the
+largest batch seen and are reused.
 
 Invariants: ``prefill(slot, tokens, start)`` requires positions ``0..start-1`` of the slot to
 hold the sequence's cache and leaves ``0..start+len(tokens)-1`` valid; callers never exceed
@@ -69,6 +74,8 @@ class Decoder:
                 for _ in range(slots)
             ]
             self._cur = [0] * slots
+            self._batch_past: list[np.ndarray] = []  # gather buffers, grown on demand
+            self._batch_present: list[np.ndarray] = []
         self._bindings: dict[tuple[str, int], ort.IOBinding] = {}
         self._keep: list[np.ndarray] = []  # inputs bound for the current run
         # an overridable initializer: IOBinding accepts it only as an OrtValue
@@ -183,12 +190,54 @@ class Decoder:
     def _decode_concat(
         self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray
     ) -> np.ndarray:
-        rows: dict[int, np.ndarray] = {}
-        for row in np.flatnonzero(active):
-            logits = self.prefill(int(row), [int(tokens[row])], int(lengths[row]))
-            rows[int(row)] = logits.copy()
-        vocab = self.vocab or (next(iter(rows.values())).shape[0] if rows else 1)
-        out = np.zeros((len(tokens), vocab), np.float32)
-        for row, logits in rows.items():
-            out[row] = logits
+        rows = np.flatnonzero(active)
+        if len(rows) == 1:  # one slot: a one-token prefill, no gather
+            row = int(rows[0])
+            logits = self.prefill(row, [int(tokens[row])], int(lengths[row]))[None, :]
+        elif len(rows) > 1:
+            logits = self._decode_concat_batch(rows, tokens[rows], lengths[rows])
+        else:
+            return np.zeros((len(tokens), self.vocab or 1), np.float32)
+        out = np.zeros((len(tokens), logits.shape[1]), np.float32)
+        out[rows] = logits
         return out
+
+    def _batch_buffers(self, size_past: int, size_present: int) -> None:
+        if not self._batch_past or self._batch_past[0].size < size_past:
+            self._batch_past = [np.zeros(size_past, self.kv_dtype) for _ in self._names]
+        if not self._batch_present or self._batch_present[0].size < size_present:
+            self._batch_present = [np.zeros(size_present, self.kv_dtype) for _ in self._names]
+
+    def _decode_concat_batch(
+        self, slots: np.ndarray, tokens: np.ndarray, lengths: np.ndarray
+    ) -> np.ndarray:
+        """One token for each of ``slots`` (all decoding) in one run; logits ``[B, vocab]``."""
+        b, h, d = len(slots), self.info.num_kv_heads, self.info.head_dim
+        p = int(lengths.max())
+        self._batch_buffers(b * h * p * d, b * h * (p + 1) * d)
+        io = self.session.io_binding()
+        for i, (past, present) in enumerate(self._names):
+            src = self._batch_past[i][: b * h * p * d].reshape(b, h, p, d)
+            for r, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+                own = self._pp[slot][self._cur[slot]][i][: h * n * d].reshape(h, n, d)
+                src[r, :, :n] = own
+                src[r, :, n:] = 0  # masked out, but never NaN garbage under a zero weight
+            dst = self._batch_present[i]
+            io.bind_input(past, "cpu", 0, self.kv_dtype, [b, h, p, d], _ptr(src))
+            io.bind_output(present, "cpu", 0, self.kv_dtype, [b, h, p + 1, d], _ptr(dst))
+        ids = np.ascontiguousarray(tokens, np.int64).reshape(b, 1)
+        mask = np.zeros((b, p + 1), np.int64)
+        mask[:, p] = 1
+        mask[:, :p] = np.arange(p)[None, :] < lengths[:, None]
+        positions = np.ascontiguousarray(lengths, np.int64).reshape(b, 1)
+        self._bind_step(io, ids, mask, positions, b)
+        logits = self._run(io, b)
+        for i in range(len(self._names)):
+            new = self._batch_present[i][: b * h * (p + 1) * d].reshape(b, h, p + 1, d)
+            for r, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+                nxt = self._pp[slot][self._cur[slot] ^ 1][i][: h * (n + 1) * d].reshape(h, n + 1, d)
+                nxt[:, :n] = new[r, :, :n]
+                nxt[:, n] = new[r, :, p]
+        for slot in slots:
+            self._cur[slot] ^= 1
+        return logits

@@ -141,6 +141,31 @@ async def test_parity_tiny_concat_graph_without_json(
     await _parity(foreign, tiny_torch, [1, 2, 17, 64, 150, 200], new=8)
 
 
+def test_concat_graph_batches_decode_rows(tiny_model_path: Path, onnx_root: Path) -> None:
+    """Slots of different lengths decoded in one run of the concat graph give the logits each
+    gives alone, step after step (the gather, the padding mask and the scatter back)."""
+    folder = ensure_export(tiny_model_path, "fp32", "concat", root=onnx_root).folder
+    batched = EdgeEngine(folder, _config(slots=3, warmup=False))._load().decoder
+    alone = EdgeEngine(folder, _config(slots=3, warmup=False))._load().decoder
+    prompts = _prompts([5, 40, 17])
+    tokens = np.array([p[-1] for p in prompts], np.int64)
+    lengths = np.array([len(p) - 1 for p in prompts], np.int64)
+    for slot, p in enumerate(prompts):
+        batched.prefill(slot, p[:-1], 0)
+        alone.prefill(slot, p[:-1], 0)
+    everyone = np.ones(3, bool)
+    for _step in range(4):
+        got = batched.decode(tokens, lengths, everyone).copy()
+        for row in range(3):
+            only = np.zeros(3, bool)
+            only[row] = True
+            ref = alone.decode(tokens, lengths, only)[row]
+            np.testing.assert_allclose(got[row], ref, rtol=1e-4, atol=1e-4)
+            assert int(np.argmax(got[row])) == int(np.argmax(ref))
+        tokens = got.argmax(axis=1).astype(np.int64)
+        lengths = lengths + 1
+
+
 async def test_kv_cache_updated_in_place(tiny_gqa: Path) -> None:
     engine = EdgeEngine(tiny_gqa, _config(slots=2, warmup=False))
     await engine.start()
