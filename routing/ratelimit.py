@@ -39,7 +39,7 @@ from typing import Any, Literal
 from redis.asyncio import Redis
 
 from routing.fleet.store import KEY_PREFIX
-from routing.redis_link import REDIS_ERRORS, RedisLink, redis_client
+from routing.redis_link import REDIS_ERRORS, OverRedisLink, RedisLink, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def _level(raw: Any) -> float | None:
     return float(raw) if raw not in (None, "") else None
 
 
-class RedisRateLimiter(RateLimiter):
+class RedisRateLimiter(OverRedisLink, RateLimiter):
     """Buckets in Redis, shared by every gateway replica (see the module invariants).
 
     ``on_error`` is called with each Redis failure (for a metrics counter).
@@ -356,18 +356,6 @@ class RedisRateLimiter(RateLimiter):
 
     def key(self, key_id: str) -> str:
         return f"{self.ns}rl:{key_id}"
-
-    @property
-    def healthy(self) -> bool:
-        return self.link.healthy
-
-    @property
-    def last_error(self) -> str | None:
-        return self.link.last_error
-
-    @property
-    def errors_total(self) -> int:
-        return self.link.errors_total
 
     async def _local(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
         self.fallback_decisions += 1
@@ -442,10 +430,6 @@ class RedisRateLimiter(RateLimiter):
             "errors_total": self.errors_total,
             "fallback_decisions": self.fallback_decisions,
         }
-
-    async def ping(self) -> bool:
-        """Probe Redis now; updates ``healthy``."""
-        return await self.link.ping()
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -112,3 +112,25 @@ class RedisLink:
             "errors_total": self.errors_total,
             "last_ok_at": self.last_ok_at,
         }
+
+
+class OverRedisLink:
+    """Mixin for a component that reaches Redis through ``self.link``: its health, read-only."""
+
+    link: RedisLink
+
+    @property
+    def healthy(self) -> bool:
+        return self.link.healthy
+
+    @property
+    def last_error(self) -> str | None:
+        return self.link.last_error
+
+    @property
+    def errors_total(self) -> int:
+        return self.link.errors_total
+
+    async def ping(self) -> bool:
+        """Probe Redis now (ignores the retry interval); updates ``healthy``."""
+        return await self.link.ping()

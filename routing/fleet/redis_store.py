@@ -34,7 +34,7 @@ from redis.asyncio import Redis
 from routing.fleet.memory_store import OpenAINodeTracker, PrefixIndex
 from routing.fleet.state import NodeState
 from routing.fleet.store import KEY_PREFIX, FleetStore, FleetView
-from routing.redis_link import REDIS_ERRORS, RedisLink, redis_client
+from routing.redis_link import REDIS_ERRORS, OverRedisLink, RedisLink, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def hex_hash(h: int) -> str:
     return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-class RedisFleetStore(FleetStore):
+class RedisFleetStore(OverRedisLink, FleetStore):
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",
@@ -117,18 +117,6 @@ class RedisFleetStore(FleetStore):
         return f"{self.ns}{kind}" if node_id is None else f"{self.ns}{kind}:{node_id}"
 
     # ---- health ------------------------------------------------------------------------------
-    @property
-    def healthy(self) -> bool:
-        return self.link.healthy
-
-    @property
-    def last_error(self) -> str | None:
-        return self.link.last_error
-
-    @property
-    def errors_total(self) -> int:
-        return self.link.errors_total
-
     def health(self) -> dict[str, Any]:
         """For ``/health`` and metrics."""
         return {
@@ -136,10 +124,6 @@ class RedisFleetStore(FleetStore):
             "views_total": self.views_total,
             "stale_views_total": self.stale_views_total,
         }
-
-    async def ping(self) -> bool:
-        """Probe Redis now (ignores the retry interval); updates ``healthy``."""
-        return await self.link.ping()
 
     # ---- writes ------------------------------------------------------------------------------
     async def _write(self, build: Callable[[Any], None]) -> None:
