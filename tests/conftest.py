@@ -6,6 +6,7 @@ free port with persistence off, and stops it at the end of the session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -121,3 +122,24 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, default_model_path
 def pytest_configure(config: pytest.Config) -> None:
     # Keep torch and ONNX Runtime from oversubscribing the small CI machine.
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Torch's intra-op threads set to ``n`` inside the block, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """For modules running the tiny model in torch: it is dispatch-bound, so one intra-op thread
+    is faster, and far faster on a busy 2-core machine."""
+    with torch_threads(1):
+        yield

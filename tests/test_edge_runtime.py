@@ -8,9 +8,8 @@ home, so after the first run they take about a minute).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +31,7 @@ from routing.engine import (
     SamplingParams,
     TokenEvent,
 )
+from tests.conftest import torch_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,18 +51,6 @@ def tiny_gqa(tiny_model_path: Path, onnx_root: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_torch(tiny_model_path: Path):  # type: ignore[no-untyped-def]
     return load_model(tiny_model_path)
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _config(**kw: object) -> EdgeEngineConfig:
