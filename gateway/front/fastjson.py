@@ -39,31 +39,35 @@ def _has_big_float(obj: Any) -> bool:
     return False
 
 
+_REFUSED = object()
+
+
+def _orjson_loads(raw: bytes | str) -> Any:
+    """orjson's parse of ``raw``, or ``_REFUSED`` when orjson is missing or refuses it."""
+    if orjson is None:
+        return _REFUSED
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _REFUSED
+
+
 def loads(raw: bytes | str) -> tuple[Any, bool]:
     """``(json.loads(raw), True if orjson parsed it)``."""
-    if orjson is not None:
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-        else:
-            if not _has_big_float(obj):
-                return obj, True
+    obj = _orjson_loads(raw)
+    if obj is not _REFUSED and not _has_big_float(obj):
+        return obj, True
     return json.loads(raw), False
 
 
 def usage_of_response(raw: bytes) -> Any:
     """``json.loads(raw).get("usage") or {}`` (raising what that raises), looking at nothing
     but the usage object for numbers orjson may have read differently."""
-    if orjson is not None:
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-        else:
-            usage = obj.get("usage") or {}
-            if not _has_big_float(usage):
-                return usage
+    obj = _orjson_loads(raw)
+    if obj is not _REFUSED:
+        usage = obj.get("usage") or {}
+        if not _has_big_float(usage):
+            return usage
     return json.loads(raw).get("usage") or {}
 
 
