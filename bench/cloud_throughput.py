@@ -25,6 +25,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -193,10 +194,11 @@ def copy_bandwidth() -> float:
 
 
 def decode_bandwidth(
-    core: EngineCore, batch: int, ctx: int, copy_bw: float, steps: int = 24
+    core: EngineCore, batch: int, ctx: int, copy_bw: float, steps: int = 16, rounds: int = 3
 ) -> dict[str, Any]:
     """Decode step time at ``batch`` sequences of about ``ctx`` tokens: through the engine
-    (host work included) and as a bare graph replay; bytes read = weights + every KV byte."""
+    (host work included) with and without overlap (alternating rounds, median), and as a bare
+    graph replay; bytes read = weights + every KV byte."""
     runner: Any = core.runner
     rng = random.Random(batch)
     for i in range(batch):
@@ -204,7 +206,9 @@ def decode_bandwidth(
         core.add(
             GenerationRequest(
                 prompt,
-                SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True),
+                SamplingParams(
+                    max_tokens=2 * rounds * steps + 40, temperature=0.0, ignore_eos=True
+                ),
                 request_id=f"bw{batch}-{i}",
             )
         )
@@ -212,13 +216,25 @@ def decode_bandwidth(
         core.step()
     seqs = list(core.seqs.values())
     assert len(seqs) == batch
-    sync("cuda")
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    sync("cuda")
-    step_s = (time.perf_counter() - t0) / steps
-    mean_ctx = statistics.mean(s.num_tokens for s in seqs) - steps / 2
+    start_ctx = statistics.mean(s.num_tokens for s in seqs)
+    overlap = core.config.overlap
+    per_mode: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for mode in (True, False):
+            core.config = replace(core.config, overlap=False)
+            if core.has_ahead:
+                core.step()  # collect the look-ahead step in flight: each round starts planned
+            core.config = replace(core.config, overlap=mode)
+            sync("cuda")
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                core.step()
+            sync("cuda")
+            per_mode[mode].append((time.perf_counter() - t0) / steps)
+    core.config = replace(core.config, overlap=overlap)
+    step_s = statistics.median(per_mode[True])
+    sync_s = statistics.median(per_mode[False])
+    mean_ctx = (start_ctx + statistics.mean(s.num_tokens for s in seqs)) / 2
     kv_bytes = batch * mean_ctx * core.pool.spec.bytes_per_token
     w_bytes = runner.fm.weight_bytes()
     g = runner.graphs[min(b for b in runner.graphs if b >= batch)]
@@ -240,8 +256,10 @@ def decode_bandwidth(
         "weight_bytes": w_bytes,
         "kv_bytes": int(kv_bytes),
         "engine_step_ms": step_s * 1e3,
+        "engine_step_ms_no_overlap": sync_s * 1e3,
         "graph_replay_ms": replay_s * 1e3,
         "util_engine": total / step_s / copy_bw,
+        "util_engine_no_overlap": total / sync_s / copy_bw,
         "util_graph": total / replay_s / copy_bw,
     }
 
@@ -282,13 +300,21 @@ def bench_model(
     print(f"[{name}] ours: {core.blocks.num_blocks} KV blocks", flush=True)
     out["ours"] = ours = run_ours(core, prompts, outs, device)
     print(f"[{name}] ours: {ours['tok_s']:.0f} tok/s ({ours['wall_s']:.1f} s)", flush=True)
+    if core.config.overlap:  # the same engine planning every step after reading the last
+        core.config = replace(core.config, overlap=False)
+        core.blocks.reset_cache()
+        sync_run = run_ours(core, prompts, outs, device)
+        core.config = replace(core.config, overlap=True)
+        sync_run.pop("first_tokens")
+        out["ours_no_overlap"] = sync_run
+        print(f"[{name}] ours without overlap: {sync_run['tok_s']:.0f} tok/s", flush=True)
     if device == "cuda" and not args.skip_bw:
         bw = copy_bandwidth()
         out["copy_bw_Bps"] = bw
         out["decode_bw"] = [decode_bandwidth(core, b, args.bw_ctx, bw) for b in (1, 64)]
         for r in out["decode_bw"]:
             print(
-                f"[{name}] decode b={r['batch']}: {r['engine_step_ms']:.3f} ms/step engine, {r['graph_replay_ms']:.3f} ms replay; util {r['util_engine']:.0%} / {r['util_graph']:.0%}",
+                f"[{name}] decode b={r['batch']}: {r['engine_step_ms']:.3f} ms/step engine ({r['engine_step_ms_no_overlap']:.3f} without overlap), {r['graph_replay_ms']:.3f} ms replay; util {r['util_engine']:.0%} / {r['util_graph']:.0%}",
                 flush=True,
             )
     del core, model
@@ -336,28 +362,28 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             for r in results
         ),
         "",
-        "| model | requests | ours tok/s | peer tok/s | speedup | ours start-up s | KV waste at peak | preemptions |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | requests | ours tok/s | ours without overlap | peer tok/s | speedup | ours start-up s | KV waste at peak | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         o, p = r["ours"], r.get("peer")
+        sync_tok_s = f"{r['ours_no_overlap']['tok_s']:.0f}" if "ours_no_overlap" in r else "-"
+        peer = f"{p['tok_s']:.0f} | {r['speedup']:.1f}x" if p else "- | -"
         lines.append(
-            f"| {r['model']} | {r['requests']} | {o['tok_s']:.0f} | {p['tok_s']:.0f} | {r['speedup']:.1f}x | {o['startup_s']:.1f} | {o['kv_waste_at_peak']:.2%} | {o['preemptions']} |"
-            if p
-            else f"| {r['model']} | {r['requests']} | {o['tok_s']:.0f} | - | - | {o['startup_s']:.1f} | {o['kv_waste_at_peak']:.2%} | {o['preemptions']} |"
+            f"| {r['model']} | {r['requests']} | {o['tok_s']:.0f} | {sync_tok_s} | {peer} | {o['startup_s']:.1f} | {o['kv_waste_at_peak']:.2%} | {o['preemptions']} |"
         )
     if any("decode_bw" in r for r in results):
         lines += [
             "",
             "Decode memory-bandwidth utilization: (weights + KV bytes read per step) / step time / copy bandwidth.",
             "",
-            "| model | batch | ctx | bytes/step | engine ms/step | util (engine) | graph replay ms | util (replay) |",
-            "|---|---|---|---|---|---|---|---|",
+            "| model | batch | ctx | bytes/step | engine ms/step | util (engine) | without overlap | util | graph replay ms | util (replay) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in results:
             for d in r.get("decode_bw", []):
                 lines.append(
-                    f"| {r['model']} | {d['batch']} | {d['ctx']} | {(d['weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB | {d['engine_step_ms']:.3f} | {d['util_engine']:.0%} | {d['graph_replay_ms']:.3f} | {d['util_graph']:.0%} |"
+                    f"| {r['model']} | {d['batch']} | {d['ctx']} | {(d['weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB | {d['engine_step_ms']:.3f} | {d['util_engine']:.0%} | {d['engine_step_ms_no_overlap']:.3f} | {d['util_engine_no_overlap']:.0%} | {d['graph_replay_ms']:.3f} | {d['util_graph']:.0%} |"
                 )
         bws = {r["model"]: r["copy_bw_Bps"] for r in results if "copy_bw_Bps" in r}
         lines += [

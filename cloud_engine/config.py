@@ -22,6 +22,8 @@ class EngineConfig:
     max_context: int | None = None  # default: the model's max_position_embeddings
     cuda_graphs: bool = True  # CUDA: replay captured graphs for decode-only steps
     max_graph_batch: int = 256
+    # launch the next decode step before reading this one's tokens; default: on for CUDA
+    overlap: bool | None = None
     debug_checks: bool = False  # run the block integrity check around every step
     threads: int | None = None  # CPU: torch intra-op threads (None leaves torch's choice)
 
@@ -37,5 +39,6 @@ class EngineConfig:
             else 512 * 2**20,
             max_running=self.max_running or (256 if cuda else 64),
             max_tokens_per_step=self.max_tokens_per_step or (8192 if cuda else 1024),
+            overlap=cuda if self.overlap is None else self.overlap,
             debug_checks=debug,
         )

@@ -7,6 +7,16 @@ tokens and retires finished sequences, whose blocks are released before ``step``
 
 Token accounting: a stop token ends a sequence with ``FinishReason.STOP`` and is *not* part of
 its output (as in ``cloud_engine.model.dense.generate``).
+
+Overlap (``EngineConfig.overlap``): when every running sequence sampled in the step just
+launched and nobody waits, the core launches the next decode step *before* reading this one's
+tokens, its input ids fed on the device from the tokens not yet read (:class:`runner.Feed`), so
+the host's commit and planning hide behind the device's work. The look-ahead step is exactly
+the batch the scheduler would plan (every running sequence, one token, same order), minus the
+sequences that end by length; a sequence that turns out to stop on a stop token (or is aborted)
+still runs in it, and its result is dropped. It never preempts: if the pool cannot hold every
+next token, the core falls back to a planned step. Blocks and rows a dropped sequence released
+are safe to reuse at once: every later write to them is enqueued after the look-ahead step.
 """
 
 from __future__ import annotations
@@ -15,14 +25,15 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cloud_engine.block_manager import BlockEvents, BlockManager
 from cloud_engine.config import EngineConfig
 from cloud_engine.kv_pool import KVPool, KVSpec, budget_bytes_for
 from cloud_engine.model.llama import LlamaForCausalLM
-from cloud_engine.runner import ModelRunner, TorchRunner
-from cloud_engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from cloud_engine.runner import Feed, Launched, ModelRunner, TorchRunner
+from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
 from routing.engine import FinishReason, GenerationRequest, QueueFull, RequestTooLong
@@ -38,6 +49,13 @@ class SeqOutput:
 
 
 @dataclass(slots=True)
+class _Launch:
+    batch: ScheduledBatch
+    launched: Launched
+    t0: float  # perf_counter at launch
+
+
+@dataclass(slots=True)
 class CoreCounters:
     """Totals since start; rates are EWMAs of per-step measurements."""
 
@@ -48,10 +66,29 @@ class CoreCounters:
     recomputed_tokens: int = 0  # output tokens recomputed after a preemption
     decode_tokens: int = 0  # tokens sampled
     preemptions: int = 0
+    ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
     prefill_tok_s: float = 0.0
     decode_ms: float = 0.0
     peak_blocks_used: int = 0
     kv_waste_at_peak: float = 0.0  # allocated slots holding no token / allocated slots
+
+
+def _live(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, list[int]]:
+    """The items of ``batch`` whose sequence still runs, and their sampled tokens (a look-ahead
+    step may carry sequences that stopped or were aborted after it was launched)."""
+    if all(it.seq.status is SeqStatus.RUNNING for it in batch.items):
+        return batch, sampled
+    items: list[ScheduledSeq] = []
+    tokens: list[int] = []
+    k = 0
+    for it in batch.items:
+        if it.samples:
+            k += 1
+        if it.seq.status is SeqStatus.RUNNING:
+            items.append(it)
+            if it.samples:
+                tokens.append(sampled[k - 1])
+    return ScheduledBatch(items), tokens
 
 
 def _ewma(old: float, new: float, alpha: float = 0.2) -> float:
@@ -111,6 +148,8 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}
         self.counters = CoreCounters()
         self._order = itertools.count()
+        self._ahead: _Launch | None = None  # a look-ahead step launched but not yet collected
+        self._last_collect = 0.0
 
     # -- admission -------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> None:
@@ -156,29 +195,81 @@ class EngineCore:
         self.scheduler.finish(seq)
         self.runner.release(seq)
         seq.finish_reason = FinishReason.ABORT
+        if self._ahead is not None and not any(
+            it.seq.status is SeqStatus.RUNNING for it in self._ahead.batch.items
+        ):
+            self._ahead = None  # nothing in it is wanted any more
         return seq
 
+    @property
+    def has_ahead(self) -> bool:
+        """A look-ahead step is launched and not yet collected (the next ``step`` does)."""
+        return self._ahead is not None
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
         if self.config.debug_checks:
             self.blocks.check_integrity()
-        batch = self.scheduler.schedule()
-        for seq in batch.preempted:
-            self.runner.release(seq)
-            self.counters.preemptions += 1
-        if not batch.items:
-            return []
-        t0 = time.perf_counter()
-        sampled = self.runner.execute(batch)
-        dt = time.perf_counter() - t0
+        if self._ahead is not None:
+            cur, self._ahead = self._ahead, None
+        else:
+            batch = self.scheduler.schedule()
+            for seq in batch.preempted:
+                self.runner.release(seq)
+                self.counters.preemptions += 1
+            if not batch.items:
+                return []
+            cur = _Launch(batch, self.runner.launch(batch), time.perf_counter())
+        if self.config.overlap:
+            self._ahead = self._launch_ahead(cur)
+        sampled = cur.launched.read()
+        now = time.perf_counter()
+        dt = now - max(cur.t0, self._last_collect)  # a look-ahead step started at the last read
+        self._last_collect = now
+        batch, sampled = _live(cur.batch, sampled)
         outputs = self._commit(batch, sampled)
         self._account(batch, dt)
         if self.config.debug_checks:
             self.blocks.check_integrity()
         return outputs
+
+    def _launch_ahead(self, cur: _Launch) -> _Launch | None:
+        """Launch the decode step after ``cur`` before ``cur``'s tokens are read, or None where
+        it would not be what the scheduler plans (see the module docstring)."""
+        if self.scheduler.num_waiting:
+            return None
+        items: list[ScheduledSeq] = []
+        src: list[int] = []
+        live = need = k = 0
+        bs = self.blocks.block_size
+        for it in cur.batch.items:
+            if not it.samples:
+                continue
+            k += 1
+            seq = it.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            live += 1
+            if seq.num_output + 1 >= seq.max_output:
+                continue  # cur's token is its last
+            start = it.start + it.num_new
+            need += max(0, -(-(start + 1) // bs) - len(seq.block_table))
+            items.append(ScheduledSeq(seq, 1, start, True))
+            src.append(k - 1)
+        if not items or live != self.scheduler.num_running or need > self.blocks.num_available:
+            return None
+        for ahead in items:
+            seq = ahead.seq
+            grow = -(-(ahead.start + 1) // bs) - len(seq.block_table)
+            if grow > 0:
+                seq.block_table.extend(self.blocks.allocate(grow))
+        self.counters.ahead_steps += 1
+        batch = ScheduledBatch(items)
+        feed = Feed(cur.launched.tokens, np.asarray(src, dtype=np.int64))
+        return _Launch(batch, self.runner.launch(batch, feed), time.perf_counter())
 
     def _commit(self, batch: ScheduledBatch, sampled: list[int]) -> list[SeqOutput]:
         outputs: list[SeqOutput] = []

@@ -29,6 +29,7 @@ from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.model.fused import AttnInputs, FusedLlama, Ops, TorchOps, TritonOps
 from cloud_engine.model.llama import LlamaForCausalLM
+from cloud_engine.runner import Feed, Launched
 from cloud_engine.sampler import make_generator, sample_batch
 from cloud_engine.scheduler import ScheduledBatch
 from cloud_engine.sequence import Sequence
@@ -97,6 +98,11 @@ class CudaRunner:
         self.graph_sizes = sizes if cuda_graphs and self.device.type == "cuda" else []
         self.graphs: dict[int, _DecodeGraph] = {}
         self._graph_pool: object | None = None
+        pinned = self.device.type == "cuda"
+        self._token_host = [
+            torch.empty(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
+        ]
+        self._flip = 0
 
     # -- rows ------------------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -132,31 +138,45 @@ class CudaRunner:
 
     # -- execution -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
+    def launch(self, batch: ScheduledBatch, feed: Feed | None = None) -> Launched:
         self._sync_tables(batch)
-        inp = build_step_inputs(batch, self.bs)
+        # fed: the ids slot carries indices into the fed tokens
+        inp = build_step_inputs(batch, self.bs, feed.src if feed is not None else None)
         rows = np.fromiter(
             (it.seq.row for it in batch.items), dtype=np.int32, count=len(batch.items)
         )
         s = inp.num_seqs
+        fed = feed.tokens if feed is not None else None
         if batch.is_decode_only and self.graph_sizes and s <= self.graph_sizes[-1]:
-            logits, greedy = self._replay(inp, rows)
+            logits, greedy = self._replay(inp, rows, fed)
         else:
-            logits, greedy = self._eager(inp, rows), None
+            logits, greedy = self._eager(inp, rows, fed), None
         if not inp.sample_items:
-            return []
+            return self._to_host(self._arange[:0].long())
         seqs = [batch.items[i].seq for i in inp.sample_items]
         params = [q.sampling for q in seqs]
         if greedy is not None and all(p.greedy for p in params):
-            return greedy[: len(seqs)].tolist()
+            return self._to_host(greedy[: len(seqs)])
         gens = []
         for q in seqs:
             if q.generator is None and not q.sampling.greedy:
                 q.generator = make_generator(q.sampling, self.device)
             gens.append(q.generator)
-        return sample_batch(logits[: len(seqs)], params, gens).tolist()  # type: ignore[arg-type]
+        return self._to_host(sample_batch(logits[: len(seqs)], params, gens))  # type: ignore[arg-type]
 
-    def _eager(self, inp: StepInputs, rows: np.ndarray) -> torch.Tensor:
+    def _to_host(self, tokens: torch.Tensor) -> Launched:
+        """Start the copy of ``tokens`` into the next of two host buffers (two launches are in
+        flight at most: the core collects a step before it launches the one after next)."""
+        self._flip ^= 1
+        host = self._token_host[self._flip]
+        host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if self.device.type != "cuda":
+            return Launched(tokens, host, None)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(tokens, host, done)
+
+    def _eager(self, inp: StepInputs, rows: np.ndarray, fed: torch.Tensor | None) -> torch.Tensor:
         shape = tile_shape(self.group, inp.max_q_len)
         tile_seq, tile_q0 = make_tiles(inp.q_start, shape.block_q)
         parts = [
@@ -173,6 +193,8 @@ class CudaRunner:
         dev = self._upload(packed)
         v = [dev[a : a + k] for a, k in zip(starts[:-1], sizes, strict=True)]
         ids, pos, slots, seq_rows, seq_lens, q_start, t_seq, t_q0, sample_idx = v
+        if fed is not None:
+            ids = fed.index_select(0, ids).to(torch.int32)
         meta = None
         if self.torch_ops:
             meta = make_meta(
@@ -227,7 +249,9 @@ class CudaRunner:
         for m in range(1, rows + 1):
             self.fm.logits(h[:m])
 
-    def _replay(self, inp: StepInputs, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(
+        self, inp: StepInputs, rows: np.ndarray, fed: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         s = inp.num_seqs
         if not self.graphs:
             self.capture_graphs()
@@ -245,5 +269,7 @@ class CudaRunner:
         host[4, s:] = 1
         g.ints.copy_(g.host, non_blocking=True)
         g.uploaded.record()
+        if fed is not None:  # stream order: read before any later replay overwrites ``fed``
+            g.ints[0, :s] = fed.index_select(0, g.ints[0, :s])
         g.graph.replay()
         return g.logits, g.tokens

@@ -4,15 +4,19 @@
 :class:`TorchPagedBackend` as its attention backend (any device; the CPU path). The CUDA path,
 with fused weights, Triton kernels and CUDA graphs, is ``cloud_engine.cuda_runner.CudaRunner``.
 
-Invariant of every runner: ``execute(batch)`` writes the KV of exactly the batch's new tokens
-into their slots, and returns one sampled token id per sampling item (``ScheduledSeq.samples``),
-in batch order.
+Invariant of every runner: ``launch(batch)`` writes the KV of exactly the batch's new tokens
+into their slots and samples one token id per sampling item (``ScheduledSeq.samples``), in
+batch order; ``collect`` returns them as host integers. Between the two the host is free: the
+engine core plans and launches the next decode step before it reads this one's tokens, feeding
+that step's input ids on the device from this launch's sampled tokens (:class:`Feed`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
@@ -24,10 +28,39 @@ from cloud_engine.sequence import Sequence
 from cloud_engine.step_inputs import build_step_inputs, padded_block_tables
 
 
+@dataclass(slots=True)
+class Feed:
+    """Input ids that live on the device: item ``i`` of a decode batch takes ``tokens[src[i]]``,
+    a token an earlier launch sampled and the host has not read yet."""
+
+    tokens: torch.Tensor  # [M] int64, on the runner's device
+    src: np.ndarray  # [S] int64 indices into ``tokens``, one per batch item
+
+
+@dataclass(slots=True)
+class Launched:
+    """A launched step: its sampled ids on the device and their copy on the way to the host.
+
+    ``tokens`` stays valid until the runner's next launch has been enqueued (a feed reads it
+    in stream order); ``host`` is safe to read once ``done`` has completed."""
+
+    tokens: torch.Tensor  # [M] int64 on the device
+    host: torch.Tensor  # [>= M] int64 host buffer the copy lands in
+    done: torch.cuda.Event | None  # None: the copy already happened (CPU)
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[: self.tokens.shape[0]].tolist()
+
+
 class ModelRunner(Protocol):
     pool: KVPool
 
-    def execute(self, batch: ScheduledBatch) -> list[int]: ...
+    def launch(self, batch: ScheduledBatch, feed: Feed | None = None) -> Launched:
+        """Enqueue the forward pass and sampling of ``batch`` (``feed``: its input ids come
+        from an earlier launch, on the device)."""
+        ...
 
     def release(self, seq: Sequence) -> None:
         """The sequence left the running set (finished, aborted or preempted)."""
@@ -45,8 +78,8 @@ class TorchRunner:
         seq.row = -1
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        inp = build_step_inputs(batch, self.block_size)
+    def launch(self, batch: ScheduledBatch, feed: Feed | None = None) -> Launched:
+        inp = build_step_inputs(batch, self.block_size, feed.src if feed is not None else None)
         dev = self.device
         meta = make_meta(
             torch.from_numpy(inp.slot_mapping).to(dev),
@@ -54,11 +87,14 @@ class TorchRunner:
             inp.q_start.tolist(),
             inp.seq_lens.tolist(),
         )
-        ids = torch.from_numpy(inp.input_ids).to(dev).unsqueeze(0)
+        ids = torch.from_numpy(inp.input_ids).to(dev)
+        if feed is not None:  # ``ids`` holds indices into the fed tokens
+            ids = feed.tokens[ids]
+        ids = ids.unsqueeze(0)
         pos = torch.from_numpy(inp.positions).to(dev).unsqueeze(0)
         hidden = self.model.hidden_states(ids, pos, TorchPagedBackend(self.pool, meta))
         if not inp.sample_items:
-            return []
+            return _no_tokens(dev)
         last = hidden[0, torch.from_numpy(inp.sample_idx).to(dev)]
         logits = self.model.lm_head(last)
         seqs = [batch.items[i].seq for i in inp.sample_items]
@@ -67,4 +103,10 @@ class TorchRunner:
             if s.generator is None and not s.sampling.greedy:
                 s.generator = make_generator(s.sampling, dev)
             gens.append(s.generator)
-        return sample_batch(logits, [s.sampling for s in seqs], gens).tolist()  # type: ignore[arg-type]
+        tokens = sample_batch(logits, [s.sampling for s in seqs], gens)  # type: ignore[arg-type]
+        return Launched(tokens, tokens.cpu(), None)
+
+
+def _no_tokens(device: torch.device) -> Launched:
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return Launched(empty, empty.cpu(), None)

@@ -38,7 +38,11 @@ class StepInputs:
         return int(self.seq_lens.shape[0])
 
 
-def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
+def build_step_inputs(
+    batch: ScheduledBatch, block_size: int, feed_src: np.ndarray | None = None
+) -> StepInputs:
+    """``feed_src``: a decode batch whose input ids are not known on the host yet; its
+    ``input_ids`` then hold these indices into the fed tokens (``runner.Feed``)."""
     items = batch.items
     s = len(items)
     q_start = np.zeros(s + 1, dtype=np.int32)
@@ -48,14 +52,15 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
         for i, it in enumerate(items):
             p = it.start
             seq = it.seq
-            ids.append(seq.token_ids[p])
+            if feed_src is None:
+                ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
             seq_lens[i] = p + 1
         q_start[1:] = np.arange(1, s + 1, dtype=np.int32)
         positions = np.asarray(pos, dtype=np.int64)
         return StepInputs(
-            np.asarray(ids, dtype=np.int64),
+            np.asarray(ids, dtype=np.int64) if feed_src is None else feed_src,
             positions,
             np.asarray(slots, dtype=np.int64),
             q_start,
@@ -64,6 +69,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs:
             list(range(s)),
             1,
         )
+    assert feed_src is None, "only a decode batch is fed"
     id_parts, pos_parts, slot_parts = [], [], []
     sample_idx: list[int] = []
     sample_items: list[int] = []

@@ -100,20 +100,64 @@ def make_core(model: LlamaForCausalLM, runner: str = "reference", **kw: object) 
     return EngineCore(model, "tiny", cfg, runner=run)
 
 
-@pytest.mark.parametrize("runner", ["reference", "fused"])
-def test_paged_matches_dense_with_random_arrivals(tiny: LlamaForCausalLM, runner: str) -> None:
+@pytest.mark.parametrize(
+    ("runner", "overlap"), [("reference", False), ("fused", False), ("fused", True)]
+)
+def test_paged_matches_dense_with_random_arrivals(
+    tiny: LlamaForCausalLM, runner: str, overlap: bool
+) -> None:
     reqs = random_requests(32, seed=1)
     ref = reference(tiny, reqs)
     rng = random.Random(2)
     arrivals = [rng.randint(0, 60) for _ in reqs]
-    core = make_core(tiny, runner, max_kv_blocks=400)
+    core = make_core(tiny, runner, max_kv_blocks=400, overlap=overlap)
     out = drive(core, reqs, arrivals)
     assert out == ref
     assert core.counters.preemptions == 0
+    assert (core.counters.ahead_steps > 0) == overlap
     assert core.blocks.num_used == 0
     core.blocks.check_integrity()
     # mixed steps happened: some step carried both decodes and prefill chunks
     assert core.counters.decode_tokens == sum(len(v) for v in ref.values())
+
+
+def test_overlap_drops_stopped_and_aborted_sequences(tiny: LlamaForCausalLM) -> None:
+    """Look-ahead steps carry sequences that then stop on a stop token or get aborted: their
+    extra token is dropped, their blocks freed, and the others' tokens stay exact."""
+    base = random_requests(6, seed=8, max_prompt=60, max_out=1)
+    plain = [
+        GenerationRequest(r.prompt_token_ids, greedy(30), request_id=r.request_id) for r in base
+    ]
+    ref = reference(tiny, plain)
+    # stop each of the first three on its 4th, 9th and 14th reference token
+    reqs = [
+        GenerationRequest(
+            r.prompt_token_ids,
+            SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(ref[r.request_id][k],)),
+            request_id=r.request_id,
+        )
+        if i < 3
+        else r
+        for i, (r, k) in enumerate(zip(plain, [3, 8, 13, 0, 0, 0], strict=True))
+    ]
+    ref = reference(tiny, reqs)
+    aborted = reqs[5].request_id
+    core = make_core(tiny, "fused", max_kv_blocks=200, overlap=True)
+    seen: list[int] = []
+
+    def abort_mid_stream(c: EngineCore) -> None:
+        seen.append(c.counters.ahead_steps)
+        if len(seen) == 12:
+            assert c.has_ahead  # a look-ahead step is in flight while we abort
+            assert c.abort(aborted) is not None
+
+    out = drive(core, reqs, after_step=abort_mid_stream)
+    assert core.counters.ahead_steps > 10
+    for r in reqs[:5]:
+        assert out[r.request_id] == ref[r.request_id], r.request_id
+    assert out[aborted] == ref[aborted][: len(out[aborted])] and len(out[aborted]) < 30
+    assert core.blocks.num_used == 0 and not core.has_work()
+    core.blocks.check_integrity()
 
 
 def test_prefix_sharing_computes_only_new_tokens(tiny: LlamaForCausalLM) -> None:
@@ -143,10 +187,12 @@ def test_prefix_sharing_computes_only_new_tokens(tiny: LlamaForCausalLM) -> None
     )
 
 
-def test_preemption_recomputes_and_keeps_output(tiny: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_recomputes_and_keeps_output(tiny: LlamaForCausalLM, overlap: bool) -> None:
     reqs = random_requests(12, seed=4, max_prompt=120, max_out=60)
     ref = reference(tiny, reqs)
-    core = make_core(tiny, max_kv_blocks=24, max_tokens_per_step=128)
+    runner = "fused" if overlap else "reference"
+    core = make_core(tiny, runner, max_kv_blocks=24, max_tokens_per_step=128, overlap=overlap)
     checks = []
 
     def integrity(c: EngineCore) -> None:

@@ -347,14 +347,17 @@ def requests(n: int, seed: int, vocab: int = 2048) -> list[GenerationRequest]:
 
 
 @needs_cuda
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_cuda_engine_fp32_matches_dense_exactly(model_type: str) -> None:
+@pytest.mark.parametrize(
+    ("model_type", "overlap"), [("llama", True), ("qwen3", True), ("qwen3", False)]
+)
+def test_cuda_engine_fp32_matches_dense_exactly(model_type: str, overlap: bool) -> None:
     model = tiny_gpu_model(model_type, torch.float32)
     reqs = requests(32, seed=1)
     ref = {r.request_id: generate(model, r.prompt_token_ids, r.sampling).token_ids for r in reqs}
-    out, core = run_engine(model, reqs)
+    out, core = run_engine(model, reqs, overlap=overlap)
     assert core.runner.graphs  # type: ignore[attr-defined]
     assert out == ref
+    assert (core.counters.ahead_steps > 0) == overlap  # type: ignore[attr-defined]
 
 
 @needs_cuda
