@@ -22,6 +22,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+def recorded_command(script: str, argv: list[str], path_options: tuple[str, ...]) -> str:
+    """The command line as results record it: without the values of ``path_options`` (local
+    output folders have no place in committed results)."""
+    out, skip = [f"python bench/{script}"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in path_options:
+            skip = True
+        elif not a.startswith(tuple(o + "=" for o in path_options)):
+            out.append(a)
+    return " ".join(out)
+
+
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """A GitHub markdown table of ``rows`` restricted to ``columns``."""
 

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import recorded_command
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import CoreCounters, EngineCore
 from cloud_engine.model.config import ModelConfig
@@ -394,19 +395,6 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _args_without_out_dir(argv: list[str]) -> str:
-    """The command line as recorded in results: no local output folder in it."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out-dir":
-            skip = True
-        elif not a.startswith("--out-dir="):
-            out.append(a)
-    return " ".join(out)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -443,7 +431,7 @@ def main() -> None:
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "command": "python bench/cloud_throughput.py " + _args_without_out_dir(sys.argv[1:]),
+        "command": recorded_command("cloud_throughput.py", sys.argv[1:], ("--out-dir",)),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     try:

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import recorded_command
 from bench.cloud_throughput import SHAPES, copy_bandwidth, random_model
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
@@ -259,7 +260,7 @@ def main() -> None:
     meta = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "command": "python bench/profile_decode.py " + " ".join(sys.argv[1:]),
+        "command": recorded_command("profile_decode.py", sys.argv[1:], ("--out",)),
     }
     copy_bw = copy_bandwidth()
     meta["copy_bw_Bps"] = copy_bw
