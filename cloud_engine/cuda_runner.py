@@ -27,7 +27,7 @@ import torch
 from cloud_engine.attention_torch import make_meta
 from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
-from cloud_engine.model.fused import AttnInputs, FusedLlama, Ops, TorchOps, TritonOps
+from cloud_engine.model.fused import AttnInputs, FusedLlama, Ops, TritonOps
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.runner import Feed, Launched
 from cloud_engine.sampler import make_generator, sample_batch
@@ -84,7 +84,7 @@ class CudaRunner:
         self.pool = pool
         self.device = pool.device
         self.fm = FusedLlama(model, pool, ops or TritonOps(), consume=True)
-        self.torch_ops = isinstance(self.fm.ops, TorchOps)
+        self.torch_ops = not isinstance(self.fm.ops, TritonOps)  # torch attention needs its meta
         self.bs = pool.spec.block_size
         self.group = self.fm.hq // self.fm.hkv
         self.max_rows = max_batch

@@ -228,35 +228,10 @@ def _add_norm(
     return ops.add_rmsnorm(pending, residual, w, eps)
 
 
-def _norm_linear(
-    ops: Ops,
-    pending: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:meth:`Ops.norm_linear` from an add+RMSNorm and a library product."""
-    h, residual = _add_norm(ops, pending, residual, norm, eps)
-    return F.linear(h, w, bias), residual
-
-
-def _norm_swiglu(
-    ops: Ops,
-    pending: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm: torch.Tensor,
-    eps: float,
-    gate_up: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:meth:`Ops.norm_swiglu` from an add+RMSNorm, a library product and ``silu_mul``."""
-    h, residual = _add_norm(ops, pending, residual, norm, eps)
-    return ops.silu_mul(F.linear(h, gate_up)), residual
-
-
 class TorchOps:
-    """Plain-torch ops (any device): the reference for the Triton kernels."""
+    """Plain-torch ops (any device): the reference for the Triton kernels. Composite ops
+    (``norm_linear``, ``norm_swiglu``, ``rope_attention``) are built from the element ops
+    through ``self``, so a subclass that replaces an element op changes them too."""
 
     def add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
@@ -275,7 +250,8 @@ class TorchOps:
         w: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _norm_linear(self, pending, residual, norm, eps, w, bias)
+        h, residual = _add_norm(self, pending, residual, norm, eps)
+        return F.linear(h, w, bias), residual
 
     def norm_swiglu(
         self,
@@ -285,7 +261,8 @@ class TorchOps:
         eps: float,
         gate_up: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _norm_swiglu(self, pending, residual, norm, eps, gate_up)
+        h, residual = _add_norm(self, pending, residual, norm, eps)
+        return self.silu_mul(F.linear(h, gate_up)), residual
 
     def linear_residual(
         self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
@@ -343,8 +320,9 @@ class TorchOps:
         return (F.silu(g.float()) * u.float()).to(gate_up.dtype)
 
 
-class TritonOps:
-    """The CUDA path (also runs under ``TRITON_INTERPRET=1`` for tests).
+class TritonOps(TorchOps):
+    """The CUDA path (also runs under ``TRITON_INTERPRET=1`` for tests): each op where a kernel
+    applies, :class:`TorchOps`' composition of the others where none does.
 
     Batches of at most ``gemv_rows`` tokens (and the logits of as many rows) take the skinny
     GEMV kernels with the norms, the residual adds, the SwiGLU and the greedy argmax folded in;
@@ -380,7 +358,7 @@ class TritonOps:
         bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if pending is not None or not self._skinny(residual):
-            return _norm_linear(self, pending, residual, norm, eps, w, bias)
+            return super().norm_linear(pending, residual, norm, eps, w, bias)
         return self._gemv.linear(residual, w, bias, norm, eps), residual
 
     def norm_swiglu(
@@ -392,26 +370,25 @@ class TritonOps:
         gate_up: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if pending is not None or not self._skinny(residual):
-            return _norm_swiglu(self, pending, residual, norm, eps, gate_up)
+            return super().norm_swiglu(pending, residual, norm, eps, gate_up)
         return self._gemv.silu_linear(residual, gate_up, norm, eps), residual
 
     def linear_residual(
         self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
     ) -> torch.Tensor | None:
         if not self._skinny(x) or not residual.is_contiguous():
-            return F.linear(x, w)
+            return super().linear_residual(x, w, residual)
         self._gemv.linear_residual(x, w, residual)
         return None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not self._skinny(x) or x.stride(1) != 1:
-            return F.linear(x, w)
+            return super().linear(x, w)
         return self._gemv.linear(x, w)
 
     def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._skinny(x) or x.stride(1) != 1:
-            logits = F.linear(x, w)
-            return logits, torch.argmax(logits, dim=-1)
+            return super().linear_argmax(x, w)
         return self._gemv.linear_argmax(x, w)
 
     def rope_attention(
@@ -421,7 +398,7 @@ class TritonOps:
         decode_only = qkv.shape[0] == a.seq_lens.shape[0]  # every sequence has >= 1 token
         fits = self._dec.supports(qkv.shape[0], fm.d, ks is not None)
         if not (self.decode_attention and decode_only and fits):
-            return self.attention(fm, layer, self.qk_rope_store(fm, layer, qkv, positions, a), a)
+            return super().rope_attention(fm, layer, qkv, positions, a)
         w = fm.layers[layer]
         return self._dec.decode_attention(
             qkv, positions, fm.cos_sin, w.q_norm, w.k_norm, fm.eps, fm.hq, kc, vc,
