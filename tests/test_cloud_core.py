@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import random
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,6 +160,25 @@ def test_overlap_drops_stopped_and_aborted_sequences(tiny: LlamaForCausalLM) -> 
     assert out[aborted] == ref[aborted][: len(out[aborted])] and len(out[aborted]) < 30
     assert core.blocks.num_used == 0 and not core.has_work()
     core.blocks.check_integrity()
+
+
+@pytest.mark.parametrize(("runner", "overlap"), [("reference", False), ("fused", True)])
+def test_measured_rates_match_the_wall_clock(
+    tiny: LlamaForCausalLM, runner: str, overlap: bool
+) -> None:
+    """The rates the node advertises (and the router predicts with) are what steps take."""
+    core = make_core(tiny, runner, max_kv_blocks=200, overlap=overlap)
+    core.add(GenerationRequest(list(range(1, 200)), greedy(60), request_id="r"))
+    walls: list[float] = []
+    while core.has_work():
+        t0 = time.perf_counter()
+        core.step()
+        walls.append(time.perf_counter() - t0)
+    c = core.counters
+    step_ms = statistics.median(walls[2:]) * 1e3  # decode steps
+    assert 0.3 * step_ms < c.decode_ms < 3 * step_ms, (c.decode_ms, step_ms)
+    wall_rate = 199 / walls[0]  # the prefill step's tokens over its wall time
+    assert 0.3 * wall_rate < c.prefill_tok_s < 1.5 * wall_rate, (c.prefill_tok_s, wall_rate)
 
 
 def test_prefix_sharing_computes_only_new_tokens(tiny: LlamaForCausalLM) -> None:
