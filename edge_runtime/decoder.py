@@ -20,6 +20,12 @@ plus its new position is scattered back afterwards. The gather and scatter copy 
 more, which costs far less than reading the weights once per slot; their buffers grow to the
 largest batch seen and are reused.
 
+Decode steps of the ``gqa`` layout touch as little as possible per token: each batch size has
+one binding, made once, whose KV, ``input_ids``, ``position_ids``, ``logits_to_keep`` and
+``logits`` are bound to persistent buffers (ids and positions are rewritten in place); only the
+``attention_mask``, whose length grows, is bound again per step (a view of a buffer of ones when
+one row decodes). The host work between two runs is what a token costs beyond the graph.
+
 Invariants: ``prefill(slot, tokens, start)`` requires positions ``0..start-1`` of the slot to
 hold the sequence's cache and leaves ``0..start+len(tokens)-1`` valid; callers never exceed
 ``context`` positions per slot.
@@ -82,6 +88,12 @@ class Decoder:
         self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64))
         if self.vocab:
             self._logits = np.zeros((slots, self.vocab), self.logits_dtype)
+        # decode inputs: bound once per binding, rewritten in place per step
+        self._ids = np.zeros((slots, 1), np.int64)
+        self._pos = np.zeros((slots, 1), np.int64)
+        self._ones = np.ones(context, np.int64)  # the mask of one row, as a view of any length
+        self._mask = np.zeros(slots * context, np.int64)  # the masks of several rows
+        self._arange = np.arange(context, dtype=np.int64)
 
     @property
     def kv_bytes(self) -> int:
@@ -101,8 +113,24 @@ class Decoder:
                 ptr = _ptr(buf[first:])
                 io.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
                 io.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
+            if kind == "decode":
+                self._bind_decode_inputs(io, rows)
             self._bindings[key] = io
         return io
+
+    def _bind_decode_inputs(self, io: ort.IOBinding, rows: int) -> None:
+        """Bind a decode step's fixed-shape inputs and outputs to the persistent buffers."""
+        i64 = np.int64
+        io.bind_input("input_ids", "cpu", 0, i64, [rows, 1], _ptr(self._ids))
+        if self.info.has_position_ids:
+            io.bind_input("position_ids", "cpu", 0, i64, [rows, 1], _ptr(self._pos))
+        if self.info.has_logits_to_keep:
+            io.bind_ortvalue_input("logits_to_keep", self._keep_last)
+        if self.vocab:  # one new token per row: logits are [rows, 1, vocab]
+            shape = [rows, 1, self.vocab]
+            io.bind_output("logits", "cpu", 0, self.logits_dtype, shape, _ptr(self._logits))
+        else:
+            io.bind_output("logits", "cpu")
 
     def _bind_step(
         self,
@@ -126,10 +154,15 @@ class Decoder:
         else:
             io.bind_output("logits", "cpu")
 
-    def _run(self, io: ort.IOBinding, rows: int) -> np.ndarray:
-        """Run; the last position's logits of each row as ``[rows, vocab]`` float32."""
+    def _run(self, io: ort.IOBinding, rows: int, preallocated: bool | None = None) -> np.ndarray:
+        """Run; the last position's logits of each row as ``[rows, vocab]`` float32.
+
+        ``preallocated``: logits were bound to ``self._logits`` (default: when the graph can
+        keep only the last position's logits and the vocabulary is known)."""
         self.session.run_with_iobinding(io)
-        if self.vocab and self.info.has_logits_to_keep:
+        if preallocated is None:
+            preallocated = bool(self.vocab and self.info.has_logits_to_keep)
+        if preallocated:
             out = self._logits[:rows]
         else:
             # presents are bound first (when the binding is made), logits after them
@@ -164,17 +197,22 @@ class Decoder:
         Returns logits ``[B, vocab]`` (a view, valid until the next call).
         """
         rows = len(tokens)
-        if np.any(lengths[active] >= self.context):
+        total = int(lengths.max()) + 1  # inactive rows too: each writes one position
+        if total > self.context:
             raise ValueError("decode past the context")
         if self.info.attention == "concat":
             return self._decode_concat(tokens, lengths, active)
-        ids = np.ascontiguousarray(tokens, np.int64).reshape(rows, 1)
-        total = int(lengths.max()) + 1
-        mask = (np.arange(total)[None, :] <= lengths[:, None]).astype(np.int64)
-        positions = np.ascontiguousarray(lengths, np.int64).reshape(rows, 1)
         io = self._gqa_binding(0, rows, "decode")
-        self._bind_step(io, ids, mask, positions, rows)
-        return self._run(io, rows)
+        self._ids[:rows, 0] = tokens
+        self._pos[:rows, 0] = lengths
+        if rows == 1:
+            mask_ptr = _ptr(self._ones)
+        else:
+            mask = self._mask[: rows * total].reshape(rows, total)
+            np.less_equal(self._arange[:total], lengths[:, None], out=mask, casting="unsafe")
+            mask_ptr = _ptr(mask)
+        io.bind_input("attention_mask", "cpu", 0, np.int64, [rows, total], mask_ptr)
+        return self._run(io, rows, preallocated=bool(self.vocab))
 
     # --- concat graphs ------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ Cache layout: ``<home>/onnx/<model identity>/<variant>[-concat]/`` holding ``mod
 Invariants:
 - A cache folder appears only complete: it is built in a temporary sibling and renamed.
 - It is reused while the model's identity is unchanged (the identity is part of the path and is
-  checked against the JSON); a new identity means a new folder, i.e. a fresh export.
+  checked against the JSON); a new identity means a new folder, i.e. a fresh export. A folder
+  written by an older export format (``META_FORMAT``) is rebuilt in place.
 - Quantized variants are made from the fp32 graph of the same attention flavour (exported
   first if missing), never from torch directly.
 - Concurrent callers serialize on a file lock; the second one finds the first one's result.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from edge_runtime.graph_info import GRAPH_FILE, ExportMeta
+from edge_runtime.graph_info import GRAPH_FILE, META_FORMAT, ExportMeta
 from routing.model_store import ModelInfo, home_dir, resolve
 from routing.prompt import TOKENIZER_FILES
 
@@ -55,7 +56,7 @@ def export_folder(info: ModelInfo, variant: str, attention: str, root: Path | No
 
 def _valid(folder: Path, info: ModelInfo, variant: str, attention: str) -> ExportMeta | None:
     meta = ExportMeta.read(folder)
-    if meta is None or not (folder / meta.graph_file).is_file():
+    if meta is None or not (folder / meta.graph_file).is_file() or meta.format != META_FORMAT:
         return None
     if (meta.model_identity, meta.variant, meta.attention) != (info.identity, variant, attention):
         return None
@@ -125,7 +126,12 @@ def ensure_export(
 def _export_fp32(info: ModelInfo, graph_path: Path, attention: str) -> None:
     import onnx
 
-    from edge_runtime.graph_passes import add_logits_to_keep, fuse_skip_norms, name_axes
+    from edge_runtime.graph_passes import (
+        add_logits_to_keep,
+        fuse_skip_norms,
+        implicit_gqa_positions,
+        name_axes,
+    )
     from edge_runtime.torch_export import export_decoder
 
     raw = graph_path.parent / "raw"
@@ -134,6 +140,7 @@ def _export_fp32(info: ModelInfo, graph_path: Path, attention: str) -> None:
     name_axes(model)
     fuse_skip_norms(model)
     add_logits_to_keep(model)
+    implicit_gqa_positions(model)
     onnx.save_model(
         model,
         str(graph_path),

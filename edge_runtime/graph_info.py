@@ -24,7 +24,7 @@ import onnx
 
 META_FILE = "edgecloud_export.json"
 GRAPH_FILE = "model.onnx"
-META_FORMAT = 1
+META_FORMAT = 3  # 3: GroupQueryAttention positions from the mask (position_ids kept, unread)
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _ONNX_TO_NUMPY = {

@@ -92,6 +92,21 @@ def add_logits_to_keep(model: onnx.ModelProto) -> bool:
     return True
 
 
+def implicit_gqa_positions(model: onnx.ModelProto) -> int:
+    """Unwire ``position_ids`` from every ``com.microsoft.GroupQueryAttention`` node (input 9),
+    so that each node derives positions from the mask (row ``b``'s new tokens sit right after
+    its ``sum(attention_mask[b]) - new`` cached ones, which is how the runtime fills rows).
+    The graph input stays, the interface of the ONNX-community layout, read by no node when
+    every RoPE is inside these nodes. Returns the number of nodes changed."""
+    changed = 0
+    for node in model.graph.node:
+        gqa = node.op_type == "GroupQueryAttention" and node.domain == "com.microsoft"
+        if gqa and len(node.input) > 9 and node.input[9]:
+            node.input[9] = ""
+            changed += 1
+    return changed
+
+
 def fuse_skip_norms(model: onnx.ModelProto) -> int:
     """``Add(a, b) -> SimplifiedLayerNormalization`` becomes one
     ``com.microsoft.SkipSimplifiedLayerNormalization(a, b, gamma)`` whose fourth output is the

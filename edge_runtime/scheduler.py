@@ -15,6 +15,11 @@ Invariants:
   or the engine stops), except that ``cancel(..., notify=False)`` sends none (the caller left).
 - A stop token id ends a request with STOP and is not emitted; ``completion_tokens`` counts the
   emitted tokens.
+- Tokens reach the consumer in order, none twice, none lost: a request's first token and its
+  final event go out at once; tokens in between go out as soon as ``stream_interval_s`` has
+  passed since the request's previous event, several per event when steps are faster than that
+  (0, the default, = one event per token). Every hand-over wakes the consumer's thread, which
+  on a small CPU competes with ONNX Runtime's threads for the cores.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class SlotRequest:
     filled: int = 0  # positions of this sequence in the slot's KV cache
     generated: int = 0
     last_token: int = -1  # sampled, fed at the next decode step
+    pending: list[int] = field(default_factory=list)  # generated, not yet handed over
+    last_emit: float = 0.0  # perf_counter of the previous hand-over
 
     def __post_init__(self) -> None:
         params = self.request.sampling
@@ -68,6 +75,9 @@ class SlotRequest:
         return (self.request.priority, self.request.arrival_time)
 
     def event(self, tokens: list[int], reason: FinishReason | None) -> TokenEvent:
+        """An event carrying the pending tokens, then ``tokens`` (pending is emptied)."""
+        if self.pending:
+            tokens, self.pending = self.pending + tokens, []
         return TokenEvent(
             request_id=self.request.request_id,
             token_ids=tokens,
@@ -97,10 +107,17 @@ class SchedulerSnapshot:
 
 
 class SlotScheduler:
-    def __init__(self, decoder: Decoder, max_waiting: int = 16, prefill_chunk: int = 256) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        max_waiting: int = 16,
+        prefill_chunk: int = 256,
+        stream_interval_s: float = 0.0,
+    ) -> None:
         self.decoder = decoder
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
+        self.stream_interval_s = max(0.0, stream_interval_s)
         self.slots: list[SlotRequest | None] = [None] * decoder.slots
         self._waiting: list[tuple[tuple[int, float], int, SlotRequest]] = []
         self._seq = 0
@@ -269,7 +286,11 @@ class SlotScheduler:
             self._finish(r, [token], FinishReason.LENGTH)
             return
         r.last_token = token
-        r.emit(r.event([token], None))
+        r.pending.append(token)
+        now = time.perf_counter()
+        if r.generated == 1 or now - r.last_emit >= self.stream_interval_s:
+            r.last_emit = now
+            r.emit(r.event([], None))
 
     def _finish(self, r: SlotRequest, tokens: list[int], reason: FinishReason) -> None:
         self.slots[r.slot] = None

@@ -10,7 +10,9 @@ Two attention flavours, one graph layout (``input_ids``, ``attention_mask``, ``p
 - ``gqa``: ONNX Runtime's ``com.microsoft.GroupQueryAttention``. Row ``b`` holds
   ``sum(attention_mask[b])`` valid positions (right padded); the new keys and values are written
   at the row's own offset. When ``present`` is bound to the same memory as ``past``, the cache is
-  updated in place: no reallocation and no copy of the cache per token.
+  updated in place: no reallocation and no copy of the cache per token. (After the export,
+  ``graph_passes.implicit_gqa_positions`` lets the node take its positions from the mask;
+  ``position_ids`` stays an input of the graph, unread.)
 - ``concat``: standard ONNX only (portable to execution providers without contrib ops):
   ``present = concat(past, new)`` and ``attention_mask`` covers past plus new positions.
 """

@@ -68,6 +68,10 @@ def test_export_layout_and_meta(tiny_model_path: Path, onnx_root: Path, attentio
     expected_in = ["input_ids", "attention_mask", "position_ids"] + [
         f"past_key_values.{i}.{kv}" for i in range(2) for kv in ("key", "value")
     ]
+    # GroupQueryAttention takes its positions from the mask (graph_passes.implicit_gqa_positions)
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == (2 if attention == "gqa" else 0)
+    assert all(len(n.input) < 10 or not n.input[9] for n in gqa)
     assert [n for n in inputs if n != "logits_to_keep"] == expected_in
     assert outputs == ["logits"] + [
         f"present.{i}.{kv}" for i in range(2) for kv in ("key", "value")

@@ -88,6 +88,12 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         default=None,
         help="comma-separated execution-provider preference (default: NPUs, then CPU)",
     )
+    s.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=0.0,
+        help="hand a request's tokens over at most this often, grouped (default 0: each token)",
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -104,6 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         context=args.context,
         providers=providers,
+        stream_interval_ms=args.stream_interval_ms,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(
