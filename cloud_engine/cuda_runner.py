@@ -27,7 +27,7 @@ import torch
 from cloud_engine.attention_torch import make_meta
 from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
-from cloud_engine.model.fused import AttnInputs, FusedLlama, Ops, TritonOps
+from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.runner import Feed, Launched
 from cloud_engine.sampler import make_generator, sample_batch
@@ -79,7 +79,7 @@ class CudaRunner:
         max_context: int,
         cuda_graphs: bool = True,
         max_graph_batch: int = 256,
-        ops: Ops | None = None,
+        ops: TorchOps | None = None,
     ) -> None:
         self.pool = pool
         self.device = pool.device

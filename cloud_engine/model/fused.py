@@ -11,8 +11,9 @@ batches) or is added into ``residual`` in place by the projection's own kernel (
 ``cloud_engine.kernels.gemv``), leaving nothing pending. Each op takes and keeps this contract,
 so the two paths mix freely.
 
-The work goes through an :class:`Ops` object: ``TritonOps`` on CUDA (``cloud_engine.kernels``,
-cuBLAS for large products), ``TorchOps`` anywhere (the reference for tests). For pipeline
+The work goes through an op set: ``TorchOps`` anywhere (the reference for tests, and the base
+that states each op's contract), ``TritonOps`` on CUDA (``cloud_engine.kernels``, cuBLAS for
+large products, the torch ops where no kernel applies). For pipeline
 parallelism ``forward`` takes a layer range and a hidden state; for tensor parallelism the
 concatenated projections split by heads (qkv, gate_up by rows; o, down by columns) and two
 all-reduces per layer go after o and down: nothing here assumes one device holds every head.
@@ -24,7 +25,6 @@ the reference up to floating-point rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,66 +48,6 @@ class AttnInputs:
     torch_meta: object | None = None  # attention_torch.PagedMeta, for TorchOps
 
 
-class Ops(Protocol):
-    def add_rmsnorm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rmsnorm(residual + x) * w, residual + x)``, the residual updated in place; with
-        ``residual`` None, ``x`` is the residual stream."""
-        ...
-
-    def norm_linear(
-        self,
-        pending: torch.Tensor | None,
-        residual: torch.Tensor,
-        norm: torch.Tensor,
-        eps: float,
-        w: torch.Tensor,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(h @ w.T + bias, residual)`` for ``h = rmsnorm(residual + pending) * norm``."""
-        ...
-
-    def norm_swiglu(
-        self,
-        pending: torch.Tensor | None,
-        residual: torch.Tensor,
-        norm: torch.Tensor,
-        eps: float,
-        gate_up: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(silu(h @ Wg.T) * (h @ Wu.T), residual)``, ``h`` as in :meth:`norm_linear`."""
-        ...
-
-    def linear_residual(
-        self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
-    ) -> torch.Tensor | None:
-        """``x @ w.T``: returned (pending), or added into ``residual`` in place (None)."""
-        ...
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
-
-    def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x @ w.T, argmax of each row)`` (the logits and their greedy tokens, int64)."""
-        ...
-
-    def rope_attention(
-        self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
-    ) -> torch.Tensor:
-        """:meth:`qk_rope_store` then :meth:`attention`: the attention output ``[N, Hq, D]``."""
-        ...
-
-    def qk_rope_store(
-        self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
-    ) -> torch.Tensor: ...
-
-    def attention(
-        self, fm: FusedLlama, layer: int, q: torch.Tensor, a: AttnInputs
-    ) -> torch.Tensor: ...
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
-
-
 @dataclass(slots=True)
 class FusedLayer:
     in_norm: torch.Tensor
@@ -123,7 +63,7 @@ class FusedLayer:
 
 class FusedLlama:
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, ops: Ops, consume: bool = False
+        self, model: LlamaForCausalLM, pool: KVPool, ops: TorchOps, consume: bool = False
     ) -> None:
         """``consume=True`` frees the reference model's unfused projections as it goes (the
         reference model is unusable afterwards), so peak memory stays near one model."""
@@ -220,7 +160,7 @@ def _stream(
 
 
 def _add_norm(
-    ops: Ops, pending: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ops: TorchOps, pending: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(residual + pending) * w, residual)``, adding ``pending`` in place."""
     if pending is None:
@@ -236,6 +176,8 @@ class TorchOps:
     def add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rmsnorm(residual + x) * w, residual + x)``, the residual updated in place; with
+        ``residual`` None, ``x`` is the residual stream."""
         res = x if residual is None else residual.add_(x)
         r32 = res.float()
         y = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)
@@ -250,6 +192,7 @@ class TorchOps:
         w: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h @ w.T + bias, residual)`` for ``h = rmsnorm(residual + pending) * norm``."""
         h, residual = _add_norm(self, pending, residual, norm, eps)
         return F.linear(h, w, bias), residual
 
@@ -261,24 +204,28 @@ class TorchOps:
         eps: float,
         gate_up: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(silu(h @ Wg.T) * (h @ Wu.T), residual)``, ``h`` as in :meth:`norm_linear`."""
         h, residual = _add_norm(self, pending, residual, norm, eps)
         return self.silu_mul(F.linear(h, gate_up)), residual
 
     def linear_residual(
         self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor
     ) -> torch.Tensor | None:
+        """``x @ w.T``: returned (pending), or added into ``residual`` in place (None)."""
         return F.linear(x, w)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
 
     def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x @ w.T, argmax of each row)`` (the logits and their greedy tokens, int64)."""
         logits = F.linear(x, w)
         return logits, torch.argmax(logits, dim=-1)
 
     def rope_attention(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
     ) -> torch.Tensor:
+        """:meth:`qk_rope_store` then :meth:`attention`: the attention output ``[N, Hq, D]``."""
         return self.attention(fm, layer, self.qk_rope_store(fm, layer, qkv, positions, a), a)
 
     def qk_rope_store(
