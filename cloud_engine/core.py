@@ -207,7 +207,7 @@ class EngineCore:
         return self._ahead is not None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._ahead is not None
+        return self.scheduler.has_work() or self.has_ahead
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
@@ -244,7 +244,8 @@ class EngineCore:
             return None
         items: list[ScheduledSeq] = []
         src: list[int] = []
-        live = need = k = 0
+        grow: list[int] = []  # blocks each item's next token needs
+        live = k = 0
         bs = self.blocks.block_size
         for it in cur.batch.items:
             if not it.samples:
@@ -257,16 +258,16 @@ class EngineCore:
             if seq.num_output + 1 >= seq.max_output:
                 continue  # cur's token is its last
             start = it.start + it.num_new
-            need += max(0, -(-(start + 1) // bs) - len(seq.block_table))
             items.append(ScheduledSeq(seq, 1, start, True))
             src.append(k - 1)
-        if not items or live != self.scheduler.num_running or need > self.blocks.num_available:
+            grow.append(max(0, -(-(start + 1) // bs) - len(seq.block_table)))
+        if not items or live != self.scheduler.num_running:
             return None
-        for ahead in items:
-            seq = ahead.seq
-            grow = -(-(ahead.start + 1) // bs) - len(seq.block_table)
-            if grow > 0:
-                seq.block_table.extend(self.blocks.allocate(grow))
+        if sum(grow) > self.blocks.num_available:
+            return None
+        for ahead, n in zip(items, grow, strict=True):
+            if n:
+                ahead.seq.block_table.extend(self.blocks.allocate(n))
         self.counters.ahead_steps += 1
         batch = ScheduledBatch(items)
         feed = Feed(cur.launched.tokens, np.asarray(src, dtype=np.int64))

@@ -103,6 +103,7 @@ class CudaRunner:
             torch.empty(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
         ]
         self._flip = 0
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pinned else []
 
     # -- rows ------------------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -165,14 +166,15 @@ class CudaRunner:
         return self._to_host(sample_batch(logits[: len(seqs)], params, gens))  # type: ignore[arg-type]
 
     def _to_host(self, tokens: torch.Tensor) -> Launched:
-        """Start the copy of ``tokens`` into the next of two host buffers (two launches are in
-        flight at most: the core collects a step before it launches the one after next)."""
+        """Start the copy of ``tokens`` into the next of two host buffers, each with its event
+        (two launches are in flight at most: the core collects a step before it launches the
+        one after next)."""
         self._flip ^= 1
         host = self._token_host[self._flip]
         host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
-        if self.device.type != "cuda":
+        if not self._copied:
             return Launched(tokens, host, None)
-        done = torch.cuda.Event()
+        done = self._copied[self._flip]
         done.record()
         return Launched(tokens, host, done)
 
