@@ -581,7 +581,7 @@ def report(
         "vs genai: ratio of the medians; paired: median ratio of back-to-back single-stream "
         "runs of both engines in one process, prompt by prompt (robust to load drifting "
         "during the run; an unused engine is made first in that process, because the first "
-        "ONNX Runtime session of a process decodes 7-11% slower than later ones, for both "
+        "ONNX Runtime session of a process decodes slower than later ones, for both "
         "engines alike). Our engine hands each token to its consumer as soon as it is sampled "
         f"(`EdgeEngineConfig.stream_interval_ms` = {_stream_interval_ms():g}); "
         f"{GROUPED_MS:g} ms hand-over: the paired ratio of the same engine handing a request's "
