@@ -13,7 +13,11 @@ its q rows itself.
 
 With several splits each writes a partial output and its log-sum-exp; the last split of
 ``(s, h)`` to finish (a counter per ``(s, h)``, incremented with acquire-release semantics after
-a block barrier) merges them, bypassing L1, and resets the counter.
+a block barrier) merges them, bypassing L1, and resets the counter. After the PDL wait a
+program's chain is: load its q/k/v rows, norm and rotate, one tile of products, store the
+partial, the counter, the merge; everything else (positions, RoPE factors, norm weights, the
+first tile of keys) is loaded before the wait, and the merge reads every live split at once
+(online rescaling) instead of first scanning their maxima.
 
 Head vectors are handled as their two RoPE halves ``[D/2]``: scores are ``q1·k1 + q2·k2`` and
 outputs are stored half by half, so nothing is concatenated.
@@ -49,13 +53,14 @@ def supports(num_seqs: int, head_dim: int, kv_int8: bool) -> bool:
 
 
 @triton.jit
-def _norm_rope(x1, x2, w_ptr, cos, sin, half, eps, D: tl.constexpr, NORM: tl.constexpr):
-    """Rotate-half RoPE of the halves of the last axis (float32), RMS-normed first if NORM."""
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, D: tl.constexpr, NORM: tl.constexpr):
+    """Rotate-half RoPE of the halves of the last axis (float32), RMS-normed first (weight
+    halves ``w1``, ``w2``) if NORM."""
     if NORM:
         ss = tl.sum(x1 * x1, axis=-1, keep_dims=True) + tl.sum(x2 * x2, axis=-1, keep_dims=True)
         r = tl.rsqrt(ss / D + eps)
-        x1 = x1 * r * tl.load(w_ptr + half).to(tl.float32)
-        x2 = x2 * r * tl.load(w_ptr + D // 2 + half).to(tl.float32)
+        x1 = x1 * r * w1
+        x2 = x2 * r * w2
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
@@ -86,29 +91,34 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _merge_splits(
-    part_o_ptr, part_lse_ptr, o_ptr, cnt_ptr, tok, head, g_ok, half, stride_on, stride_oh,
+    part_o_ptr, part_lse_ptr, o_ptr, cnt_ptr, tok, head, g_ok, half, stride_on, stride_oh, live,
     HQ: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Called by every split after writing its partial; the last one to arrive merges."""
+    """Called by every split after writing its partial; the last one to arrive merges the
+    ``live`` (non-empty) splits in one pass, every load independent of the others."""
     tl.debug_barrier()  # every thread's partial stores precede the release below
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLITS - 1:
         base = (tok * HQ + head) * SPLITS
         m = tl.full([G_PAD], float("-inf"), tl.float32)
-        for sp in tl.static_range(SPLITS):
-            lse = tl.load(part_lse_ptr + base + sp, mask=g_ok, other=0.0, cache_modifier=".cg")
-            m = tl.maximum(m, lse)
-        m = tl.where(m == float("-inf"), 0.0, m)
         num1 = tl.zeros([G_PAD, D // 2], tl.float32)
         num2 = tl.zeros([G_PAD, D // 2], tl.float32)
         den = tl.zeros([G_PAD], tl.float32)
         for sp in tl.static_range(SPLITS):
-            lse = tl.load(part_lse_ptr + base + sp, mask=g_ok, other=0.0, cache_modifier=".cg")
-            w = tl.where(g_ok, tl.math.exp2(lse - m), 0.0)  # empty splits: exp2(-inf) = 0
-            ok = (g_ok & (w > 0.0))[:, None]
+            ok = g_ok & (sp < live)
+            lse = tl.load(
+                part_lse_ptr + base + sp, mask=ok, other=float("-inf"), cache_modifier=".cg"
+            )
             p = part_o_ptr + (base + sp)[:, None] * D + half[None, :]
-            num1 += w[:, None] * tl.load(p, mask=ok, other=0.0, cache_modifier=".cg")
-            num2 += w[:, None] * tl.load(p + D // 2, mask=ok, other=0.0, cache_modifier=".cg")
-            den += w
+            o1 = tl.load(p, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            o2 = tl.load(p + D // 2, mask=ok[:, None], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m - m_safe)  # exp2(-inf) = 0: nothing merged yet
+            w = tl.math.exp2(lse - m_safe)  # a split with no keys has lse -inf: weight 0
+            num1 = num1 * alpha[:, None] + w[:, None] * o1
+            num2 = num2 * alpha[:, None] + w[:, None] * o2
+            den = den * alpha + w
+            m = m_new
         den = tl.maximum(den, 1e-30)[:, None]
         dst = o_ptr + tok * stride_on + head[:, None] * stride_oh + half[None, :]
         tl.store(dst, (num1 / den).to(o_ptr.dtype.element_ty), mask=g_ok[:, None])
@@ -130,9 +140,12 @@ def _decode_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     half = tl.arange(0, D // 2)
-    # Before the wait: step inputs and cached keys, nothing the qkv projection writes.
+    # Before the wait: step inputs, norm weights and cached keys, nothing the qkv projection
+    # writes.
     ctx = tl.load(seq_lens_ptr + tok)
     row = tl.load(seq_rows_ptr + tok).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(ctx, lo + chunk)
@@ -141,12 +154,17 @@ def _decode_attention_kernel(
         k_cache_ptr, v_cache_ptr, tables_ptr, row, lo, cached_end, kvh, half,
         stride_tr, stride_cb, stride_ct, stride_ch, BS, BLOCK_N, D,
     )  # fmt: skip
+    cos = tl.load(cos_sin_ptr + pos * D + half)
+    sin = tl.load(cos_sin_ptr + pos * D + D // 2 + half)
+    qw1, qw2, kw1, kw2 = cos, cos, cos, cos  # unread without QK_NORM
+    if QK_NORM:
+        qw1 = tl.load(qn_ptr + half).to(tl.float32)
+        qw2 = tl.load(qn_ptr + D // 2 + half).to(tl.float32)
+        kw1 = tl.load(kn_ptr + half).to(tl.float32)
+        kw2 = tl.load(kn_ptr + D // 2 + half).to(tl.float32)
     pdl_enter(PDL)
 
     dt = qkv_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * D + half)
-    sin = tl.load(cos_sin_ptr + pos * D + D // 2 + half)
     base = qkv_ptr + tok * stride_qkv
     g = tl.arange(0, G_PAD)
     g_ok = g < G
@@ -154,19 +172,18 @@ def _decode_attention_kernel(
     qp = base + head[:, None] * D + half[None, :]
     q1 = tl.load(qp, mask=g_ok[:, None], other=0.0).to(tl.float32)
     q2 = tl.load(qp + D // 2, mask=g_ok[:, None], other=0.0).to(tl.float32)
-    q1, q2 = _norm_rope(q1, q2, qn_ptr, cos, sin, half, eps, D, QK_NORM)
+    q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, D, QK_NORM)
     q1, q2 = q1.to(dt), q2.to(dt)  # q as rope_store writes it
     kb = base + (HQ + kvh) * D
     kn1 = tl.load(kb + half).to(tl.float32)
     kn2 = tl.load(kb + D // 2 + half).to(tl.float32)
-    kn1, kn2 = _norm_rope(kn1, kn2, kn_ptr, cos, sin, half, eps, D, QK_NORM)
+    kn1, kn2 = _norm_rope(kn1, kn2, kw1, kw2, cos, sin, eps, D, QK_NORM)
     kn1, kn2 = kn1.to(dt), kn2.to(dt)
     vb = base + (HQ + HKV + kvh) * D
     vn1 = tl.load(vb + half)
     vn2 = tl.load(vb + D // 2 + half)
 
     owner = (lo <= ctx - 1) & (ctx - 1 < hi)  # this split holds the new token's position
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
     keep = (half < D // 2) & owner & (slot >= 0)
     dst = (slot // BS) * stride_cb + (slot % BS) * stride_ct + kvh * stride_ch + half
     tl.store(k_cache_ptr + dst, kn1.to(k_cache_ptr.dtype.element_ty), mask=keep)
@@ -221,7 +238,7 @@ def _decode_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_ok)
         _merge_splits(
             part_o_ptr, part_lse_ptr, o_ptr, count_ptr + tok * HKV + kvh, tok, head, g_ok, half,
-            stride_on, stride_oh, HQ, SPLITS, D, G_PAD,
+            stride_on, stride_oh, tl.cdiv(ctx, tl.maximum(chunk, 1)), HQ, SPLITS, D, G_PAD,
         )  # fmt: skip
 
 
