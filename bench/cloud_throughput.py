@@ -199,7 +199,10 @@ def decode_bandwidth(
 ) -> dict[str, Any]:
     """Decode step time at ``batch`` sequences of about ``ctx`` tokens: through the engine
     (host work included) with and without overlap (alternating rounds, median), and as a bare
-    graph replay; bytes read = weights + every KV byte."""
+    graph replay; bytes read = weights + every KV byte. An engine round is timed in steady
+    state: from the return of one step (tokens read) to the return of the ``steps``-th after
+    it, so with overlap neither the first step's launch nor the look-ahead step still in flight
+    at the end counts."""
     runner: Any = core.runner
     rng = random.Random(batch)
     for i in range(batch):
@@ -208,7 +211,7 @@ def decode_bandwidth(
             GenerationRequest(
                 prompt,
                 SamplingParams(
-                    max_tokens=2 * rounds * steps + 40, temperature=0.0, ignore_eos=True
+                    max_tokens=2 * rounds * (steps + 2) + 40, temperature=0.0, ignore_eos=True
                 ),
                 request_id=f"bw{batch}-{i}",
             )
@@ -226,11 +229,10 @@ def decode_bandwidth(
             if core.has_ahead:
                 core.step()  # collect the look-ahead step in flight: each round starts planned
             core.config = replace(core.config, overlap=mode)
-            sync("cuda")
+            core.step()  # fill: with overlap a look-ahead step is now in flight
             t0 = time.perf_counter()
             for _ in range(steps):
-                core.step()
-            sync("cuda")
+                core.step()  # returns once a step's tokens are read
             per_mode[mode].append((time.perf_counter() - t0) / steps)
     core.config = replace(core.config, overlap=overlap)
     step_s = statistics.median(per_mode[True])
