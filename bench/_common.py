@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,22 @@ def recorded_command(script: str, argv: list[str], path_options: tuple[str, ...]
         elif not a.startswith(tuple(o + "=" for o in path_options)):
             out.append(a)
     return " ".join(out)
+
+
+def cuda_ms(fn: Callable[[], object], n: int) -> float:
+    """Median device time of ``fn()`` between two CUDA events, in milliseconds, over ``n``
+    calls (each waited for before the next)."""
+    import torch
+
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:

@@ -18,6 +18,7 @@ bench/results/.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import recorded_command
+from bench._common import cuda_ms, recorded_command
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import CoreCounters, EngineCore
 from cloud_engine.model.config import ModelConfig
@@ -181,15 +182,8 @@ def copy_bandwidth() -> float:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    bw = 2 * x.numel() * x.element_size() / statistics.median(times)
+    seconds = cuda_ms(functools.partial(y.copy_, x), 20) / 1e3
+    bw = 2 * x.numel() * x.element_size() / seconds
     del x, y
     return bw
 
@@ -241,15 +235,7 @@ def decode_bandwidth(
     kv_bytes = batch * mean_ctx * core.pool.spec.bytes_per_token
     w_bytes = runner.fm.weight_bytes()
     g = runner.graphs[min(b for b in runner.graphs if b >= batch)]
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    replay_s = statistics.median(times)
+    replay_s = cuda_ms(g.graph.replay, 20) / 1e3
     for s in seqs:
         core.abort(s.request_id)
     total = w_bytes + kv_bytes

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, recorded_command, table
+from bench._common import RESULTS, cuda_ms, recorded_command, table
 from bench.cloud_throughput import SHAPES, copy_bandwidth
 from cloud_engine.kernels import decode_attention, gemv, pdl
 from cloud_engine.model.config import ModelConfig
@@ -49,15 +48,7 @@ def replay_us(fn: Callable[[], None], reps: int = 30) -> float:
         fn()
     for _ in range(3):
         g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return cuda_ms(g.replay, reps) * 1e3
 
 
 class Layers:

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import recorded_command
+from bench._common import cuda_ms, recorded_command
 from bench.cloud_throughput import SHAPES, copy_bandwidth, random_model
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
@@ -78,18 +78,6 @@ def start_sequences(core: EngineCore, batch: int, ctx: int, steps: int) -> None:
         core.add(GenerationRequest(prompt, sp, request_id=f"p{batch}-{i}"))
     while any(s.num_output < 2 for s in core.seqs.values()):
         core.step()
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, n: int = 50) -> float:
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def kernel_table(graph: torch.cuda.CUDAGraph, layers: int, reps: int = 10) -> list[dict[str, Any]]:
@@ -170,7 +158,7 @@ def run_variant(
             core.step()
         step_ms = (time.perf_counter() - t0) / args.steps * 1e3
         torch.cuda.synchronize()
-        rep = replay_ms(g.graph)
+        rep = cuda_ms(g.graph.replay, 50)
         mean_ctx = statistics.mean(s.num_tokens for s in seqs) - args.steps / 2
         total = runner.fm.weight_bytes() + b * mean_ctx * core.pool.spec.bytes_per_token
         row = {
