@@ -44,7 +44,8 @@ MAX_K = 16384  # the whole reduction sits in one register tile
 TILE = 8192  # elements of W per program (gate and up together for SwiGLU)
 MIN_PROGRAMS = 256  # about two programs per multiprocessor of an H100/H200
 NUM_WARPS = 8
-ARGMAX_BLOCK = 4096  # partials per iteration of the final argmax
+ARGMAX_BLOCK = 16384  # partials per iteration of the final argmax
+ARGMAX_WARPS = 16
 
 
 def supports(m: int, k: int) -> bool:
@@ -155,18 +156,23 @@ def _block_argmax(y, out_ptr, offs_n, n_ok, row_ok, m, part_val_ptr, part_idx_pt
 @triton.jit
 def _argmax_kernel(part_val_ptr, part_idx_ptr, ids_ptr, P, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row ``program_id`` of the token ids: the first column holding the row's maximum, from
-    the ``P`` per-program partials (ordered by column, so the first maximal partial wins)."""
+    the ``P`` per-program partials (ordered by column, so the first maximal partial wins).
+    Values and columns of a block load together: no load waits on another, and a block covers
+    the partials of a large vocabulary in one or two iterations."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     best_v = tl.full([], float("-inf"), tl.float32)
     best_i = tl.full([], 0, tl.int32)
     for start in range(0, P, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(part_val_ptr + row * P + offs, mask=offs < P, other=float("-inf"))
-        cv, ci = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        idx = tl.load(part_idx_ptr + row * P + start + ci)
+        ok = offs < P
+        v = tl.load(part_val_ptr + row * P + offs, mask=ok, other=float("-inf"))
+        idx = tl.load(part_idx_ptr + row * P + offs, mask=ok, other=0)
+        cv = tl.max(v, axis=0)
+        first = tl.min(tl.where(v == cv, offs, P), axis=0)  # first partial holding it
+        ci = tl.sum(tl.where(offs == first, idx, 0), axis=0)
         take = cv > best_v
-        best_i = tl.where(take, idx, best_i)
+        best_i = tl.where(take, ci, best_i)
         best_v = tl.where(take, cv, best_v)
     tl.store(ids_ptr + row, best_i.to(tl.int64))
 
@@ -230,7 +236,14 @@ def linear_argmax(
     pdl = use_pdl(x)
     block = min(ARGMAX_BLOCK, triton.next_power_of_2(programs))
     _argmax_kernel[(m,)](
-        part_val, part_idx, ids, programs, BLOCK=block, PDL=pdl, num_warps=4, **launch_kwargs(pdl)
+        part_val,
+        part_idx,
+        ids,
+        programs,
+        BLOCK=block,
+        PDL=pdl,
+        num_warps=ARGMAX_WARPS,
+        **launch_kwargs(pdl),
     )
     return out, ids
 
