@@ -85,7 +85,6 @@ class Layers:
         self.cos_sin = torch.randn(ctx + 1, d, device="cuda")
         self.counters = torch.zeros(decode_attention.MAX_COUNTERS, device="cuda", dtype=torch.int32)
         self.residual = torch.randn(1, h, device="cuda", dtype=BF16)
-        self.qkv_out = torch.randn(1, (self.hq + 2 * self.hkv) * d, device="cuda", dtype=BF16)
         self.ctx = ctx
 
     def layer_bytes(self) -> int:
