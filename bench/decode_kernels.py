@@ -83,7 +83,6 @@ class Layers:
         self.rows = i32([0])
         self.tables = torch.arange(blocks, device="cuda", dtype=torch.int32)[None]
         self.cos_sin = torch.randn(ctx + 1, d, device="cuda")
-        self.counters = torch.zeros(decode_attention.MAX_COUNTERS, device="cuda", dtype=torch.int32)
         self.residual = torch.randn(1, h, device="cuda", dtype=BF16)
         self.ctx = ctx
 
@@ -95,7 +94,7 @@ class Layers:
         kc, vc = self.kv[i]
         return decode_attention.decode_attention(
             qkv, self.pos, self.cos_sin, self.qk_norm, self.qk_norm, 1e-6, self.hq, kc, vc,
-            self.slot, self.tables, self.rows, self.lens, self.counters,
+            self.slot, self.tables, self.rows, self.lens,
         )  # fmt: skip
 
     def chain(self, attention: bool) -> Callable[[], None]:

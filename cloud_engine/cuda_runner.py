@@ -9,7 +9,11 @@ next batch size of a ladder (padding rows have slot -1, so they write no KV, and
 their per-step integers go up in one copy from a pinned staging buffer straight into the
 graph's input tensor. Anything else (prefill chunks, mixed batches) runs eagerly with prefill
 tiling. Sampling runs on the device; greedy batches take the argmax captured inside the graph
-(fused into the logits product for small batches).
+(fused into the logits product for small batches), which every graph writes into one shared
+token buffer. A look-ahead step fed from that buffer picks its ids inside the graph (the
+embedding kernel reads them; the ``src`` row of the step integers says which), so nothing runs
+between two greedy decode graphs but the token copy out and the integers' copy in; tokens fed
+from anywhere else (sampled steps) are gathered before the replay.
 
 Invariants: a sequence's device row mirrors its ``block_table`` prefix of ``synced`` entries
 before any kernel reads it; rows are returned by :meth:`release` whenever a sequence leaves the
@@ -63,10 +67,11 @@ GRAPH_LADDER = (
 @dataclass(slots=True)
 class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
-    ints: torch.Tensor  # [5, W] int32 (W = B rounded up to 4): ids, positions, slots, rows, lens
+    ints: torch.Tensor  # [6, W] int32 (W = B rounded up to 4): ids, positions, slots, rows, lens,
+    # src (index into the shared token buffer, or -1: take ids)
     logits: torch.Tensor  # [B, V]
-    tokens: torch.Tensor  # [B] greedy argmax
-    host: torch.Tensor  # [5, W] int32 pinned staging of ``ints``: one copy, no host wait
+    tokens: torch.Tensor  # [B] greedy argmax: the shared token buffer's first B entries
+    host: torch.Tensor  # [6, W] int32 pinned staging of ``ints``: one copy, no host wait
     uploaded: torch.cuda.Event  # recorded after the last copy out of ``host``
 
 
@@ -96,6 +101,10 @@ class CudaRunner:
         self._zeros = torch.zeros(GRAPH_LADDER[-1], dtype=torch.int32, device=self.device)
         sizes = [b for b in GRAPH_LADDER if b <= min(max_graph_batch, max_batch)]
         self.graph_sizes = sizes if cuda_graphs and self.device.type == "cuda" else []
+        # greedy tokens of every graph replay (graphs of all sizes write their first rows)
+        self._graph_tokens = torch.zeros(
+            max(self.graph_sizes, default=0), dtype=torch.int64, device=self.device
+        )
         self.graphs: dict[int, _DecodeGraph] = {}
         self._graph_pool: object | None = None
         pinned = self.device.type == "cuda"
@@ -103,6 +112,7 @@ class CudaRunner:
             torch.empty(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
         ]
         self._flip = 0
+        self.graph_feeds = 0  # replays whose fed ids the graph picked itself
         self._copied = [torch.cuda.Event() for _ in range(2)] if pinned else []
 
     # -- rows ------------------------------------------------------------------------------
@@ -214,7 +224,9 @@ class CudaRunner:
             ints[2, :b], self.tables, ints[3, :b], ints[4, :b], self._arange[: b + 1],
             self._arange[:b], self._zeros[:b], tile_shape(self.group, 1),
         )  # fmt: skip
-        return self.fm.logits_argmax(self.fm.forward(ints[0, :b], ints[1, :b], a))
+        h = self.fm.embed_fed(ints[0, :b], ints[5, :b], self._graph_tokens)
+        hidden = self.fm.forward(ints[0, :b], ints[1, :b], a, hidden=h)
+        return self.fm.logits_argmax(hidden, self._graph_tokens[:b])
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -223,9 +235,10 @@ class CudaRunner:
             return
         for b in reversed(self.graph_sizes):
             # rows padded to 4 entries: every row starts on a 16-byte boundary
-            ints = torch.zeros((5, -(-b // 4) * 4), dtype=torch.int32, device=self.device)
+            ints = torch.zeros((6, -(-b // 4) * 4), dtype=torch.int32, device=self.device)
             ints[2] = -1
             ints[4] = 1
+            ints[5] = -1
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -260,18 +273,24 @@ class CudaRunner:
         b = self.graph_sizes[bisect.bisect_left(self.graph_sizes, s)]
         g = self.graphs[b]
         g.uploaded.synchronize()  # the previous step's copy has left the staging buffer
+        # fed from the graphs' own token buffer: the graph picks the ids (``src`` row)
+        in_graph = fed is not None and fed.data_ptr() == self._graph_tokens.data_ptr()
         host = g.host.numpy()
         host[:, s:] = 0
-        host[0, :s] = inp.input_ids
+        host[0, :s] = 0 if in_graph else inp.input_ids
         host[1, :s] = inp.positions
         host[2, :s] = inp.slot_mapping
         host[2, s:] = -1
         host[3, :s] = rows
         host[4, :s] = inp.seq_lens
         host[4, s:] = 1
+        host[5] = -1
+        if in_graph:
+            host[5, :s] = inp.input_ids  # indices into the fed tokens
+            self.graph_feeds += 1
         g.ints.copy_(g.host, non_blocking=True)
         g.uploaded.record()
-        if fed is not None:  # stream order: read before any later replay overwrites ``fed``
+        if fed is not None and not in_graph:  # stream order: read before a later step writes it
             g.ints[0, :s] = fed.index_select(0, g.ints[0, :s])
         g.graph.replay()
         return g.logits, g.tokens

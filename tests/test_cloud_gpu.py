@@ -213,6 +213,22 @@ def test_kernel_gemv_argmax_picks_first_maximum(monkeypatch: pytest.MonkeyPatch)
     assert ids[0].item() == 17
 
 
+@needs_kernels
+def test_kernel_embed_fed_matches_torch() -> None:
+    from cloud_engine.kernels import embedding
+    from cloud_engine.model.fused import TorchOps
+
+    g = torch.Generator().manual_seed(6)
+    table = torch.randn(1000, 96, generator=g).to(DEV)  # 96 columns: a masked tail
+    i32 = {"dtype": torch.int32, "device": DEV}
+    ids = torch.tensor([5, 0, 999, 7, 0], **i32)  # type: ignore[arg-type]
+    src = torch.tensor([-1, 2, -1, 0, 1], **i32)  # type: ignore[arg-type]
+    fed = torch.tensor([11, 998, 3], dtype=torch.int64, device=DEV)
+    want = table[[5, 3, 999, 11, 998]]
+    assert torch.equal(embedding.embed_fed(ids, src, fed, table), want)
+    assert torch.equal(TorchOps().embed_fed(ids, src, fed, table), want)
+
+
 def decode_step_inputs(ctx: list[int], group: int) -> tuple[object, torch.Tensor]:
     """AttnInputs (with the torch metadata) and positions of one decode step of sequences with
     KV lengths ``ctx`` (after the step), blocks laid out one sequence after another."""
@@ -358,6 +374,8 @@ def test_cuda_engine_fp32_matches_dense_exactly(model_type: str, overlap: bool) 
     assert core.runner.graphs  # type: ignore[attr-defined]
     assert out == ref
     assert (core.counters.ahead_steps > 0) == overlap  # type: ignore[attr-defined]
+    # look-ahead steps of greedy graphs take their fed ids inside the graph
+    assert (core.runner.graph_feeds > 0) == overlap  # type: ignore[attr-defined]
 
 
 @needs_cuda

@@ -222,17 +222,20 @@ def linear(
 
 
 def linear_argmax(
-    x: torch.Tensor, w: torch.Tensor, **tuning: int
+    x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None = None, **tuning: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x @ w.T, ids)``: the product (the logits) and, per row, the first column holding its
-    maximum as int64 (``torch.argmax`` of the stored values; NaN rows are not handled)."""
+    maximum as int64 (``torch.argmax`` of the stored values; NaN rows are not handled), written
+    into ``ids`` when given."""
     m, n = x.shape[0], w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     programs = triton.cdiv(n, tuning.get("bn") or block_n(n, x.shape[1]))
     part_val = torch.empty((m, programs), dtype=torch.float32, device=x.device)
     part_idx = torch.empty((m, programs), dtype=torch.int32, device=x.device)
     _launch(x, w, out, n, argmax=(part_val, part_idx), **tuning)
-    ids = torch.empty(m, dtype=torch.int64, device=x.device)
+    if ids is None:
+        ids = torch.empty(m, dtype=torch.int64, device=x.device)
+    assert ids.shape == (m,) and ids.dtype == torch.int64 and ids.is_contiguous()
     pdl = use_pdl(x)
     block = min(ARGMAX_BLOCK, triton.next_power_of_2(programs))
     _argmax_kernel[(m,)](

@@ -6,11 +6,15 @@ their weight tiles, decode attention its first tile of cached keys), then block 
 :func:`pdl_enter` until the previous kernel has completed and its writes are visible. Once past
 the wait, a kernel lets the next one launch.
 
-Every launch with ``launch_pdl`` goes to a kernel that calls :func:`pdl_enter` before finishing,
-and lets the next kernel launch only after its own wait; so when a kernel starts, every kernel
-before the previous one has completed, and at most two kernels overlap. Hence the invariant of
-every such kernel: before the call it writes nothing and reads nothing that the *previous*
-kernel writes (weights, step inputs uploaded before the step, KV of earlier steps are fine).
+Every launch with ``launch_pdl`` goes to a kernel that calls :func:`pdl_enter` (or
+:func:`pdl_enter_early`) before finishing. :func:`pdl_enter` lets the next kernel launch only
+after its own wait. :func:`pdl_enter_early` lets it launch first: it serves short kernels that
+read nothing before their wait (the decode-attention merge), so that the kernel after them gets
+resident, and loads its weights, as early as it would without them in between; no two early
+kernels follow each other, so at most three kernels overlap. Hence the invariant of every
+kernel launched with PDL: before its wait it writes nothing and reads nothing that the previous
+*two* kernels write (weights, step inputs uploaded before the step, KV of earlier steps are
+fine).
 
 ``EDGECLOUD_PDL=0`` (or :func:`set_enabled`) turns PDL off; kernels then launch as usual and
 :func:`pdl_enter` compiles to nothing. PDL is never used under ``TRITON_INTERPRET=1`` (CPU
@@ -58,3 +62,13 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter_early(PDL: tl.constexpr):
+    """Let the next kernel launch, then wait for the previous one to complete (no-op unless
+    ``PDL``). Only for kernels that read nothing before the call and that no other early kernel
+    directly precedes or follows."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

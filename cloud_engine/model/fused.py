@@ -144,9 +144,16 @@ class FusedLlama:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head)
 
-    def logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits, greedy token ids)``."""
-        return self.ops.linear_argmax(hidden, self.lm_head)
+    def logits_argmax(
+        self, hidden: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, greedy token ids)``, the ids written into ``ids`` when given."""
+        return self.ops.linear_argmax(hidden, self.lm_head, ids)
+
+    def embed_fed(self, ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``where(src >= 0, fed[src], ids)``: a decode step's inputs, some
+        of them tokens still on the device (see :meth:`TorchOps.embed_fed`)."""
+        return self.ops.embed_fed(ids, src, fed, self.embed)
 
 
 def _stream(
@@ -217,10 +224,23 @@ class TorchOps:
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
 
-    def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x @ w.T, argmax of each row)`` (the logits and their greedy tokens, int64)."""
+    def linear_argmax(
+        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x @ w.T, argmax of each row)`` (the logits and their greedy tokens, int64, written
+        into ``ids`` when given)."""
         logits = F.linear(x, w)
-        return logits, torch.argmax(logits, dim=-1)
+        if ids is None:
+            return logits, torch.argmax(logits, dim=-1)
+        return logits, torch.argmax(logits, dim=-1, out=ids)
+
+    def embed_fed(
+        self, ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
+        """``table[where(src >= 0, fed[src], ids)]``: row ``i`` embeds the fed token
+        ``fed[src[i]]`` where ``src[i] >= 0``, else ``ids[i]``."""
+        tok = torch.where(src >= 0, fed[src.clamp(min=0).long()], ids.long())
+        return F.embedding(tok, table)
 
     def rope_attention(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
@@ -274,18 +294,18 @@ class TritonOps(TorchOps):
     Batches of at most ``gemv_rows`` tokens (and the logits of as many rows) take the skinny
     GEMV kernels with the norms, the residual adds, the SwiGLU and the greedy argmax folded in;
     larger ones take cuBLAS between the element-wise kernels (``gemv_rows=0``: always).
-    Decode-only batches take the fused decode attention (q/k norm, RoPE, KV store, attention
-    and split merge in one kernel) where it applies, unless ``decode_attention=False``."""
+    Decode-only batches take the fused decode attention (q/k norm, RoPE, KV store and
+    attention in one kernel, the merge of its key splits in a second) where it applies, unless
+    ``decode_attention=False``."""
 
     def __init__(self, gemv_rows: int | None = None, decode_attention: bool = True) -> None:
-        from cloud_engine.kernels import activation, attention, gemv, norm, rope_store
+        from cloud_engine.kernels import activation, attention, embedding, gemv, norm, rope_store
         from cloud_engine.kernels import decode_attention as dec
 
         self._norm, self._act, self._att, self._rope = norm, activation, attention, rope_store
-        self._gemv, self._dec = gemv, dec
+        self._gemv, self._dec, self._embedding = gemv, dec, embedding
         self.gemv_rows = gemv.MAX_ROWS if gemv_rows is None else gemv_rows
         self.decode_attention = decode_attention
-        self._counters: dict[torch.device, torch.Tensor] = {}
 
     def _skinny(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and self._gemv.supports(x.shape[0], x.shape[1])
@@ -333,10 +353,19 @@ class TritonOps(TorchOps):
             return super().linear(x, w)
         return self._gemv.linear(x, w)
 
-    def linear_argmax(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_argmax(
+        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._skinny(x) or x.stride(1) != 1:
-            return super().linear_argmax(x, w)
-        return self._gemv.linear_argmax(x, w)
+            return super().linear_argmax(x, w, ids)
+        return self._gemv.linear_argmax(x, w, ids)
+
+    def embed_fed(
+        self, ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
+        if not table.is_cuda:
+            return super().embed_fed(ids, src, fed, table)
+        return self._embedding.embed_fed(ids, src, fed, table)
 
     def rope_attention(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
@@ -349,16 +378,8 @@ class TritonOps(TorchOps):
         w = fm.layers[layer]
         return self._dec.decode_attention(
             qkv, positions, fm.cos_sin, w.q_norm, w.k_norm, fm.eps, fm.hq, kc, vc,
-            a.slot_mapping, a.tables, a.seq_rows, a.seq_lens, self._split_counters(qkv.device),
+            a.slot_mapping, a.tables, a.seq_rows, a.seq_lens,
         )  # fmt: skip
-
-    def _split_counters(self, device: torch.device) -> torch.Tensor:
-        """The decode-attention merge counters of ``device`` (zeros between launches)."""
-        if device not in self._counters:
-            self._counters[device] = torch.zeros(
-                self._dec.MAX_COUNTERS, dtype=torch.int32, device=device
-            )
-        return self._counters[device]
 
     def qk_rope_store(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
