@@ -45,7 +45,7 @@ TILE = 8192  # elements of W per program (gate and up together for SwiGLU)
 MIN_PROGRAMS = 256  # about two programs per multiprocessor of an H100/H200
 NUM_WARPS = 8
 ARGMAX_BLOCK = 16384  # partials per iteration of the final argmax
-ARGMAX_WARPS = 16
+ARGMAX_WARPS = 16  # at most; one warp per 1024 partials of a block
 
 
 def supports(m: int, k: int) -> bool:
@@ -245,7 +245,7 @@ def linear_argmax(
         programs,
         BLOCK=block,
         PDL=pdl,
-        num_warps=ARGMAX_WARPS,
+        num_warps=max(1, min(ARGMAX_WARPS, block // 1024)),
         **launch_kwargs(pdl),
     )
     return out, ids
