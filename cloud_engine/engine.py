@@ -2,7 +2,8 @@
 
 The core runs in one dedicated thread (the *step thread*) that owns it: requests and aborts
 reach it through an inbox, and each step's token events go back to the asyncio loop of each
-request in one ``call_soon_threadsafe`` per loop per step.
+request in one callback per loop per step, scheduled through a :class:`routing.handoff.Handoff`
+(so the step thread does not wait for the consumers' Python before its next step).
 
 Invariants:
 - Only the step thread touches the core's mutable state (scheduler, blocks, runner); other
@@ -16,7 +17,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -38,6 +38,7 @@ from routing.engine import (
     QueueFull,
     TokenEvent,
 )
+from routing.handoff import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class CloudEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._handoff: Handoff | None = None  # token events to the consumers' loops
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
 
@@ -107,6 +109,7 @@ class CloudEngine:
         if warm is not None:
             await asyncio.get_running_loop().run_in_executor(None, warm)
         self._stop = False
+        self._handoff = Handoff("cloud-engine-handoff")
         self._thread = threading.Thread(target=self._run, name="cloud-engine-step", daemon=True)
         self._thread.start()
 
@@ -121,6 +124,9 @@ class CloudEngine:
             seq = self.core.abort(rid)
             if seq is not None:
                 self._deliver_threadsafe([(rid, _event(seq, [], FinishReason.ABORT))])
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:  # after the last events: they are delivered
+            await asyncio.get_running_loop().run_in_executor(None, handoff.close)
 
     # -- requests --------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> None:
@@ -238,9 +244,10 @@ class CloudEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 by_loop.setdefault(stream[0], []).append((stream[1], ev))
+        handoff = self._handoff
+        assert handoff is not None  # set while the step thread runs and until shutdown ends
         for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
-                loop.call_soon_threadsafe(_put_all, items)
+            handoff.put(loop, _put_all, items)
 
 
 def _put_all(items: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:

@@ -16,7 +16,6 @@ or from an exported graph folder, ours or one exported elsewhere in the same lay
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -43,6 +42,7 @@ from routing.engine import (
     SamplingParams,
     TokenEvent,
 )
+from routing.handoff import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class EdgeEngine:
         self.provider: ProviderChoice | None = None
         self.kv_bytes = 0  # KV cache memory, known once started (slots x context x per token)
         self._scheduler: SlotScheduler | None = None
+        self._handoff: Handoff | None = None  # token events to the consumers' loops
         self._start_lock = asyncio.Lock()
 
     @classmethod
@@ -149,6 +150,7 @@ class EdgeEngine:
             if self._scheduler is not None:
                 return
             self._scheduler = await asyncio.to_thread(self._load)
+            self._handoff = Handoff("edge-engine-handoff")
             self._scheduler.start()
 
     def _load(self) -> SlotScheduler:
@@ -183,6 +185,9 @@ class EdgeEngine:
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             await asyncio.to_thread(scheduler.stop)
+        handoff, self._handoff = self._handoff, None
+        if handoff is not None:  # after the scheduler: its last events are delivered
+            await asyncio.to_thread(handoff.close)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -215,9 +220,11 @@ class EdgeEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
+        handoff = self._handoff
+        assert handoff is not None  # started with the scheduler
+
         def emit(event: TokenEvent) -> None:
-            with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+            handoff.put(loop, queue.put_nowait, event)
 
         n = len(request.prompt_token_ids)
         budget = min(request.sampling.max_tokens, self.max_context - n)
