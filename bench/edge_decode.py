@@ -50,6 +50,7 @@ QUESTIONS = [
     "What is photosynthesis?",
 ]
 GROUPED_MS = 20.0  # the duel's third engine: tokens handed over at most this often
+DUEL_ORDERS = ("forward", "reverse")  # engines made ours, genai, grouped / the reverse
 LONG_TEXT = (
     "Edge nodes answer short requests close to the user, while a cloud engine with continuous "
     "batching serves the long ones. The router predicts the time to first token and the total "
@@ -237,17 +238,22 @@ def worker_config(args: argparse.Namespace) -> dict:
 def worker_duel(args: argparse.Namespace) -> dict:
     """Ours (default config), genai, and ours handing tokens over at most every 20 ms, in one
     process, single stream, prompt by prompt, who goes first rotating: paired measurements
-    that see the same machine load. Returns (ours, genai, ours grouped) tok/s per prompt."""
+    that see the same machine load. Returns (ours, genai, ours grouped) tok/s per prompt.
+
+    An ONNX Runtime session made later in a process decodes faster than one made earlier
+    (3-17% in checks by hand, whichever graph or engine it holds; cause not found). So the
+    engines are made in the order ``args.duel_order`` says, and the caller runs both orders:
+    an unused engine still takes the first place, the slowest."""
     chats, _ = prompt_ids(Path(args.model_dir), args.prefill_tokens)
-    # The first ONNX Runtime session made in a process decodes 7-11% slower than the ones made
-    # after it, whichever engine it belongs to (measured for both; cause not found). An unused
-    # engine takes that place, so that no measured engine sits in it.
     placeholder = OursRunner(Path(args.folder), args.threads)
-    runners = [
-        OursRunner(Path(args.folder), args.threads),
-        GenaiRunner(Path(args.folder2), args.threads),
-        OursRunner(Path(args.folder), args.threads, stream_interval_ms=GROUPED_MS),
+    makers = [
+        lambda: OursRunner(Path(args.folder), args.threads),
+        lambda: GenaiRunner(Path(args.folder2), args.threads),
+        lambda: OursRunner(Path(args.folder), args.threads, stream_interval_ms=GROUPED_MS),
     ]
+    order = range(len(makers)) if args.duel_order == "forward" else reversed(range(len(makers)))
+    made = {k: makers[k]() for k in order}
+    runners = [made[k] for k in range(len(makers))]
     triples: list[tuple[float, ...]] = []
     for r in range(args.duel_rounds):
         for i, ids in enumerate(chats):
@@ -364,6 +370,8 @@ def spawn(
         str(args.prefill_tokens),
         "--duel-rounds",
         str(args.duel_rounds),
+        "--duel-order",
+        getattr(args, "duel_order", "forward"),
     ]
     if folder2 is not None:
         cmd += ["--folder2", str(folder2)]
@@ -395,6 +403,7 @@ def main() -> None:
         "--duel-rounds", type=int, default=3, help="paired ours/genai passes over the prompts"
     )
     ap.add_argument("--worker", choices=("ours", "genai", "duel"), help=argparse.SUPPRESS)
+    ap.add_argument("--duel-order", choices=DUEL_ORDERS, default="forward", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--folder2", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -461,11 +470,19 @@ def measure(
     for kind, prec, folder in configs:
         if kind != "genai" or prec not in ours_by_prec:
             continue
-        triples = spawn("duel", ours_by_prec[prec], run_args, model_dir, folder)["pairs"]
+        by_order = {}
+        for order in DUEL_ORDERS:  # both creation orders, pooled (see worker_duel)
+            order_args = argparse.Namespace(**{**vars(run_args), "duel_order": order})
+            by_order[order] = spawn("duel", ours_by_prec[prec], order_args, model_dir, folder)
+        triples = [t for order in DUEL_ORDERS for t in by_order[order]["pairs"]]
         ratios = [a / b for a, b, _ in triples]
         grouped = [c / b for _, b, c in triples]
         duels[prec] = {
             "ratio_median": statistics.median(ratios),
+            **{
+                f"ratio_median_{order}": statistics.median(a / b for a, b, _ in v["pairs"])
+                for order, v in by_order.items()
+            },
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
             "ratio_grouped_median": statistics.median(grouped),
@@ -478,7 +495,8 @@ def measure(
         print(
             f"threads {threads} paired {prec}: ours {d['ours_median_tps']:.1f} vs genai "
             f"{d['genai_median_tps']:.1f} tok/s, ratio median {d['ratio_median']:.2f} "
-            f"[{d['ratio_min']:.2f}, {d['ratio_max']:.2f}] over {len(triples)} pairs; tokens "
+            f"[{d['ratio_min']:.2f}, {d['ratio_max']:.2f}] over {len(triples)} pairs (ours made "
+            f"first {d['ratio_median_forward']:.2f}, genai first {d['ratio_median_reverse']:.2f}); tokens "
             f"handed over every {GROUPED_MS:g} ms: {d['ours_grouped_median_tps']:.1f} tok/s, "
             f"ratio {d['ratio_grouped_median']:.2f}",
             flush=True,
@@ -527,7 +545,11 @@ def table(
         paired, grouped = duel.get("ratio_median"), duel.get("ratio_grouped_median")
         vs = f"{ratio:.2f}x" if ratio else ""
         if paired:
-            vs += f" (paired {paired:.2f}x; {GROUPED_MS:g} ms hand-over {grouped:.2f}x)"
+            fwd, rev = duel["ratio_median_forward"], duel["ratio_median_reverse"]
+            vs += (
+                f" (paired {paired:.2f}x: ours made first {fwd:.2f}x, genai first {rev:.2f}x; "
+                f"{GROUPED_MS:g} ms hand-over {grouped:.2f}x)"
+            )
         rows.append(
             {
                 **{k: v for k, v in asdict(r).items() if k != "rounds"},
@@ -580,9 +602,9 @@ def report(
         f"batch). Prefill: a {args.prefill_tokens}-token prompt, time to first token. "
         "vs genai: ratio of the medians; paired: median ratio of back-to-back single-stream "
         "runs of both engines in one process, prompt by prompt (robust to load drifting "
-        "during the run; an unused engine is made first in that process, because the first "
-        "ONNX Runtime session of a process decodes slower than later ones, for both "
-        "engines alike). Our engine hands each token to its consumer as soon as it is sampled "
+        "during the run), pooled over two processes that make the engines in opposite orders "
+        "(a session made later in a process decodes faster, whichever engine it belongs to; "
+        "an unused engine is made first in both). Our engine hands each token to its consumer as soon as it is sampled "
         f"(`EdgeEngineConfig.stream_interval_ms` = {_stream_interval_ms():g}); "
         f"{GROUPED_MS:g} ms hand-over: the paired ratio of the same engine handing a request's "
         f"tokens over at most every {GROUPED_MS:g} ms (first and last at once). "

@@ -192,6 +192,8 @@ def test_quantized_variants(tiny_model_path: Path, onnx_root: Path, variant: str
             if node.op_type == "MatMulNBits":
                 attrs = {a.name: a.i for a in node.attribute}
                 assert attrs["accuracy_level"] == 4 and attrs["bits"] == 4
+                assert attrs["block_size"] == 32  # larger blocks: faster, less accurate
+                assert len(node.input) < 4 or not node.input[3]  # symmetric: no zero points
     decoder = Decoder(_session(graph.graph_path), read_graph_info(graph.graph_path), 1, 64)
     logits = decoder.prefill(0, [5, 6, 7, 8], 0)
     assert logits.shape == (49152,) and np.isfinite(logits).all()
