@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
+from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, pdl_enter_early, use_pdl
 from cloud_engine.kernels.tiling import TileShape
 
 
@@ -152,9 +152,12 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, o_ptr, stride_on, stride_oh, HQ: tl.constexpr,
-    SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
+    if EARLY:  # reads nothing before its wait: the next kernel may launch first
+        pdl_enter_early(PDL)
+    else:
+        pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
@@ -252,8 +255,25 @@ def paged_attention(
         **launch_kwargs(pdl),
     )
     if splits > 1:
-        _combine_kernel[(n_tiles, hq)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, SPLITS=splits, D=d,
-            PDL=pdl, num_warps=2, **launch_kwargs(pdl),
-        )  # fmt: skip
+        combine_splits(part_o, part_lse, out, n_tiles)
     return out
+
+
+def combine_splits(
+    part_o: torch.Tensor,
+    part_lse: torch.Tensor,
+    out: torch.Tensor,
+    rows: int,
+    early: bool = False,
+    num_warps: int = 2,
+) -> None:
+    """``out[:rows]`` ``[rows, Hq, D]`` from the splits' partial outputs ``part_o``
+    ``[rows, Hq, SPLITS, D]`` (float32, normalized per split) and log-sum-exps ``part_lse``
+    (base 2, ``-inf`` for a split without keys). ``early``: the next kernel may launch before
+    this one's wait (:func:`cloud_engine.kernels.pdl.pdl_enter_early`)."""
+    hq, splits, d = part_o.shape[1], part_o.shape[2], part_o.shape[3]
+    pdl = use_pdl(out)
+    _combine_kernel[(rows, hq)](
+        part_o, part_lse, out, out.stride(0), out.stride(1), HQ=hq, SPLITS=splits, D=d,
+        PDL=pdl, EARLY=early, num_warps=num_warps, **launch_kwargs(pdl),
+    )  # fmt: skip

@@ -12,12 +12,13 @@ token's slot (unless the slot is negative: CUDA-graph padding). Every split norm
 its q rows itself.
 
 With several splits, each writes its normalized partial output and log-sum-exp (a split with no
-keys writes zeros and ``-inf``), and ``_merge_kernel`` (grid ``(S, Hq)``) combines them. The
-merge kernel lets the next kernel launch *before* its own PDL wait: the next kernel (the output
-projection) then loads its weights while attention still runs, as it would without the merge
-kernel in between. Merging in a separate kernel beats merging in the last split to finish: the
-atomic counter and release/acquire fences that needs cost more than a kernel boundary
-(bench/decode_kernels.py, H200: 20.1 -> 18.3 us per Qwen3-0.6B-shape layer at 564 tokens).
+keys writes zeros and ``-inf``), and ``attention.combine_splits`` (grid ``(S, Hq)``), the
+general path's merge, combines them in its *early* form: it lets the next kernel launch before
+its own PDL wait, so the output projection still loads its weights while attention runs, as it
+would without a merge kernel in between. Merging in a separate kernel beats merging in the last
+split to finish: the atomic counter and release/acquire fences that needs cost more than a
+kernel boundary (bench/decode_kernels.py on the H200, Qwen3-0.6B-shape layer at 564 tokens:
+20.26 us in the committed run before, 18.45 us after).
 
 Head vectors are handled as their two RoPE halves ``[D/2]``: scores are ``q1·k1 + q2·k2`` and
 outputs are stored half by half, so nothing is concatenated.
@@ -35,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cloud_engine.kernels.attention import decode_splits
-from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, pdl_enter_early, use_pdl
+from cloud_engine.kernels.attention import combine_splits, decode_splits
+from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
 
 MAX_SEQS = 8  # larger batches run rope_store + attention: at 64 sequences (no splits) they are
 # faster on an H200, at 1..8 this kernel is (bench/profile_decode.py)
@@ -86,28 +87,6 @@ def _dot(a, b, IEEE: tl.constexpr):
     if IEEE:  # float32 models: exact products, not tf32
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
-
-
-@triton.jit
-def _merge_kernel(
-    part_o_ptr, part_lse_ptr, o_ptr, stride_on, stride_oh,
-    HQ: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Head ``program_id(1)`` of token ``program_id(0)``: the splits' partial outputs weighted
-    by ``exp2(lse - max lse)``. Lets the next kernel launch first, then waits (see the module
-    docstring): it reads nothing before the wait."""
-    pdl_enter_early(PDL)
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    sp = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    base = (tok * HQ + head) * SPLITS
-    lse = tl.load(part_lse_ptr + base + sp)
-    o = tl.load(part_o_ptr + (base + sp)[:, None] * D + d[None, :])
-    m = tl.max(lse, axis=0)  # finite: the split holding the new token has a key
-    w = tl.math.exp2(lse - m)  # splits without keys: exp2(-inf) = 0
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(o_ptr + tok * stride_on + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -264,8 +243,5 @@ def decode_attention(
         IEEE=qkv.dtype == torch.float32, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(s, num_q_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1),
-            HQ=num_q_heads, SPLITS=splits, D=d, PDL=pdl, num_warps=1, **launch_kwargs(pdl),
-        )  # fmt: skip
+        combine_splits(part_o, part_lse, out, s, early=True, num_warps=1)
     return out
