@@ -234,7 +234,7 @@ def decode_bandwidth(
     mean_ctx = (start_ctx + statistics.mean(s.num_tokens for s in seqs)) / 2
     kv_bytes = batch * mean_ctx * core.pool.spec.bytes_per_token
     w_bytes = runner.fm.weight_bytes()
-    g = runner.graphs[min(b for b in runner.graphs if b >= batch)]
+    g = runner.graph_for(batch)
     replay_s = cuda_ms(g.graph.replay, 20) / 1e3
     for s in seqs:
         core.abort(s.request_id)

@@ -150,7 +150,7 @@ def run_variant(
     for b in args.batches:
         start_sequences(core, b, args.ctx, args.steps)
         seqs = list(core.seqs.values())
-        g = runner.graphs[min(s for s in runner.graphs if s >= b)]
+        g = runner.graph_for(b)
         first_logits = g.logits[:b].float().cpu()  # of the first decode step (same inputs)
         core.step()  # fill: timed from one step's return (tokens read) to the steps-th after
         t0 = time.perf_counter()

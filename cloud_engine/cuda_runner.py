@@ -5,19 +5,27 @@ one row while it runs, and only the entries appended since the last step are upl
 per-step integers go up in one packed host-to-device copy.
 
 Decode-only steps of up to ``max_graph_batch`` sequences replay a CUDA graph captured for the
-next batch size of a ladder (padding rows have slot -1, so they write no KV, and length 1);
-their per-step integers go up in one copy from a pinned staging buffer straight into the
-graph's input tensor. Anything else (prefill chunks, mixed batches) runs eagerly with prefill
-tiling. Sampling runs on the device; greedy batches take the argmax captured inside the graph
-(fused into the logits product for small batches), which every graph writes into one shared
-token buffer. A look-ahead step fed from that buffer picks its ids inside the graph (the
-embedding kernel reads them; the ``src`` row of the step integers says which), so nothing runs
-between two greedy decode graphs but the token copy out and the integers' copy in; tokens fed
-from anywhere else (sampled steps) are gathered before the replay.
+next batch size of a ladder (padding rows have slot -1, so they write no KV, and length 1).
+Anything else (prefill chunks, mixed batches) runs eagerly with prefill tiling. Sampling runs on
+the device; greedy batches take the argmax captured inside the graph (fused into the logits
+product for small batches).
+
+Every size has two graphs, one per *parity*, used alternately replay after replay: the graph of
+parity ``p`` reads its own step-integer tensor and writes its greedy tokens into token buffer
+``p``. That keeps both copies of a step off the compute stream: the integers go up on an upload
+stream while the previous graph still runs (the compute stream only waits for that copy's event),
+and the tokens come down on a download stream after the graph's event, so two consecutive
+graphs follow each other with no copy between them. A look-ahead step fed from the previous
+graph picks its ids inside the graph: the embedding kernel reads token buffer ``1 - p`` (the
+``src`` row of the step integers says which rows); tokens fed from anywhere else (sampled
+steps) are gathered before the replay.
 
 Invariants: a sequence's device row mirrors its ``block_table`` prefix of ``synced`` entries
 before any kernel reads it; rows are returned by :meth:`release` whenever a sequence leaves the
-running set (finish, abort, preemption), so a row never serves two live sequences.
+running set (finish, abort, preemption), so a row never serves two live sequences. Buffers of
+parity ``p`` (step integers, their pinned staging, tokens) are written again only by the replay
+after next, which the core launches only after collecting this one (it collects a step before
+launching the one after next), so no copy or graph reads a buffer that a later one rewrites.
 """
 
 from __future__ import annotations
@@ -68,11 +76,11 @@ GRAPH_LADDER = (
 class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
     ints: torch.Tensor  # [6, W] int32 (W = B rounded up to 4): ids, positions, slots, rows, lens,
-    # src (index into the shared token buffer, or -1: take ids)
+    # src (index into the other parity's token buffer, or -1: take ids)
     logits: torch.Tensor  # [B, V]
-    tokens: torch.Tensor  # [B] greedy argmax: the shared token buffer's first B entries
+    tokens: torch.Tensor  # [B] greedy argmax: its parity's token buffer's first B entries
     host: torch.Tensor  # [6, W] int32 pinned staging of ``ints``: one copy, no host wait
-    uploaded: torch.cuda.Event  # recorded after the last copy out of ``host``
+    uploaded: torch.cuda.Event  # recorded on the upload stream after the copy out of ``host``
 
 
 class CudaRunner:
@@ -101,12 +109,18 @@ class CudaRunner:
         self._zeros = torch.zeros(GRAPH_LADDER[-1], dtype=torch.int32, device=self.device)
         sizes = [b for b in GRAPH_LADDER if b <= min(max_graph_batch, max_batch)]
         self.graph_sizes = sizes if cuda_graphs and self.device.type == "cuda" else []
-        # greedy tokens of every graph replay (graphs of all sizes write their first rows)
-        self._graph_tokens = torch.zeros(
-            max(self.graph_sizes, default=0), dtype=torch.int64, device=self.device
-        )
-        self.graphs: dict[int, _DecodeGraph] = {}
+        # greedy tokens of the graph replays of each parity (graphs of all sizes write their
+        # first rows)
+        self._graph_tokens = [
+            torch.zeros(max(self.graph_sizes, default=0), dtype=torch.int64, device=self.device)
+            for _ in range(2)
+        ]
+        self.graphs: dict[int, tuple[_DecodeGraph, _DecodeGraph]] = {}  # by size, then parity
         self._graph_pool: object | None = None
+        self._parity = 0  # of the next replay
+        on_cuda = self.device.type == "cuda"
+        self._upload_stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self._download_stream = torch.cuda.Stream(self.device) if on_cuda else None
         pinned = self.device.type == "cuda"
         self._token_host = [
             torch.empty(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
@@ -142,10 +156,15 @@ class CudaRunner:
             self.tables[up[:n].long(), up[n : 2 * n].long()] = up[2 * n :]
 
     def _upload(self, arr: np.ndarray) -> torch.Tensor:
-        """One host-to-device copy of an int32 array. From pageable memory: the copy is staged
-        before it returns, so ``arr`` may be reused at once, and the host never waits for the
-        device."""
-        return torch.from_numpy(arr).to(self.device)
+        """One host-to-device copy of an int32 array that the host never waits for: ``arr`` is
+        first copied into pinned memory from torch's caching host allocator, which reuses that
+        block only once the copy has completed (so ``arr`` may be reused at once). A blocking
+        copy from pageable memory would wait for the whole stream, the running decode graph
+        included, every time a sequence grows into a new KV block."""
+        t = torch.from_numpy(arr)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # -- execution -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -167,7 +186,7 @@ class CudaRunner:
         seqs = [batch.items[i].seq for i in inp.sample_items]
         params = [q.sampling for q in seqs]
         if greedy is not None and all(p.greedy for p in params):
-            return self._to_host(greedy[: len(seqs)])
+            return self._to_host(greedy[: len(seqs)], self._download_stream)
         gens = []
         for q in seqs:
             if q.generator is None and not q.sampling.greedy:
@@ -175,17 +194,25 @@ class CudaRunner:
             gens.append(q.generator)
         return self._to_host(sample_batch(logits[: len(seqs)], params, gens))  # type: ignore[arg-type]
 
-    def _to_host(self, tokens: torch.Tensor) -> Launched:
+    def _to_host(self, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Launched:
         """Start the copy of ``tokens`` into the next of two host buffers, each with its event
         (two launches are in flight at most: the core collects a step before it launches the
-        one after next)."""
+        one after next); on ``stream`` after the work queued so far when given (a graph's
+        tokens, which only the replay after next rewrites), else on the current stream."""
         self._flip ^= 1
         host = self._token_host[self._flip]
-        host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
         if not self._copied:
+            host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
             return Launched(tokens, host, None)
         done = self._copied[self._flip]
-        done.record()
+        if stream is None:
+            host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+            done.record()
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+                done.record(stream)
         return Launched(tokens, host, done)
 
     def _eager(self, inp: StepInputs, rows: np.ndarray, fed: torch.Tensor | None) -> torch.Tensor:
@@ -219,40 +246,52 @@ class CudaRunner:
         hidden = self.fm.forward(ids, pos, a)
         return self.fm.logits(hidden[sample_idx.long()])
 
-    def _decode_forward(self, ints: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_forward(
+        self, ints: torch.Tensor, b: int, parity: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         a = AttnInputs(
             ints[2, :b], self.tables, ints[3, :b], ints[4, :b], self._arange[: b + 1],
             self._arange[:b], self._zeros[:b], tile_shape(self.group, 1),
         )  # fmt: skip
-        h = self.fm.embed_fed(ints[0, :b], ints[5, :b], self._graph_tokens)
-        hidden = self.fm.forward(ints[0, :b], ints[1, :b], a, hidden=h)
-        return self.fm.logits_argmax(hidden, self._graph_tokens[:b])
+        h = self.fm.embed_fed(ints[0, :b], ints[5, :b], self._graph_tokens[1 - parity])
+        return self.fm.forward_argmax(ints[1, :b], a, h, self._graph_tokens[parity][:b])
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture one decode graph per ladder size, largest first (sharing one memory pool)."""
+        """Capture the two decode graphs (one per parity) of every ladder size, largest first
+        (all sharing one memory pool)."""
         if not self.graph_sizes:
             return
         for b in reversed(self.graph_sizes):
-            # rows padded to 4 entries: every row starts on a 16-byte boundary
-            ints = torch.zeros((6, -(-b // 4) * 4), dtype=torch.int32, device=self.device)
-            ints[2] = -1
-            ints[4] = 1
-            ints[5] = -1
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._decode_forward(ints, b)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._graph_pool):
-                logits, tokens = self._decode_forward(ints, b)
-            self._graph_pool = g.pool()
-            host = torch.empty(tuple(ints.shape), dtype=torch.int32, pin_memory=True)
-            self.graphs[b] = _DecodeGraph(g, ints, logits, tokens, host, torch.cuda.Event())
+            pair = tuple(self._capture(b, parity) for parity in (0, 1))
+            self.graphs[b] = pair  # type: ignore[assignment]
         self._warm_eager_logits()
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, b: int, parity: int) -> _DecodeGraph:
+        # rows padded to 4 entries: every row starts on a 16-byte boundary
+        ints = torch.zeros((6, -(-b // 4) * 4), dtype=torch.int32, device=self.device)
+        ints[2] = -1
+        ints[4] = 1
+        ints[5] = -1
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode_forward(ints, b, parity)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._graph_pool):
+            logits, tokens = self._decode_forward(ints, b, parity)
+        self._graph_pool = g.pool()
+        host = torch.empty(tuple(ints.shape), dtype=torch.int32, pin_memory=True)
+        return _DecodeGraph(g, ints, logits, tokens, host, torch.cuda.Event())
+
+    def graph_for(self, batch: int) -> _DecodeGraph:
+        """The decode graph that serves ``batch`` sequences, of the parity replayed last (its
+        ``logits`` hold that replay's when it was of this size)."""
+        size = self.graph_sizes[bisect.bisect_left(self.graph_sizes, batch)]
+        return self.graphs[size][self._parity ^ 1]
 
     def _warm_eager_logits(self) -> None:
         """Compile the eager path's skinny logits kernels (prefill steps that sample one or a
@@ -270,11 +309,12 @@ class CudaRunner:
         s = inp.num_seqs
         if not self.graphs:
             self.capture_graphs()
-        b = self.graph_sizes[bisect.bisect_left(self.graph_sizes, s)]
-        g = self.graphs[b]
-        g.uploaded.synchronize()  # the previous step's copy has left the staging buffer
-        # fed from the graphs' own token buffer: the graph picks the ids (``src`` row)
-        in_graph = fed is not None and fed.data_ptr() == self._graph_tokens.data_ptr()
+        parity = self._parity
+        self._parity ^= 1  # graph_for now names this replay's graph
+        g = self.graph_for(s)
+        g.uploaded.synchronize()  # the copy of two replays ago has left the staging buffer
+        # fed from the previous replay's tokens: the graph picks the ids (``src`` row)
+        in_graph = fed is not None and fed.data_ptr() == self._graph_tokens[1 - parity].data_ptr()
         host = g.host.numpy()
         host[:, s:] = 0
         host[0, :s] = 0 if in_graph else inp.input_ids
@@ -288,8 +328,12 @@ class CudaRunner:
         if in_graph:
             host[5, :s] = inp.input_ids  # indices into the fed tokens
             self.graph_feeds += 1
-        g.ints.copy_(g.host, non_blocking=True)
-        g.uploaded.record()
+        up = self._upload_stream
+        assert up is not None
+        with torch.cuda.stream(up):  # the graph of two replays ago has read ``g.ints``
+            g.ints.copy_(g.host, non_blocking=True)
+            g.uploaded.record(up)
+        torch.cuda.current_stream(self.device).wait_event(g.uploaded)
         if fed is not None and not in_graph:  # stream order: read before a later step writes it
             g.ints[0, :s] = fed.index_select(0, g.ints[0, :s])
         g.graph.replay()

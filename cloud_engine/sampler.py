@@ -49,17 +49,27 @@ def sample_batch(
     for i in seeded:
         out[i] = sample(logits[i], params[i], generators[i])
     if rest:
-        rows = torch.tensor(rest, device=dev)
+        rows = _to_device(rest, dev)
         sub = [params[i] for i in rest]
         probs = _filtered_probs_batch(
             logits[rows],
-            torch.tensor([p.temperature for p in sub], device=dev),
-            torch.tensor([p.top_k for p in sub], device=dev),
-            torch.tensor([p.top_p for p in sub], device=dev),
+            _to_device([p.temperature for p in sub], dev),
+            _to_device([p.top_k for p in sub], dev),
+            _to_device([p.top_p for p in sub], dev),
         )
         race = torch.empty_like(probs).exponential_()
         out[rows] = torch.argmax(probs / race, dim=-1)
     return out
+
+
+def _to_device(values: list[int] | list[float], dev: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``dev`` without the host waiting for the device: through
+    pinned memory and an asynchronous copy (a copy from pageable memory waits for the stream,
+    e.g. for a look-ahead decode graph still running)."""
+    t = torch.tensor(values)
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

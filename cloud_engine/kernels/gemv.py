@@ -222,17 +222,22 @@ def linear(
 
 
 def linear_argmax(
-    x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None = None, **tuning: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    **tuning: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x @ w.T, ids)``: the product (the logits) and, per row, the first column holding its
     maximum as int64 (``torch.argmax`` of the stored values; NaN rows are not handled), written
-    into ``ids`` when given."""
+    into ``ids`` when given; with ``norm``, of ``rmsnorm(x) * norm`` instead of x."""
     m, n = x.shape[0], w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     programs = triton.cdiv(n, tuning.get("bn") or block_n(n, x.shape[1]))
     part_val = torch.empty((m, programs), dtype=torch.float32, device=x.device)
     part_idx = torch.empty((m, programs), dtype=torch.int32, device=x.device)
-    _launch(x, w, out, n, argmax=(part_val, part_idx), **tuning)
+    _launch(x, w, out, n, norm=norm, eps=eps, argmax=(part_val, part_idx), **tuning)
     if ids is None:
         ids = torch.empty(m, dtype=torch.int64, device=x.device)
     assert ids.shape == (m,) and ids.dtype == torch.int64 and ids.is_contiguous()

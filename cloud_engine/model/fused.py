@@ -123,11 +123,42 @@ class FusedLlama:
     ) -> torch.Tensor:
         """Final-normed hidden states ``[N, hidden]`` (after the last layer of ``layers``; a
         pipeline stage that stops earlier gets the raw residual stream)."""
-        ops, eps = self.ops, self.eps
-        pending, residual = _stream(
-            F.embedding(input_ids, self.embed) if hidden is None else hidden
-        )
         rng = layers if layers is not None else range(len(self.layers))
+        pending, residual = self._layers(input_ids, positions, a, rng, hidden)
+        if rng.stop != len(self.layers):
+            return residual if pending is None else pending + residual
+        out, _ = _add_norm(self.ops, pending, residual, self.final_norm, self.eps)
+        return out
+
+    def forward_argmax(
+        self, positions: torch.Tensor, a: AttnInputs, hidden: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits_argmax(forward(...), ids)`` from the embeddings ``hidden``, with the final
+        norm folded into the head's product where no residual add is pending (one kernel less
+        per decode step at small batches)."""
+        rng = range(len(self.layers))
+        pending, residual = self._layers(None, positions, a, rng, hidden)
+        if pending is None:
+            return self.ops.norm_linear_argmax(
+                residual, self.final_norm, self.eps, self.lm_head, ids
+            )
+        out, _ = _add_norm(self.ops, pending, residual, self.final_norm, self.eps)
+        return self.ops.linear_argmax(out, self.lm_head, ids)
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        a: AttnInputs,
+        rng: range,
+        hidden: torch.Tensor | tuple[torch.Tensor, torch.Tensor | None] | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The residual stream ``(pending, residual)`` after the layers of ``rng``."""
+        ops, eps = self.ops, self.eps
+        if hidden is None:
+            assert input_ids is not None
+            hidden = F.embedding(input_ids, self.embed)
+        pending, residual = _stream(hidden)
         n = residual.shape[0]
         for i in rng:
             w = self.layers[i]
@@ -136,10 +167,7 @@ class FusedLlama:
             pending = ops.linear_residual(o.view(n, self.hq * self.d), w.o, residual)
             act, residual = ops.norm_swiglu(pending, residual, w.post_norm, eps, w.gate_up)
             pending = ops.linear_residual(act, w.down, residual)
-        if rng.stop != len(self.layers):
-            return residual if pending is None else pending + residual
-        out, _ = _add_norm(ops, pending, residual, self.final_norm, eps)
-        return out
+        return pending, residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(hidden, self.lm_head)
@@ -233,6 +261,18 @@ class TorchOps:
         if ids is None:
             return logits, torch.argmax(logits, dim=-1)
         return logits, torch.argmax(logits, dim=-1, out=ids)
+
+    def norm_linear_argmax(
+        self,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        w: torch.Tensor,
+        ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`linear_argmax` of ``rmsnorm(residual) * norm`` (``residual`` unchanged)."""
+        h, _ = self.add_rmsnorm(residual, None, norm, eps)
+        return self.linear_argmax(h, w, ids)
 
     def embed_fed(
         self, ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor, table: torch.Tensor
@@ -359,6 +399,18 @@ class TritonOps(TorchOps):
         if not self._skinny(x) or x.stride(1) != 1:
             return super().linear_argmax(x, w, ids)
         return self._gemv.linear_argmax(x, w, ids)
+
+    def norm_linear_argmax(
+        self,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        w: torch.Tensor,
+        ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._skinny(residual) or residual.stride(1) != 1:
+            return super().norm_linear_argmax(residual, norm, eps, w, ids)
+        return self._gemv.linear_argmax(residual, w, ids, norm=norm, eps=eps)
 
     def embed_fed(
         self, ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor, table: torch.Tensor
