@@ -199,18 +199,25 @@ def test_kernel_gemv_matches_torch(m: int, dtype: torch.dtype, bn: int | None) -
 
 
 @needs_kernels
-def test_kernel_gemv_argmax_picks_first_maximum(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_gemv_argmax_picks_first_maximum() -> None:
     from cloud_engine.kernels import gemv
 
-    monkeypatch.setattr(gemv, "ARGMAX_BLOCK", 64)  # several passes over the 300 partials
     g = torch.Generator().manual_seed(5)
-    x, w = torch.randn(3, 32, generator=g), torch.randn(300, 32, generator=g)
+    x, w = torch.randn(4, 32, generator=g), torch.randn(300, 32, generator=g)
     w[250] = w[17] = 4 * w[0]  # rows 17 and 250 tie for the maximum of row 0
     x[0] = w[0]
-    logits, ids = gemv.linear_argmax(x.to(DEV), w.to(DEV), bn=1)
-    assert rel_err(logits, F.linear(x, w).to(DEV)) < 1e-5
-    assert ids.dtype == torch.int64 and ids.tolist() == torch.argmax(logits, -1).tolist()
-    assert ids[0].item() == 17
+    x[2] = 0.0  # every logit of row 2 is zero (some -0.0): the first column wins
+    x[3] = -x[1]  # all but one program's maximum negative for some rows
+    for bn in (1, 4, None):  # one program per column, several, the default tiling
+        logits, ids = gemv.linear_argmax(x.to(DEV), w.to(DEV), bn=bn) if bn else (
+            gemv.linear_argmax(x.to(DEV), w.to(DEV))
+        )  # fmt: skip
+        assert rel_err(logits, F.linear(x, w).to(DEV)) < 1e-5
+        assert ids.dtype == torch.int64 and ids.tolist() == torch.argmax(logits, -1).tolist()
+        assert ids[0].item() == 17 and ids[2].item() == 0
+    # the scratch is reset after every call: a call with smaller maxima still finds its own
+    _, ids = gemv.linear_argmax((x[1:2] * 1e-3).to(DEV), w.to(DEV), bn=1)
+    assert ids.tolist() == torch.argmax(F.linear(x[1:2] * 1e-3, w), -1).tolist()
 
 
 @needs_kernels

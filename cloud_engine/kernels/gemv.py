@@ -11,9 +11,10 @@ each row of ``x`` reduces it against the tile and writes one of three epilogues:
 - residual: ``res = res + x @ W^T``, in place (the residual add that would otherwise open the
   next RMSNorm);
 - SwiGLU: ``W`` is the fused gate|up ``[2F, K]``; ``out = silu(x @ Wg^T) * (x @ Wu^T)``;
-- argmax (the logits): plain, plus each program's maximum of every row and its first index,
-  reduced to one token id per row by ``_argmax_kernel`` (greedy sampling without a pass over
-  the logits).
+- argmax (the logits): plain, plus each program's maximum of every row and its first column,
+  packed into one int64 that orders like ``(value, -column)`` and merged into a per-row
+  scratch with one atomic max per program; ``_argmax_finalize`` unpacks the token ids and
+  resets the scratch (greedy sampling without a pass over the logits or their partials).
 
 With ``norm`` the input row is first RMS-normalized and scaled (the layer's input or
 post-attention norm), recomputed by every program from the row in L2.
@@ -22,8 +23,11 @@ Rounding follows the unfused ops (``fused.TorchOps``): the normed input, each pr
 gate and up values are rounded to the activation dtype where those ops materialize them;
 sums, statistics and the SwiGLU are float32.
 
-Invariants: every output element is written by exactly one program (no split-K, no atomics), so
-results are deterministic and the in-place residual update is race-free; before its PDL wait a
+Invariants: every output element is written by exactly one program (no split-K; the argmax's
+atomic max is order-independent), so results are deterministic and the in-place residual
+update is race-free; between launches every entry of a device's argmax scratch holds the
+empty value (the finalize kernel resets what it reads; launches on one device share the
+scratch, so they must run in one stream order, as an engine's steps do); before its PDL wait a
 program reads only ``W``, which no kernel writes. Measured on an H200 (bench/profile_decode.py):
 at one row these beat cuBLAS plus the separate element-wise kernels by far; at four rows and up
 the CUDA-core reductions make them slower than cuBLAS, hence ``MAX_ROWS``.
@@ -44,8 +48,9 @@ MAX_K = 16384  # the whole reduction sits in one register tile
 TILE = 8192  # elements of W per program (gate and up together for SwiGLU)
 MIN_PROGRAMS = 256  # about two programs per multiprocessor of an H100/H200
 NUM_WARPS = 8
-ARGMAX_BLOCK = 16384  # partials per iteration of the final argmax
-ARGMAX_WARPS = 16  # at most; one warp per 1024 partials of a block
+EMPTY = -(2**63)  # the argmax scratch's value before any program's maximum
+_EMPTY = tl.constexpr(EMPTY)
+_scratch: dict[int, torch.Tensor] = {}  # per device: packed row maxima, KERNEL_ROWS entries
 
 
 def supports(m: int, k: int) -> bool:
@@ -99,8 +104,7 @@ def _gemv_kernel(
     RESIDUAL: tl.constexpr,
     SILU: tl.constexpr,
     ARGMAX: tl.constexpr,
-    part_val_ptr,
-    part_idx_ptr,
+    best_ptr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -138,43 +142,44 @@ def _gemv_kernel(
             y = tl.sum(w.to(tl.float32) * x[None, :], axis=1) + bias
         tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=st_ok)
         if ARGMAX:
-            _block_argmax(y, out_ptr, offs_n, n_ok, row_ok, m, part_val_ptr, part_idx_ptr)
+            _block_argmax(y, out_ptr, offs_n, n_ok, row_ok, best_ptr + m)
 
 
 @triton.jit
-def _block_argmax(y, out_ptr, offs_n, n_ok, row_ok, m, part_val_ptr, part_idx_ptr):
-    """This program's largest stored value of row ``m`` and its first column, at
-    ``part[m, program]``."""
+def _block_argmax(y, out_ptr, offs_n, n_ok, row_ok, best_ptr):
+    """This program's largest stored value of a row and its first column, merged into the
+    row's packed maximum at ``best_ptr``: the value's bits mapped to an int32 that orders like
+    the float (-0.0 counted as +0.0) in the high half, ``2**32 - 1 - column`` in the low half,
+    so the largest value wins and, among equal values, the first column."""
     yr = tl.where(n_ok, y.to(out_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
     v, i = tl.max(yr, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    part = m * tl.num_programs(0) + tl.program_id(0)
-    first = tl.min(offs_n, axis=0)
-    tl.store(part_val_ptr + part, v, mask=row_ok)
-    tl.store(part_idx_ptr + part, first + i, mask=row_ok)
+    bits = (v + 0.0).to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    col = tl.min(offs_n, axis=0) + i
+    packed = (key.to(tl.int64) << 32) | (4294967295 - col.to(tl.int64))
+    tl.atomic_max(best_ptr, packed, mask=row_ok, sem="relaxed")
 
 
 @triton.jit
-def _argmax_kernel(part_val_ptr, part_idx_ptr, ids_ptr, P, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Row ``program_id`` of the token ids: the first column holding the row's maximum, from
-    the ``P`` per-program partials (ordered by column, so the first maximal partial wins).
-    Values and columns of a block load together: no load waits on another, and a block covers
-    the partials of a large vocabulary in one or two iterations."""
+def _argmax_finalize(best_ptr, ids_ptr, M, M_PAD: tl.constexpr, PDL: tl.constexpr):
+    """Token ids of the ``M`` rows from their packed maxima, and the scratch reset."""
     pdl_enter(PDL)
-    row = tl.program_id(0)
-    best_v = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int32)
-    for start in range(0, P, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < P
-        v = tl.load(part_val_ptr + row * P + offs, mask=ok, other=float("-inf"))
-        idx = tl.load(part_idx_ptr + row * P + offs, mask=ok, other=0)
-        cv = tl.max(v, axis=0)
-        first = tl.min(tl.where(v == cv, offs, P), axis=0)  # first partial holding it
-        ci = tl.sum(tl.where(offs == first, idx, 0), axis=0)
-        take = cv > best_v
-        best_i = tl.where(take, ci, best_i)
-        best_v = tl.where(take, cv, best_v)
-    tl.store(ids_ptr + row, best_i.to(tl.int64))
+    offs = tl.arange(0, M_PAD)
+    ok = offs < M
+    packed = tl.load(best_ptr + offs, mask=ok, other=0)
+    tl.store(ids_ptr + offs, 4294967295 - (packed & 4294967295), mask=ok)
+    tl.store(best_ptr + offs, tl.full([M_PAD], _EMPTY, tl.int64), mask=ok)
+
+
+def _argmax_scratch(device: torch.device) -> torch.Tensor:
+    """The device's argmax scratch, made (outside any graph capture) on first use."""
+    key = device.index if device.type == "cuda" else -1
+    t = _scratch.get(key)
+    if t is None:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "warm linear_argmax up before capturing a graph"
+        t = _scratch[key] = torch.full((KERNEL_ROWS,), EMPTY, dtype=torch.int64, device=device)
+    return t
 
 
 def _launch(
@@ -188,7 +193,7 @@ def _launch(
     eps: float = 0.0,
     residual: bool = False,
     silu: bool = False,
-    argmax: tuple[torch.Tensor, torch.Tensor] | None = None,
+    argmax: torch.Tensor | None = None,
     bn: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -196,12 +201,11 @@ def _launch(
     assert supports(m, k) and w.shape[1] == k and w.stride(1) == 1 and x.stride(1) == 1
     bn = bn or block_n(n, k, silu)
     pdl = use_pdl(x)
-    part_val, part_idx = argmax if argmax is not None else (out, out)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, bias if bias is not None else w, norm if norm is not None else w, out,
         m, n, k, x.stride(0), w.stride(0), out.stride(0), eps,
         NORM=norm is not None, HAS_BIAS=bias is not None, RESIDUAL=residual, SILU=silu,
-        ARGMAX=argmax is not None, part_val_ptr=part_val, part_idx_ptr=part_idx, BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), M_PAD=triton.next_power_of_2(m), PDL=pdl,
+        ARGMAX=argmax is not None, best_ptr=argmax if argmax is not None else out, BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k), M_PAD=triton.next_power_of_2(m), PDL=pdl,
         num_warps=num_warps or NUM_WARPS,
         **launch_kwargs(pdl),
     )  # fmt: skip
@@ -234,25 +238,16 @@ def linear_argmax(
     into ``ids`` when given; with ``norm``, of ``rmsnorm(x) * norm`` instead of x."""
     m, n = x.shape[0], w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    programs = triton.cdiv(n, tuning.get("bn") or block_n(n, x.shape[1]))
-    part_val = torch.empty((m, programs), dtype=torch.float32, device=x.device)
-    part_idx = torch.empty((m, programs), dtype=torch.int32, device=x.device)
-    _launch(x, w, out, n, norm=norm, eps=eps, argmax=(part_val, part_idx), **tuning)
+    best = _argmax_scratch(x.device)
+    _launch(x, w, out, n, norm=norm, eps=eps, argmax=best, **tuning)
     if ids is None:
         ids = torch.empty(m, dtype=torch.int64, device=x.device)
     assert ids.shape == (m,) and ids.dtype == torch.int64 and ids.is_contiguous()
     pdl = use_pdl(x)
-    block = min(ARGMAX_BLOCK, triton.next_power_of_2(programs))
-    _argmax_kernel[(m,)](
-        part_val,
-        part_idx,
-        ids,
-        programs,
-        BLOCK=block,
-        PDL=pdl,
-        num_warps=max(1, min(ARGMAX_WARPS, block // 1024)),
+    _argmax_finalize[(1,)](
+        best, ids, m, M_PAD=triton.next_power_of_2(m), PDL=pdl, num_warps=1,
         **launch_kwargs(pdl),
-    )
+    )  # fmt: skip
     return out, ids
 
 
