@@ -24,7 +24,13 @@ Decode steps of the ``gqa`` layout touch as little as possible per token: each b
 one binding, made once, whose KV, ``input_ids``, ``position_ids``, ``logits_to_keep`` and
 ``logits`` are bound to persistent buffers (ids and positions are rewritten in place); only the
 ``attention_mask``, whose length grows, is bound again per step (a view of a buffer of ones when
-one row decodes). The host work between two runs is what a token costs beyond the graph.
+one row decodes). The host work between two runs is what a token costs beyond the graph, and it
+runs cold: each run streams the weights through the caches, evicting the interpreter's own data,
+so a Python call that takes 1-2 us in a tight loop takes 10-30 us there. Hence a decode step
+rebinds the mask as an ``OrtValue`` made once per ``(rows, length)`` (views of the persistent
+buffers, rewritten in place), and binds and runs through the pybind objects behind
+onnxruntime's Python wrappers when this onnxruntime exposes them (the wrappers check WebGPU graph
+capture and build an ``OrtDevice`` on every call); otherwise through the public wrappers.
 
 Invariants: ``prefill(slot, tokens, start)`` requires positions ``0..start-1`` of the slot to
 hold the sequence's cache and leaves ``0..start+len(tokens)-1`` valid; callers never exceed
@@ -94,6 +100,10 @@ class Decoder:
         self._ones = np.ones(context, np.int64)  # the mask of one row, as a view of any length
         self._mask = np.zeros(slots * context, np.int64)  # the masks of several rows
         self._arange = np.arange(context, dtype=np.int64)
+        # decode masks bound as OrtValues over _ones / _mask, one per (rows, length) seen (at
+        # most slots * context, a few hundred bytes each)
+        self._mask_values: dict[tuple[int, int], ort.OrtValue] = {}
+        self._c_session = getattr(session, "_sess", None)  # the pybind session, if exposed
 
     @property
     def kv_bytes(self) -> int:
@@ -154,12 +164,16 @@ class Decoder:
         else:
             io.bind_output("logits", "cpu")
 
-    def _run(self, io: ort.IOBinding, rows: int, preallocated: bool | None = None) -> np.ndarray:
-        """Run; the last position's logits of each row as ``[rows, vocab]`` float32.
+    def _run(
+        self, io: ort.IOBinding, rows: int, preallocated: bool | None = None, ran: bool = False
+    ) -> np.ndarray:
+        """Run (unless ``ran``); the last position's logits of each row as ``[rows, vocab]``
+        float32.
 
         ``preallocated``: logits were bound to ``self._logits`` (default: when the graph can
         keep only the last position's logits and the vocabulary is known)."""
-        self.session.run_with_iobinding(io)
+        if not ran:
+            self.session.run_with_iobinding(io)
         if preallocated is None:
             preallocated = bool(self.vocab and self.info.has_logits_to_keep)
         if preallocated:
@@ -197,7 +211,8 @@ class Decoder:
         Returns logits ``[B, vocab]`` (a view, valid until the next call).
         """
         rows = len(tokens)
-        total = int(lengths.max()) + 1  # inactive rows too: each writes one position
+        # inactive rows too: each writes one position
+        total = (int(lengths[0]) if rows == 1 else int(lengths.max())) + 1
         if total > self.context:
             raise ValueError("decode past the context")
         if self.info.attention == "concat":
@@ -205,14 +220,22 @@ class Decoder:
         io = self._gqa_binding(0, rows, "decode")
         self._ids[:rows, 0] = tokens
         self._pos[:rows, 0] = lengths
-        if rows == 1:
-            mask_ptr = _ptr(self._ones)
-        else:
+        if rows > 1:  # rewrite the rows' masks in place, under the cached OrtValue's view
             mask = self._mask[: rows * total].reshape(rows, total)
             np.less_equal(self._arange[:total], lengths[:, None], out=mask, casting="unsafe")
-            mask_ptr = _ptr(mask)
-        io.bind_input("attention_mask", "cpu", 0, np.int64, [rows, total], mask_ptr)
-        return self._run(io, rows, preallocated=bool(self.vocab))
+        mask_value = self._mask_values.get((rows, total))
+        if mask_value is None:
+            src = self._ones[:total] if rows == 1 else self._mask[: rows * total]
+            mask_value = ort.OrtValue.ortvalue_from_numpy(src.reshape(rows, total))
+            self._mask_values[(rows, total)] = mask_value
+        c_io = getattr(io, "_iobinding", None) if self._c_session is not None else None
+        if c_io is not None:  # the pybind objects: no per-call checks (see the module doc)
+            c_io.bind_ortvalue_input("attention_mask", mask_value._ortvalue)
+            self._c_session.run_with_iobinding(c_io, None)
+        else:
+            io.bind_ortvalue_input("attention_mask", mask_value)
+            self.session.run_with_iobinding(io)
+        return self._run(io, rows, preallocated=bool(self.vocab), ran=True)
 
     # --- concat graphs ------------------------------------------------------------------------
 

@@ -20,13 +20,14 @@ _FIRST_NUCLEUS = 256  # candidates examined first; widened until they hold top_p
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
+        self.greedy = params.greedy  # then a token is argmax(logits), whoever computes it
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
         """One token id from a ``[vocab]`` logits row."""
-        p = self.params
-        if p.greedy:
+        if self.greedy:
             return int(np.argmax(logits))
+        p = self.params
         x = logits.astype(np.float64) / max(p.temperature, 1e-5)
         ids: np.ndarray | None = None
         if 0 < p.top_k < x.size:

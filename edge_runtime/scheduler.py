@@ -127,6 +127,10 @@ class SlotScheduler:
         self._thread: threading.Thread | None = None
         self.prefill_tps = Ewma()
         self.decode_ms = Ewma()
+        # decode step inputs, rows 0..B-1 rewritten by each plan (see _plan_decode)
+        self._tokens = np.zeros(decoder.slots, np.int64)
+        self._lengths = np.zeros(decoder.slots, np.int64)
+        self._active = np.zeros(decoder.slots, bool)
 
     # --- called from any thread ------------------------------------------------------------
 
@@ -215,14 +219,15 @@ class SlotScheduler:
                 if self._stopping:
                     return
                 self._admit()
-                busy = [r for r in self.slots if r is not None]
-                prefilling = sorted((r for r in busy if r.prefilling), key=SlotRequest.sort_key)
-                decoding = [r for r in busy if not r.prefilling]
+                first = self._oldest_prefilling()
+                plan = None if first is not None else self._plan_decode()
             try:
-                if prefilling:
-                    self._prefill_chunk(prefilling[0])
-                if decoding:
-                    self._decode_step()
+                if first is not None:
+                    self._prefill_chunk(first)
+                    with self.lock:  # the chunk may have finished a prompt, or a cancel came
+                        plan = self._plan_decode()
+                if plan is not None:
+                    self._decode_step(*plan)
             except Exception:
                 log.exception("edge generation step failed; aborting the running requests")
                 self._abort_running()
@@ -250,25 +255,51 @@ class SlotScheduler:
             if done:
                 self._accept(r, token)
 
-    def _decode_step(self) -> None:
-        with self.lock:
-            busy = [(i, r) for i, r in enumerate(self.slots) if r is not None]
-            decoding = [(i, r) for i, r in busy if not r.prefilling]
-            if not decoding:
-                return
-            rows = max(i for i, _ in decoding) + 1
-            tokens = np.zeros(rows, np.int64)
-            lengths = np.zeros(rows, np.int64)
-            active = np.zeros(rows, bool)
-            for i, r in busy:
-                if i < rows:
+    def _oldest_prefilling(self) -> SlotRequest | None:
+        """Under the lock: the request whose prompt goes next (priority, then arrival)."""
+        first: SlotRequest | None = None
+        for r in self.slots:
+            if (
+                r is not None
+                and r.prefilling
+                and (first is None or r.sort_key() < first.sort_key())
+            ):
+                first = r
+        return first
+
+    def _plan_decode(self) -> tuple[list[tuple[int, SlotRequest]], int] | None:
+        """Under the lock: the decoding ``(row, request)`` pairs and the row count B of the
+        next decode step, its inputs written to rows ``0..B-1`` of the step buffers (B = the
+        highest decoding slot + 1); None when no slot decodes.
+
+        The buffers belong to the loop thread and are read by the step that follows (nothing
+        else runs in between on that thread), so they are reused rather than reallocated."""
+        decoding = [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.prefilling]
+        if not decoding:
+            return None
+        rows = decoding[-1][0] + 1
+        tokens, lengths, active = self._tokens, self._lengths, self._active
+        if rows > 1:
+            tokens[:rows] = 0
+            lengths[:rows] = 0
+            active[:rows] = False
+            for i in range(rows):
+                r = self.slots[i]
+                if r is not None:
                     lengths[i] = r.filled  # a prefilling row writes one harmless position
-            for i, r in decoding:
-                tokens[i], active[i] = r.last_token, True
+        for i, r in decoding:
+            tokens[i], lengths[i], active[i] = r.last_token, r.filled, True
+        return decoding, rows
+
+    def _decode_step(self, decoding: list[tuple[int, SlotRequest]], rows: int) -> None:
         t0 = time.perf_counter()
-        logits = self.decoder.decode(tokens, lengths, active)
+        logits = self.decoder.decode(self._tokens[:rows], self._lengths[:rows], self._active[:rows])
         dt = time.perf_counter() - t0
-        sampled = [(r, r.sampler(logits[i])) for i, r in decoding]
+        greedy = logits.argmax(axis=1) if len(decoding) > 1 else None  # one pass for all rows
+        sampled = [
+            (r, int(greedy[i]) if greedy is not None and r.sampler.greedy else r.sampler(logits[i]))
+            for i, r in decoding
+        ]
         with self.lock:
             self.decode_ms.update(dt * 1e3)
             for r, token in sampled:
@@ -287,6 +318,9 @@ class SlotScheduler:
             return
         r.last_token = token
         r.pending.append(token)
+        if not self.stream_interval_s:  # every token at once: no clock to read
+            r.emit(r.event([], None))
+            return
         now = time.perf_counter()
         if r.generated == 1 or now - r.last_emit >= self.stream_interval_s:
             r.last_emit = now

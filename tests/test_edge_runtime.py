@@ -154,6 +154,38 @@ def test_concat_graph_batches_decode_rows(tiny_model_path: Path, onnx_root: Path
         lengths = lengths + 1
 
 
+def test_decode_public_wrapper_path_matches(tiny_gqa: Path) -> None:
+    """Decode through onnxruntime's public wrappers (a session that does not expose its pybind
+    object) gives the logits of the pybind fast path, for one row and for several."""
+    from edge_runtime.decoder import Decoder
+
+    class PublicOnly:
+        def __init__(self, session: ort.InferenceSession) -> None:
+            self.inner = session
+
+        def __getattr__(self, name: str) -> object:
+            if name == "_sess":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    fast = EdgeEngine(tiny_gqa, _config(slots=2, warmup=False))._load().decoder
+    public = Decoder(PublicOnly(fast.session), fast.info, 2, fast.context)  # type: ignore[arg-type]
+    assert fast._c_session is not None and public._c_session is None
+    prompts = _prompts([9, 23])
+    for d in (fast, public):
+        for slot, p in enumerate(prompts):
+            d.prefill(slot, p[:-1], 0)
+    tokens = np.array([p[-1] for p in prompts], np.int64)
+    lengths = np.array([len(p) - 1 for p in prompts], np.int64)
+    for rows in (1, 2, 2, 1):
+        active = np.ones(rows, bool)
+        got = fast.decode(tokens[:rows], lengths[:rows], active).copy()
+        ref = public.decode(tokens[:rows], lengths[:rows], active)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+        tokens[:rows] = got.argmax(axis=1)
+        lengths[:rows] += 1
+
+
 async def test_kv_cache_updated_in_place(tiny_gqa: Path) -> None:
     engine = EdgeEngine(tiny_gqa, _config(slots=2, warmup=False))
     await engine.start()
