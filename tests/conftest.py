@@ -119,6 +119,14 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, default_model_path
     return save_random_model(folder, cfg, seed=1234, tokenizer_from=default_model_path)
 
 
+@pytest.fixture(scope="session")
+def tiny_home(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for a node serving the tiny model: its own edgecloud home, so the ONNX
+    export of a model made for this session lands in the session's tmp dir, not in the
+    user's cache (the tiny model's folder, hence its identity, is new every session)."""
+    return {"EDGECLOUD_HOME": str(tmp_path_factory.mktemp("edgecloud-home"))}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Keep torch and ONNX Runtime from oversubscribing the small CI machine.
     os.environ.setdefault("OMP_NUM_THREADS", "2")

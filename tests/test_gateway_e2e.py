@@ -16,7 +16,7 @@ from tests.nodes import Proc, cli
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_path: Path, tmp_path_factory):
+def fleet(tiny_model_path: Path, tiny_home: dict[str, str], tmp_path_factory):
     logs = tmp_path_factory.mktemp("e2e")
     ep, cp, gp = free_port(), free_port(), free_port()
     common = ["--model", str(tiny_model_path), "--threads", "1"]
@@ -39,6 +39,7 @@ def fleet(tiny_model_path: Path, tmp_path_factory):
         ),
         ep,
         logs / "edge.log",
+        env=tiny_home,
     )
     cloud = Proc(
         cli(

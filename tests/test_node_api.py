@@ -40,12 +40,13 @@ def _node_args(kind: str, model: Path, port: int, extra: list[str]) -> list[str]
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def tiny_node(request, tiny_model_path: Path, tmp_path_factory):
+def tiny_node(request, tiny_model_path: Path, tiny_home: dict[str, str], tmp_path_factory):
     kind = request.param
     port = free_port()
     extra = ["--max-waiting", "16"]
     log = tmp_path_factory.mktemp("logs") / f"{kind}.log"
-    p = Proc(_node_args(kind, tiny_model_path, port, extra), port, log).wait_ready()
+    args = _node_args(kind, tiny_model_path, port, extra)
+    p = Proc(args, port, log, env=tiny_home).wait_ready()
     yield kind, p
     assert p.stop() == 0, p.tail()
 
@@ -284,13 +285,14 @@ def test_disconnect_frees_the_slot(tiny_node) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_full_queue_gives_429_with_retry_after(kind, tiny_model_path, tmp_path) -> None:
+def test_full_queue_gives_429_with_retry_after(kind, tiny_model_path, tiny_home, tmp_path) -> None:
     port = free_port()
     cap = ["--slots", "1"] if kind == "edge" else ["--max-running", "1"]
     p = Proc(
         _node_args(kind, tiny_model_path, port, [*cap, "--max-waiting", "1"]),
         port,
         tmp_path / "n.log",
+        env=tiny_home,
     ).wait_ready()
     try:
         model = served_model(p)
@@ -323,14 +325,15 @@ def test_full_queue_gives_429_with_retry_after(kind, tiny_model_path, tmp_path) 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_node_state_in_redis_with_ttl(kind, tiny_model_path, redis_url, tmp_path) -> None:
+def test_node_state_in_redis_with_ttl(
+    kind, tiny_model_path, tiny_home, redis_url, tmp_path
+) -> None:
     import redis
 
     port = free_port()
     node_id = f"{kind}-test-{port}"
-    p = Proc(
-        _node_args(kind, tiny_model_path, port, ["--redis", redis_url]), port, tmp_path / "n.log"
-    )
+    args = _node_args(kind, tiny_model_path, port, ["--redis", redis_url])
+    p = Proc(args, port, tmp_path / "n.log", env=tiny_home)
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         p.wait_ready()
