@@ -26,6 +26,8 @@ running set (finish, abort, preemption), so a row never serves two live sequence
 parity ``p`` (step integers, their pinned staging, tokens) are written again only by the replay
 after next, which the core launches only after collecting this one (it collects a step before
 launching the one after next), so no copy or graph reads a buffer that a later one rewrites.
+All graphs write their logits into one shared buffer: the only reader, sampling, is queued on
+the compute stream right after its replay, before any later replay.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
     ints: torch.Tensor  # [6, W] int32 (W = B rounded up to 4): ids, positions, slots, rows, lens,
     # src (index into the other parity's token buffer, or -1: take ids)
-    logits: torch.Tensor  # [B, V]
+    logits: torch.Tensor  # [B, V]: the first B rows of the logits buffer all graphs share
     tokens: torch.Tensor  # [B] greedy argmax: its parity's token buffer's first B entries
     host: torch.Tensor  # [6, W] int32 pinned staging of ``ints``: one copy, no host wait
     uploaded: torch.cuda.Event  # recorded on the upload stream after the copy out of ``host``
@@ -115,6 +117,13 @@ class CudaRunner:
             torch.zeros(max(self.graph_sizes, default=0), dtype=torch.int64, device=self.device)
             for _ in range(2)
         ]
+        # logits of every graph replay: read (sampling) in stream order before the next replay
+        fm = self.fm
+        self._graph_logits = torch.empty(
+            (max(self.graph_sizes, default=0), fm.lm_head.shape[0]),
+            dtype=fm.embed.dtype,
+            device=self.device,
+        )
         self.graphs: dict[int, tuple[_DecodeGraph, _DecodeGraph]] = {}  # by size, then parity
         self._graph_pool: object | None = None
         self._parity = 0  # of the next replay
@@ -254,7 +263,8 @@ class CudaRunner:
             self._arange[:b], self._zeros[:b], tile_shape(self.group, 1),
         )  # fmt: skip
         h = self.fm.embed_fed(ints[0, :b], ints[5, :b], self._graph_tokens[1 - parity])
-        return self.fm.forward_argmax(ints[1, :b], a, h, self._graph_tokens[parity][:b])
+        tokens, logits = self._graph_tokens[parity][:b], self._graph_logits[:b]
+        return self.fm.forward_argmax(ints[1, :b], a, h, tokens, logits)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

@@ -231,13 +231,17 @@ def linear_argmax(
     ids: torch.Tensor | None = None,
     norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    out: torch.Tensor | None = None,
     **tuning: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x @ w.T, ids)``: the product (the logits) and, per row, the first column holding its
-    maximum as int64 (``torch.argmax`` of the stored values; NaN rows are not handled), written
-    into ``ids`` when given; with ``norm``, of ``rmsnorm(x) * norm`` instead of x."""
+    """``(x @ w.T, ids)``: the product (the logits, written into ``out`` when given) and, per
+    row, the first column holding its maximum as int64 (``torch.argmax`` of the stored values;
+    NaN rows are not handled), written into ``ids`` when given; with ``norm``, of
+    ``rmsnorm(x) * norm`` instead of x."""
     m, n = x.shape[0], w.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1
     best = _argmax_scratch(x.device)
     _launch(x, w, out, n, norm=norm, eps=eps, argmax=best, **tuning)
     if ids is None:

@@ -131,19 +131,24 @@ class FusedLlama:
         return out
 
     def forward_argmax(
-        self, positions: torch.Tensor, a: AttnInputs, hidden: torch.Tensor, ids: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        a: AttnInputs,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``logits_argmax(forward(...), ids)`` from the embeddings ``hidden``, with the final
-        norm folded into the head's product where no residual add is pending (one kernel less
-        per decode step at small batches)."""
+        """``logits_argmax(forward(...), ids)`` from the embeddings ``hidden``, the logits
+        written into ``logits`` when given, with the final norm folded into the head's product
+        where no residual add is pending (one kernel less per decode step at small batches)."""
         rng = range(len(self.layers))
         pending, residual = self._layers(None, positions, a, rng, hidden)
         if pending is None:
             return self.ops.norm_linear_argmax(
-                residual, self.final_norm, self.eps, self.lm_head, ids
+                residual, self.final_norm, self.eps, self.lm_head, ids, logits
             )
         out, _ = _add_norm(self.ops, pending, residual, self.final_norm, self.eps)
-        return self.ops.linear_argmax(out, self.lm_head, ids)
+        return self.ops.linear_argmax(out, self.lm_head, ids, logits)
 
     def _layers(
         self,
@@ -253,11 +258,15 @@ class TorchOps:
         return F.linear(x, w)
 
     def linear_argmax(
-        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x @ w.T, argmax of each row)`` (the logits and their greedy tokens, int64, written
-        into ``ids`` when given)."""
-        logits = F.linear(x, w)
+        into ``logits`` and ``ids`` when given)."""
+        logits = F.linear(x, w) if logits is None else torch.mm(x, w.t(), out=logits)
         if ids is None:
             return logits, torch.argmax(logits, dim=-1)
         return logits, torch.argmax(logits, dim=-1, out=ids)
@@ -269,10 +278,11 @@ class TorchOps:
         eps: float,
         w: torch.Tensor,
         ids: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`linear_argmax` of ``rmsnorm(residual) * norm`` (``residual`` unchanged)."""
         h, _ = self.add_rmsnorm(residual, None, norm, eps)
-        return self.linear_argmax(h, w, ids)
+        return self.linear_argmax(h, w, ids, logits)
 
     def embed_fed(
         self, ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor, table: torch.Tensor
@@ -394,11 +404,15 @@ class TritonOps(TorchOps):
         return self._gemv.linear(x, w)
 
     def linear_argmax(
-        self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._skinny(x) or x.stride(1) != 1:
-            return super().linear_argmax(x, w, ids)
-        return self._gemv.linear_argmax(x, w, ids)
+            return super().linear_argmax(x, w, ids, logits)
+        return self._gemv.linear_argmax(x, w, ids, out=logits)
 
     def norm_linear_argmax(
         self,
@@ -407,10 +421,11 @@ class TritonOps(TorchOps):
         eps: float,
         w: torch.Tensor,
         ids: torch.Tensor | None = None,
+        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._skinny(residual) or residual.stride(1) != 1:
-            return super().norm_linear_argmax(residual, norm, eps, w, ids)
-        return self._gemv.linear_argmax(residual, w, ids, norm=norm, eps=eps)
+            return super().norm_linear_argmax(residual, norm, eps, w, ids, logits)
+        return self._gemv.linear_argmax(residual, w, ids, norm=norm, eps=eps, out=logits)
 
     def embed_fed(
         self, ids: torch.Tensor, src: torch.Tensor, fed: torch.Tensor, table: torch.Tensor
