@@ -44,7 +44,7 @@ from cloud_engine.kv_pool import KVPool
 from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.runner import Feed, Launched
-from cloud_engine.sampler import make_generator, sample_batch
+from cloud_engine.sampler import make_generator, sample_batch, to_device
 from cloud_engine.scheduler import ScheduledBatch
 from cloud_engine.sequence import Sequence
 from cloud_engine.step_inputs import StepInputs, build_step_inputs
@@ -127,10 +127,9 @@ class CudaRunner:
         self.graphs: dict[int, tuple[_DecodeGraph, _DecodeGraph]] = {}  # by size, then parity
         self._graph_pool: object | None = None
         self._parity = 0  # of the next replay
-        on_cuda = self.device.type == "cuda"
-        self._upload_stream = torch.cuda.Stream(self.device) if on_cuda else None
-        self._download_stream = torch.cuda.Stream(self.device) if on_cuda else None
         pinned = self.device.type == "cuda"
+        self._upload_stream = torch.cuda.Stream(self.device) if pinned else None
+        self._download_stream = torch.cuda.Stream(self.device) if pinned else None
         self._token_host = [
             torch.empty(max_batch, dtype=torch.int64, pin_memory=pinned) for _ in range(2)
         ]
@@ -165,15 +164,10 @@ class CudaRunner:
             self.tables[up[:n].long(), up[n : 2 * n].long()] = up[2 * n :]
 
     def _upload(self, arr: np.ndarray) -> torch.Tensor:
-        """One host-to-device copy of an int32 array that the host never waits for: ``arr`` is
-        first copied into pinned memory from torch's caching host allocator, which reuses that
-        block only once the copy has completed (so ``arr`` may be reused at once). A blocking
-        copy from pageable memory would wait for the whole stream, the running decode graph
-        included, every time a sequence grows into a new KV block."""
-        t = torch.from_numpy(arr)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        """One host-to-device copy of an int32 array that the host never waits for (a blocking
+        one would wait for the running decode graph every time a sequence grows into a new KV
+        block); ``arr`` may be reused at once."""
+        return to_device(torch.from_numpy(arr), self.device)
 
     # -- execution -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -210,18 +204,13 @@ class CudaRunner:
         tokens, which only the replay after next rewrites), else on the current stream."""
         self._flip ^= 1
         host = self._token_host[self._flip]
-        if not self._copied:
-            host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
-            return Launched(tokens, host, None)
-        done = self._copied[self._flip]
-        if stream is None:
-            host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
-            done.record()
-        else:
+        done = self._copied[self._flip] if self._copied else None
+        if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
-                done.record(stream)
+        with torch.cuda.stream(stream):  # no-op for None
+            host[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+            if done is not None:
+                done.record()
         return Launched(tokens, host, done)
 
     def _eager(self, inp: StepInputs, rows: np.ndarray, fed: torch.Tensor | None) -> torch.Tensor:

@@ -49,24 +49,24 @@ def sample_batch(
     for i in seeded:
         out[i] = sample(logits[i], params[i], generators[i])
     if rest:
-        rows = _to_device(rest, dev)
+        rows = to_device(torch.tensor(rest), dev)
         sub = [params[i] for i in rest]
         probs = _filtered_probs_batch(
             logits[rows],
-            _to_device([p.temperature for p in sub], dev),
-            _to_device([p.top_k for p in sub], dev),
-            _to_device([p.top_p for p in sub], dev),
+            to_device(torch.tensor([p.temperature for p in sub]), dev),
+            to_device(torch.tensor([p.top_k for p in sub]), dev),
+            to_device(torch.tensor([p.top_p for p in sub]), dev),
         )
         race = torch.empty_like(probs).exponential_()
         out[rows] = torch.argmax(probs / race, dim=-1)
     return out
 
 
-def _to_device(values: list[int] | list[float], dev: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``dev`` without the host waiting for the device: through
-    pinned memory and an asynchronous copy (a copy from pageable memory waits for the stream,
-    e.g. for a look-ahead decode graph still running)."""
-    t = torch.tensor(values)
+def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """The CPU tensor ``t`` on ``dev`` without the host waiting for the device: on CUDA through
+    pinned memory from torch's caching host allocator (which reuses a block only once its copy
+    has completed, so ``t`` may change at once) and an asynchronous copy. A copy from pageable
+    memory would wait for the whole stream, e.g. for a look-ahead decode graph still running."""
     if dev.type != "cuda":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
