@@ -164,16 +164,19 @@ class Decoder:
         else:
             io.bind_output("logits", "cpu")
 
-    def _run(
-        self, io: ort.IOBinding, rows: int, preallocated: bool | None = None, ran: bool = False
+    def _run(self, io: ort.IOBinding, rows: int) -> np.ndarray:
+        """Run; the last position's logits of each row (see :meth:`_logits_of`)."""
+        self.session.run_with_iobinding(io)
+        return self._logits_of(io, rows)
+
+    def _logits_of(
+        self, io: ort.IOBinding, rows: int, preallocated: bool | None = None
     ) -> np.ndarray:
-        """Run (unless ``ran``); the last position's logits of each row as ``[rows, vocab]``
+        """The last position's logits of each row of the run just made, ``[rows, vocab]``
         float32.
 
         ``preallocated``: logits were bound to ``self._logits`` (default: when the graph can
         keep only the last position's logits and the vocabulary is known)."""
-        if not ran:
-            self.session.run_with_iobinding(io)
         if preallocated is None:
             preallocated = bool(self.vocab and self.info.has_logits_to_keep)
         if preallocated:
@@ -235,7 +238,7 @@ class Decoder:
         else:
             io.bind_ortvalue_input("attention_mask", mask_value)
             self.session.run_with_iobinding(io)
-        return self._run(io, rows, preallocated=bool(self.vocab), ran=True)
+        return self._logits_of(io, rows, preallocated=bool(self.vocab))
 
     # --- concat graphs ------------------------------------------------------------------------
 
