@@ -25,6 +25,7 @@ from pathlib import Path
 
 from edge_runtime.decoder import Decoder
 from edge_runtime.graph_info import GRAPH_FILE, ExportMeta, GraphInfo, read_graph_info
+from edge_runtime.huge_pages import CollapseReport, anonymous_ranges, collapse_new
 from edge_runtime.providers import (
     ProviderChoice,
     ProviderSpec,
@@ -66,7 +67,9 @@ class EdgeEngineConfig:
     consumer at most this often, several per event when decode is faster (default 0: every
     token at once). Each hand-over wakes the event loop's thread (about 0.1-0.15 ms of CPU on
     the 2-core test machine); grouping them for 20 ms measured 0 to +5% single-stream decode
-    there (docs/benchmarks.md), so it is offered, not imposed (see ``edge_runtime.scheduler``).
+    there (docs/benchmarks.md), so it is offered, not imposed (see ``edge_runtime.scheduler``);
+    ``huge_pages``: back the memory the session allocated (its weights) and the KV cache with
+    transparent huge pages once loaded, where the kernel allows (``edge_runtime.huge_pages``).
     """
 
     slots: int = 4
@@ -78,6 +81,7 @@ class EdgeEngineConfig:
     spin: bool = True
     warmup: bool = True
     stream_interval_ms: float = 0.0
+    huge_pages: bool = True
 
 
 class EdgeEngine:
@@ -110,6 +114,7 @@ class EdgeEngine:
         self._session_factory = session_factory
         self.provider: ProviderChoice | None = None
         self.kv_bytes = 0  # KV cache memory, known once started (slots x context x per token)
+        self.huge_pages = CollapseReport(note="off" if not self.config.huge_pages else "unstarted")
         self._scheduler: SlotScheduler | None = None
         self._handoff: Handoff | None = None  # token events to the consumers' loops
         self._start_lock = asyncio.Lock()
@@ -157,6 +162,7 @@ class EdgeEngine:
         cfg = self.config
         t0 = time.perf_counter()
         kwargs = {} if self._session_factory is None else {"session_factory": self._session_factory}
+        before = anonymous_ranges() if cfg.huge_pages else []
         session, self.provider = create_session(
             self.graph_path,
             cfg.providers,
@@ -170,13 +176,18 @@ class EdgeEngine:
         if cfg.warmup:
             _warm_up(decoder, scheduler)
         self.kv_bytes = decoder.kv_bytes
+        if cfg.huge_pages:  # after the warm-up: its runs allocate ONNX Runtime's buffers too
+            self.huge_pages = collapse_new(before)
         log.info(
-            "edge engine %s: %s, %d slots x %d tokens (KV %.0f MB), loaded in %.1f s",
+            "edge engine %s: %s, %d slots x %d tokens (KV %.0f MB), huge pages %.0f MB%s, "
+            "loaded in %.1f s",
             self.model_id,
             self.provider.active,
             cfg.slots,
             self.max_context,
             decoder.kv_bytes / 1e6,
+            self.huge_pages.collapsed_mb,
+            f" ({self.huge_pages.note})" if self.huge_pages.note else "",
             time.perf_counter() - t0,
         )
         return scheduler

@@ -21,6 +21,7 @@ from cloud_engine.model.loader import load_model
 from edge_runtime.engine import EdgeEngine, EdgeEngineConfig, InvalidRequest, greedy
 from edge_runtime.export import ensure_export
 from edge_runtime.graph_info import META_FILE
+from edge_runtime.huge_pages import collapse_supported
 from edge_runtime.providers import CPU, create_session
 from routing.engine import (
     Engine,
@@ -199,6 +200,22 @@ async def test_kv_cache_updated_in_place(tiny_gqa: Path) -> None:
     filled = np.abs(k0[0]).sum(axis=(0, 2))  # per position
     assert (filled[: 20 + 9] > 0).all() and (filled[20 + 9 :] == 0).all()
     assert np.abs(k0[1]).sum() == 0  # slot 1 never used
+    await engine.shutdown()
+
+
+async def test_huge_pages_only_when_asked(tiny_gqa: Path) -> None:
+    engine = EdgeEngine(tiny_gqa, _config(slots=2, huge_pages=False))
+    await engine.start()
+    assert engine.huge_pages.advised_bytes == 0 and engine.huge_pages.note == "off"
+    await engine.shutdown()
+    engine = EdgeEngine(tiny_gqa, _config(slots=2))
+    await engine.start()
+    report = engine.huge_pages
+    if collapse_supported():  # whatever new memory the load made was collapsed, in 2 MB pages
+        assert report.note == "" and report.collapsed_bytes == report.advised_bytes
+        assert report.collapsed_bytes % (2 << 20) == 0
+    tokens, _ = await _collect(engine, GenerationRequest(_prompts([20])[0], greedy(5)))
+    assert len(tokens) == 5
     await engine.shutdown()
 
 
