@@ -2,8 +2,10 @@
 
 Like llama.cpp's server slots: a fixed number of slots, each holding one sequence's KV cache.
 Requests wait in a bounded queue (priority, then arrival order) until a slot is free. Each loop
-iteration runs at most one prefill chunk (of the oldest request still prefilling) and then one
-decode step that advances every decoding slot by one token in a single batched run.
+iteration runs at most one prefill chunk (of the oldest request still prefilling) and then
+decode steps that advance every decoding slot by one token in a single batched run: one step
+while a prompt is still prefilling, and otherwise as many as run before anything changes which
+requests run or wait (the plan of rows is kept; only tokens and lengths move between steps).
 
 Invariants:
 - All bookkeeping (slots, queue, request state) changes under ``lock``; ONNX runs happen outside
@@ -124,6 +126,9 @@ class SlotScheduler:
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
         self._stopping = False
+        # set under the lock by anything that changes which requests run or wait (submit,
+        # cancel, stop, a finish); the loop re-plans only then (see _decode_steady)
+        self._changed = True
         self._thread: threading.Thread | None = None
         self.prefill_tps = Ewma()
         self.decode_ms = Ewma()
@@ -152,12 +157,14 @@ class SlotScheduler:
                 raise QueueFull("all slots busy and the wait queue is full")
             heapq.heappush(self._waiting, (r.sort_key(), self._seq, r))
             self._seq += 1
+            self._changed = True
             self._wake.notify()
 
     def cancel(self, request_id: str, notify: bool = True) -> bool:
         """Drop a request, queued or running; its slot is free when this returns."""
         with self.lock:
             found = self._remove(request_id)
+            self._changed = True
         if found is None:
             return False
         if notify:
@@ -199,6 +206,7 @@ class SlotScheduler:
         """Stop the loop; every request still queued or running gets an ABORT event."""
         with self.lock:
             self._stopping = True
+            self._changed = True
             pending = [r for r in self.slots if r is not None] + [w[2] for w in self._waiting]
             self.slots = [None] * len(self.slots)
             self._waiting.clear()
@@ -218,6 +226,7 @@ class SlotScheduler:
                     self._wake.wait()
                 if self._stopping:
                     return
+                self._changed = False
                 self._admit()
                 first = self._oldest_prefilling()
                 plan = None if first is not None else self._plan_decode()
@@ -227,10 +236,25 @@ class SlotScheduler:
                     with self.lock:  # the chunk may have finished a prompt, or a cancel came
                         plan = self._plan_decode()
                 if plan is not None:
-                    self._decode_step(*plan)
+                    self._decode_steady(*plan)
             except Exception:
                 log.exception("edge generation step failed; aborting the running requests")
                 self._abort_running()
+
+    def _decode_steady(self, decoding: list[tuple[int, SlotRequest]], rows: int) -> None:
+        """Decode steps with one plan for as long as nothing changes which requests run or
+        wait (no submit, cancel, finish or stop: ``_changed`` stays False), and no prompt is
+        left to prefill; between two steps only the rows' tokens and lengths move. The first
+        step always runs (the plan was just made under the lock)."""
+        tokens, lengths = self._tokens, self._lengths
+        steady = self._decode_step(decoding, rows)
+        # a prompt still prefilling needs its next chunk between decode steps: re-plan then
+        # (slots change only under the lock with _changed set; this loop alone moves `filled`)
+        steady &= not any(r is not None and r.prefilling for r in self.slots)
+        while steady:
+            for i, r in decoding:
+                tokens[i], lengths[i] = r.last_token, r.filled
+            steady = self._decode_step(decoding, rows)
 
     def _admit(self) -> None:
         for slot, occupant in enumerate(self.slots):
@@ -291,21 +315,27 @@ class SlotScheduler:
             tokens[i], lengths[i], active[i] = r.last_token, r.filled, True
         return decoding, rows
 
-    def _decode_step(self, decoding: list[tuple[int, SlotRequest]], rows: int) -> None:
+    def _decode_step(self, decoding: list[tuple[int, SlotRequest]], rows: int) -> bool:
+        """One decode step of the planned rows; True while the plan still holds."""
         t0 = time.perf_counter()
         logits = self.decoder.decode(self._tokens[:rows], self._lengths[:rows], self._active[:rows])
         dt = time.perf_counter() - t0
-        greedy = logits.argmax(axis=1) if len(decoding) > 1 else None  # one pass for all rows
-        sampled = [
-            (r, int(greedy[i]) if greedy is not None and r.sampler.greedy else r.sampler(logits[i]))
-            for i, r in decoding
-        ]
+        if len(decoding) == 1:
+            i, r = decoding[0]
+            sampled = [(r, int(logits[i].argmax()) if r.sampler.greedy else r.sampler(logits[i]))]
+        else:
+            greedy = logits.argmax(axis=1)  # one pass for all rows
+            sampled = [
+                (r, int(greedy[i]) if r.sampler.greedy else r.sampler(logits[i]))
+                for i, r in decoding
+            ]
         with self.lock:
             self.decode_ms.update(dt * 1e3)
             for r, token in sampled:
                 if self.slots[r.slot] is r:
                     r.filled += 1
                     self._accept(r, token)
+            return not self._changed
 
     def _accept(self, r: SlotRequest, token: int) -> None:
         """Under the lock: a sampled token -> an event; frees the slot when r finishes."""
@@ -328,6 +358,7 @@ class SlotScheduler:
 
     def _finish(self, r: SlotRequest, tokens: list[int], reason: FinishReason) -> None:
         self.slots[r.slot] = None
+        self._changed = True
         r.emit(r.event(tokens, reason))
 
     def _abort_running(self) -> None:
