@@ -50,7 +50,7 @@ QUESTIONS = [
     "What is photosynthesis?",
 ]
 GROUPED_MS = 20.0  # the duel's third engine: tokens handed over at most this often
-DUEL_ORDERS = ("forward", "reverse")  # engines made ours, genai, grouped / the reverse
+DUEL_ORDERS = ("forward", "reverse")  # engines made ours, genai, grouped, 4 KB / the reverse
 LONG_TEXT = (
     "Edge nodes answer short requests close to the user, while a cloud engine with continuous "
     "batching serves the long ones. The router predicts the time to first token and the total "
@@ -70,6 +70,7 @@ class Result:
     peak_rss_mb: float
     load_s: float
     kv_mb: float = 0.0
+    huge_pages_mb: float = 0.0
     weight_mb_per_token: float = 0.0
     sample_text: str = ""
     rounds: list[dict[str, float]] = field(default_factory=list)
@@ -95,18 +96,28 @@ class OursRunner:
     """EdgeEngine (default config: 4 slots) driven through its async API.
 
     ``stream_interval_ms`` overrides the engine's default hand-over interval (0: every token
-    is handed to the consumer as soon as it is sampled)."""
+    is handed to the consumer as soon as it is sampled); ``huge_pages=False`` leaves the
+    session's memory in the pages it got (the ablation of ``edge_runtime.huge_pages``)."""
 
-    def __init__(self, folder: Path, threads: int, stream_interval_ms: float | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        threads: int,
+        stream_interval_ms: float | None = None,
+        huge_pages: bool = True,
+    ) -> None:
         from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
 
         self.loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
-        extra = {} if stream_interval_ms is None else {"stream_interval_ms": stream_interval_ms}
+        extra: dict[str, Any] = {"huge_pages": huge_pages}
+        if stream_interval_ms is not None:
+            extra["stream_interval_ms"] = stream_interval_ms
         self.engine = EdgeEngine(folder, EdgeEngineConfig(slots=4, threads=threads, **extra))
         self.loop.run_until_complete(self.engine.start())
         self.load_s = time.perf_counter() - t0
         self.kv_mb = self.engine.kv_bytes / 1e6
+        self.huge_pages_mb = self.engine.huge_pages.collapsed_mb
 
     async def _one(self, ids: list[int], new: int) -> tuple[list[int], list[float]]:
         from routing.engine import GenerationRequest, SamplingParams
@@ -159,6 +170,7 @@ class GenaiRunner:
         self.model = og.Model(config)
         self.load_s = time.perf_counter() - t0
         self.kv_mb = 0.0  # sized per request (max_length) by onnxruntime-genai
+        self.huge_pages_mb = 0.0
 
     def _generator(self, batch: int, length: int) -> Any:
         params = self.og.GeneratorParams(self.model)
@@ -230,26 +242,31 @@ def worker_config(args: argparse.Namespace) -> dict:
         "prefill_tokens": len(long_ids),
         "load_s": runner.load_s,
         "kv_mb": runner.kv_mb,
+        "huge_pages_mb": runner.huge_pages_mb,
         "sample_text": sample,
         "peak_rss_mb": peak_rss_mb(),
     }
 
 
 def worker_duel(args: argparse.Namespace) -> dict:
-    """Ours (default config), genai, and ours handing tokens over at most every 20 ms, in one
-    process, single stream, prompt by prompt, who goes first rotating: paired measurements
-    that see the same machine load. Returns (ours, genai, ours grouped) tok/s per prompt.
+    """Ours (default config), genai, ours handing tokens over at most every 20 ms, and ours
+    without huge pages, in one process, single stream, prompt by prompt, who goes first
+    rotating: paired measurements that see the same machine load. Returns (ours, genai, ours
+    grouped, ours on 4 KB pages) tok/s per prompt.
 
-    An ONNX Runtime session made later in a process decodes faster than one made earlier
-    (3-17% in checks by hand, whichever graph or engine it holds; cause not found). So the
-    engines are made in the order ``args.duel_order`` says, and the caller runs both orders:
-    an unused engine still takes the first place, the slowest."""
+    Where an ONNX Runtime session's weights land in 4 KB pages decides how fast it decodes: in
+    a process, sessions made later decoded 3-17% faster than earlier ones (by hand, whichever
+    graph or engine), and one made in the freed memory of the first was slow again. Our
+    engine collapses its memory into huge pages and no longer depends on it; genai's session
+    and the 4 KB ablation do. So the engines are made in the order ``args.duel_order`` says,
+    and the caller runs both orders; an unused engine of ours takes the first place."""
     chats, _ = prompt_ids(Path(args.model_dir), args.prefill_tokens)
     placeholder = OursRunner(Path(args.folder), args.threads)
     makers = [
         lambda: OursRunner(Path(args.folder), args.threads),
         lambda: GenaiRunner(Path(args.folder2), args.threads),
         lambda: OursRunner(Path(args.folder), args.threads, stream_interval_ms=GROUPED_MS),
+        lambda: OursRunner(Path(args.folder), args.threads, huge_pages=False),
     ]
     order = range(len(makers)) if args.duel_order == "forward" else reversed(range(len(makers)))
     made = {k: makers[k]() for k in order}
@@ -475,20 +492,23 @@ def measure(
             order_args = argparse.Namespace(**{**vars(run_args), "duel_order": order})
             by_order[order] = spawn("duel", ours_by_prec[prec], order_args, model_dir, folder)
         triples = [t for order in DUEL_ORDERS for t in by_order[order]["pairs"]]
-        ratios = [a / b for a, b, _ in triples]
-        grouped = [c / b for _, b, c in triples]
+        ratios = [t[0] / t[1] for t in triples]
+        grouped = [t[2] / t[1] for t in triples]
+        small = [t[3] / t[1] for t in triples]
         duels[prec] = {
             "ratio_median": statistics.median(ratios),
             **{
-                f"ratio_median_{order}": statistics.median(a / b for a, b, _ in v["pairs"])
+                f"ratio_median_{order}": statistics.median(t[0] / t[1] for t in v["pairs"])
                 for order, v in by_order.items()
             },
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
             "ratio_grouped_median": statistics.median(grouped),
-            "ours_median_tps": statistics.median(a for a, _, _ in triples),
-            "genai_median_tps": statistics.median(b for _, b, _ in triples),
-            "ours_grouped_median_tps": statistics.median(c for _, _, c in triples),
+            "ratio_small_pages_median": statistics.median(small),
+            "ours_median_tps": statistics.median(t[0] for t in triples),
+            "genai_median_tps": statistics.median(t[1] for t in triples),
+            "ours_grouped_median_tps": statistics.median(t[2] for t in triples),
+            "ours_small_pages_median_tps": statistics.median(t[3] for t in triples),
             "pairs": len(triples),
         }
         d = duels[prec]
@@ -498,7 +518,8 @@ def measure(
             f"[{d['ratio_min']:.2f}, {d['ratio_max']:.2f}] over {len(triples)} pairs (ours made "
             f"first {d['ratio_median_forward']:.2f}, genai first {d['ratio_median_reverse']:.2f}); tokens "
             f"handed over every {GROUPED_MS:g} ms: {d['ours_grouped_median_tps']:.1f} tok/s, "
-            f"ratio {d['ratio_grouped_median']:.2f}",
+            f"ratio {d['ratio_grouped_median']:.2f}; 4 KB pages: "
+            f"{d['ours_small_pages_median_tps']:.1f} tok/s, ratio {d['ratio_small_pages_median']:.2f}",
             flush=True,
         )
     results: list[Result] = []
@@ -517,6 +538,7 @@ def measure(
                 peak_rss_mb=med["peak_rss_mb"],
                 load_s=med["load_s"],
                 kv_mb=med["kv_mb"],
+                huge_pages_mb=med["huge_pages_mb"],
                 weight_mb_per_token=weight_bytes_per_token(folder / "model.onnx") / 1e6,
                 sample_text=rounds[0]["sample_text"],
                 rounds=[{k: v for k, v in x.items() if k != "sample_text"} for x in rounds],
@@ -532,7 +554,7 @@ def table(
     genai.update({f"{p} (genai graph)": r for p, r in list(genai.items())})
     lines = [
         "| engine | precision | decode tok/s (1) | decode tok/s (4 conc.) | prefill tok/s "
-        "| peak RSS MB (KV MB) | weights MB/token | bandwidth limit tok/s | of limit "
+        "| peak RSS MB (KV MB, huge pages MB) | weights MB/token | bandwidth limit tok/s | of limit "
         "| vs genai (1) |",
         "|" + "---|" * 10,
     ]
@@ -548,7 +570,8 @@ def table(
             fwd, rev = duel["ratio_median_forward"], duel["ratio_median_reverse"]
             vs += (
                 f" (paired {paired:.2f}x: ours made first {fwd:.2f}x, genai first {rev:.2f}x; "
-                f"{GROUPED_MS:g} ms hand-over {grouped:.2f}x)"
+                f"{GROUPED_MS:g} ms hand-over {grouped:.2f}x; 4 KB pages "
+                f"{duel['ratio_small_pages_median']:.2f}x)"
             )
         rows.append(
             {
@@ -563,7 +586,7 @@ def table(
         )
         lines.append(
             f"| {r.engine} | {r.precision} | {r.decode_tps_1:.1f} | {r.decode_tps_4:.1f} "
-            f"| {r.prefill_tps:.0f} | {r.peak_rss_mb:.0f} ({r.kv_mb:.0f}) "
+            f"| {r.prefill_tps:.0f} | {r.peak_rss_mb:.0f} ({r.kv_mb:.0f}, {r.huge_pages_mb:.0f}) "
             f"| {r.weight_mb_per_token:.0f} | {limit:.0f} | {100 * r.decode_tps_1 / limit:.0f}% "
             f"| {vs} |"
         )
@@ -603,8 +626,11 @@ def report(
         "vs genai: ratio of the medians; paired: median ratio of back-to-back single-stream "
         "runs of both engines in one process, prompt by prompt (robust to load drifting "
         "during the run), pooled over two processes that make the engines in opposite orders "
-        "(a session made later in a process decodes faster, whichever engine it belongs to; "
-        "an unused engine is made first in both). Our engine hands each token to its consumer as soon as it is sampled "
+        "(where a session's weights land in 4 KB pages changes its speed, a process's first "
+        "session being slowest; our engine collapses its memory into huge pages, genai's "
+        "session keeps its pages; an unused engine of ours is made first in both). 4 KB pages: "
+        "the paired ratio of our engine with `huge_pages=False`. Our engine hands each token "
+        "to its consumer as soon as it is sampled "
         f"(`EdgeEngineConfig.stream_interval_ms` = {_stream_interval_ms():g}); "
         f"{GROUPED_MS:g} ms hand-over: the paired ratio of the same engine handing a request's "
         f"tokens over at most every {GROUPED_MS:g} ms (first and last at once). "

@@ -38,3 +38,11 @@ def test_bad_config_is_a_clear_startup_error(tmp_path: Path, text: str) -> None:
     cfg.write_text(text)
     r = _start(cfg)
     assert r.returncode == 2 and "bad config" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_edge_serve_huge_pages_flag() -> None:
+    from gateway.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["edge", "serve"]).huge_pages is True
+    assert parser.parse_args(["edge", "serve", "--no-huge-pages"]).huge_pages is False

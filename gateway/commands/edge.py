@@ -94,6 +94,13 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="hand a request's tokens over at most this often, grouped (default 0: each token)",
     )
+    s.add_argument(
+        "--no-huge-pages",
+        dest="huge_pages",
+        action="store_false",
+        help="leave the loaded weights and KV cache in the pages they got (default: collapse "
+        "them into transparent huge pages where the kernel allows)",
+    )
     s.set_defaults(func=cmd_serve)
 
 
@@ -111,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         context=args.context,
         providers=providers,
         stream_interval_ms=args.stream_interval_ms,
+        huge_pages=args.huge_pages,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(
