@@ -162,7 +162,7 @@ class EdgeEngine:
         cfg = self.config
         t0 = time.perf_counter()
         kwargs = {} if self._session_factory is None else {"session_factory": self._session_factory}
-        before = anonymous_ranges() if cfg.huge_pages else []
+        before = anonymous_ranges(min_resident=0.0) if cfg.huge_pages else []
         session, self.provider = create_session(
             self.graph_path,
             cfg.providers,

@@ -10,7 +10,8 @@ into 2 MB pages removes that: every session then decodes like the fastest one
 (docs/benchmarks.md).
 
 :func:`anonymous_ranges` snapshots the process's private anonymous mappings (the heap
-included); :func:`collapse_new` takes such a snapshot from before the session was made and asks
+included); :func:`collapse_new` takes such a snapshot from before the session was made
+(``min_resident=0``) and asks
 the kernel to back what appeared since with huge pages: ``MADV_HUGEPAGE`` (so khugepaged keeps
 them huge) then ``MADV_COLLAPSE`` (Linux 6.1+: at once, synchronously). Only whole 2 MB-aligned
 pieces are touched, and memory that existed before the snapshot is left alone, so another
@@ -84,10 +85,13 @@ def collapse_supported() -> bool:
     return len(numbers) == 2 and (int(numbers[0]), int(numbers[1])) >= (6, 1)
 
 
-def anonymous_ranges(smaps_text: str | None = None) -> list[Range]:
+def anonymous_ranges(
+    smaps_text: str | None = None, min_resident: float = MIN_RESIDENT
+) -> list[Range]:
     """The private anonymous read-write mappings of this process (``/proc/self/smaps``) at
-    least ``MIN_RESIDENT`` resident, sorted. Collapsing a sparse mapping (a thread's stack)
-    would make resident what was never touched."""
+    least ``min_resident`` resident, sorted. Collapsing a sparse mapping (a thread's stack)
+    would make resident what was never touched; a snapshot taken *before* a load passes 0, so
+    that a mapping which existed then, sparse or not, never counts as new."""
     if smaps_text is None:
         try:
             smaps_text = _SMAPS.read_text()
@@ -100,7 +104,7 @@ def anonymous_ranges(smaps_text: str | None = None) -> list[Range]:
             m = _ANON.match(line)
             current = (int(m.group(1), 16), int(m.group(2), 16)) if m else None
         elif current is not None and (rss := _RSS.match(line)):
-            if int(rss.group(1)) * 1024 >= MIN_RESIDENT * (current[1] - current[0]):
+            if int(rss.group(1)) * 1024 >= min_resident * (current[1] - current[0]):
                 out.append(current)
             current = None
     return sorted(out)

@@ -50,6 +50,12 @@ def test_anonymous_ranges_skip_files_and_sparse_mappings() -> None:
         (0x55D0A0000000, 0x55D0A0800000),
         (0x7F0001000000, 0x7F0001400000),
     ]
+    # a snapshot before a load keeps the sparse one too: it existed, so it is never "new"
+    assert hp.anonymous_ranges(SMAPS, min_resident=0.0) == [
+        (0x55D0A0000000, 0x55D0A0800000),
+        (0x7F0000000000, 0x7F0000800000),
+        (0x7F0001000000, 0x7F0001400000),
+    ]
 
 
 def _anon_huge_kb(lo: int, hi: int) -> int:
@@ -67,7 +73,7 @@ def _anon_huge_kb(lo: int, hi: int) -> int:
 @pytest.mark.skipif(not hp.collapse_supported(), reason="needs THP and Linux 6.1+ (MADV_COLLAPSE)")
 def test_collapse_new_backs_new_memory_with_huge_pages_and_keeps_contents() -> None:
     old = np.arange(8 << 18, dtype=np.float32)  # made before the snapshot: left alone
-    before = hp.anonymous_ranges()
+    before = hp.anonymous_ranges(min_resident=0.0)
     data = np.arange(32 << 18, dtype=np.float32)  # 32 MB, every page touched
     expect = data.copy()
     lo = data.__array_interface__["data"][0]
