@@ -320,15 +320,11 @@ class SlotScheduler:
         t0 = time.perf_counter()
         logits = self.decoder.decode(self._tokens[:rows], self._lengths[:rows], self._active[:rows])
         dt = time.perf_counter() - t0
-        if len(decoding) == 1:
-            i, r = decoding[0]
-            sampled = [(r, int(logits[i].argmax()) if r.sampler.greedy else r.sampler(logits[i]))]
-        else:
-            greedy = logits.argmax(axis=1)  # one pass for all rows
-            sampled = [
-                (r, int(greedy[i]) if r.sampler.greedy else r.sampler(logits[i]))
-                for i, r in decoding
-            ]
+        greedy = logits.argmax(axis=1) if len(decoding) > 1 else None  # one pass for all rows
+        sampled = [
+            (r, int(greedy[i]) if greedy is not None and r.sampler.greedy else r.sampler(logits[i]))
+            for i, r in decoding
+        ]
         with self.lock:
             self.decode_ms.update(dt * 1e3)
             for r, token in sampled:
