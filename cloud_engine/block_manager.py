@@ -24,18 +24,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-
-@dataclass(slots=True)
-class BlockEvents:
-    """Prefix-index changes since the last drain: hashes stored and removed (disjoint)."""
-
-    stored: list[int] = field(default_factory=list)
-    removed: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.stored or self.removed)
+from routing.blocks import BlockEvents
 
 
 class IntegrityError(AssertionError):
@@ -173,6 +163,11 @@ class BlockManager:
     def _event(self, block_hash: int, stored: bool) -> None:
         with self._events_lock:
             self._pending[block_hash] = stored
+
+    def held_hashes(self) -> list[int]:
+        """Every hash the cache holds now (cached or in use): a full snapshot of what the
+        events so far add up to, for a fleet index that has to start over."""
+        return list(self._by_hash)
 
     def drain_events(self) -> BlockEvents:
         """Stored/removed hashes since the last drain (thread-safe); also sent to ``on_events``."""

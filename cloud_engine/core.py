@@ -350,3 +350,6 @@ class EngineCore:
 
     def drain_block_events(self) -> BlockEvents:
         return self.blocks.drain_events()
+
+    def held_blocks(self) -> list[int]:
+        return self.blocks.held_hashes()

@@ -189,6 +189,11 @@ class CloudEngine:
         app forwards them to ``FleetStore.record_blocks(node_id, ev.stored, ev.removed)``."""
         return self.core.drain_block_events()
 
+    def held_blocks(self) -> list[int]:
+        """Every block hash the prefix cache holds now (a snapshot for a fleet index that
+        starts over); events drained later only move it forward."""
+        return self.core.held_blocks()
+
     # -- the step thread -------------------------------------------------------------------
     def _run(self) -> None:
         core = self.core

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 BLOCK_SIZE = 16
 _MASK64 = (1 << 64) - 1
@@ -39,3 +40,14 @@ def block_hashes(token_ids: Sequence[int], seed: int, block_size: int = BLOCK_SI
         parent = hash_block(parent, token_ids[start : start + block_size])
         out.append(parent)
     return out
+
+
+@dataclass(slots=True)
+class BlockEvents:
+    """Prefix-index changes since the last drain: hashes stored and removed (disjoint)."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed)

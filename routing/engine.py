@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from routing.blocks import BlockEvents
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -130,3 +132,19 @@ class Engine(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+
+@runtime_checkable
+class PrefixCacheEngine(Protocol):
+    """An engine that keeps a prefix cache keyed by ``routing.blocks`` hashes and reports it.
+
+    Invariants: ``drain_block_events`` returns each change once (thread-safe); applying every
+    drained batch in order to ``held_blocks()`` taken at any earlier moment gives what the cache
+    holds. ``TokenEvent.cached_tokens`` counts exactly the leading held blocks a request reused
+    (whole blocks, at most ``(prompt tokens - 1) // BLOCK_SIZE`` of them), so a fleet index
+    fed these events credits a node with what it will then report.
+    """
+
+    def drain_block_events(self) -> BlockEvents: ...
+
+    def held_blocks(self) -> list[int]: ...
