@@ -182,6 +182,7 @@ class CloudEngine:
             prefill_tokens_per_s=c.counters.prefill_tok_s,
             decode_ms_per_token=c.counters.decode_ms,
             prefix_hit_rate=c.prefix_hit_rate,
+            prefix_cache=True,
         )
 
     def drain_block_events(self) -> BlockEvents:

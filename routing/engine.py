@@ -101,6 +101,7 @@ class EngineStats:
     prefill_tokens_per_s: float  # EWMA of the engine's own measurements
     decode_ms_per_token: float  # EWMA, per sequence at the current batch
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
+    prefix_cache: bool = False  # it reuses cached prefixes and reports them (PrefixCacheEngine)
 
 
 @runtime_checkable

@@ -247,12 +247,15 @@ class LatencyModel:
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
-        ``cached_tokens`` is what the prefix index says the node holds (credited by
-        ``prefix_credit``, capped so at least one token is computed); ``extra_inflight`` counts
+        ``cached_tokens`` is what the prefix index says the node holds (whole blocks, capped at
+        ``(prompt_tokens - 1) // BLOCK_SIZE`` of them as the engines do, scaled by
+        ``prefix_credit``); ``extra_inflight`` counts
         requests this gateway sent to the node after its state was taken.
         """
         k = self.knobs
-        cached = min(int(cached_tokens * k.prefix_credit), max(0, prompt_tokens - 1))
+        # whole blocks only, and at least one token computed: what the engines then report
+        blocks = min(cached_tokens // BLOCK_SIZE, max(0, prompt_tokens - 1) // BLOCK_SIZE)
+        cached = int(blocks * k.prefix_credit) * BLOCK_SIZE
         uncached = max(1, prompt_tokens - cached)
         slots = max(1, node.max_batch)
         occupied = node.running + node.waiting + max(0, extra_inflight)

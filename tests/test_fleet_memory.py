@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import (
     InProcessFleetStore,
     OpenAINodeConfig,
@@ -121,25 +122,56 @@ def test_polling_urls_needs_a_fetch_callable():
         InProcessFleetStore(["http://x"])
 
 
-async def test_approximate_index_from_decisions_and_precise_from_events():
+async def test_index_holds_only_what_nodes_report():
     store = InProcessFleetStore()
     await store.put_node(state("e1", timestamp=time.time()))
     await store.put_node(state("c1", kind=NodeKind.CLOUD, timestamp=time.time()))
-    store.note_routed("e1", [11, 12, 13])
-    store.note_routed("c1", [11, 12])
-    view = await store.view([11, 12, 13, 14])
-    assert view.prefix_blocks == {"e1": 3, "c1": 2}
+    assert (await store.view([11, 12, 13])).prefix_blocks == {}  # routing alone credits nobody
 
-    # c1 starts publishing events: our guesses about it are dropped, its events rule.
-    await store.record_blocks("c1", [11], [])
-    store.note_routed("c1", [11, 12, 13])
-    view = await store.view([11, 12, 13])
-    assert view.prefix_blocks == {"e1": 3, "c1": 1}
-    await store.record_blocks("c1", [12, 13], [11])
-    assert (await store.view([11, 12])).prefix_blocks == {"e1": 2}
+    await store.record_blocks("c1", [11, 13], [])
+    assert (await store.view([11, 12, 13])).prefix_blocks == {"c1": 1}  # leading run only
+    await store.record_blocks("c1", [12], [11])
+    assert (await store.view([11, 12])).prefix_blocks == {}
+    await store.replace_blocks("c1", [11, 12])
+    assert (await store.view([11, 12, 13])).prefix_blocks == {"c1": 2}
 
     await store.remove_node("e1")
     assert [n.id for n in (await store.view([])).nodes] == ["c1"]
+
+
+async def test_block_feed_pages_are_polled_and_synced_after_a_request():
+    """The store follows a node's feed by cursor: a full page first, then deltas; a finished
+    request triggers a sync that the next view waits for."""
+    pages: list[tuple[str | None, int]] = []
+    feed = {"epoch": "a", "seq": 0, "held": {1, 2}}
+
+    async def fetch_state(url: str) -> NodeState:
+        return state("c1", kind=NodeKind.CLOUD, prefix_cache=True, timestamp=time.time())
+
+    async def fetch_blocks(url: str, epoch: str | None, seq: int) -> BlockFeedPage:
+        pages.append((epoch, seq))
+        if epoch != feed["epoch"]:
+            return BlockFeedPage(feed["epoch"], feed["seq"], True, sorted(feed["held"]), [])
+        return BlockFeedPage(feed["epoch"], feed["seq"], False, [3], [1])
+
+    store = InProcessFleetStore(
+        ["http://c1"], fetch_state=fetch_state, fetch_blocks=fetch_blocks, poll_interval_s=60
+    )
+    await store.start()
+    try:
+        assert pages == [(None, 0)]
+        assert (await store.view([1, 2])).prefix_blocks == {"c1": 2}
+        feed["seq"] = 5
+        store.note_finished("c1")
+        assert (await store.view([2, 3])).prefix_blocks == {"c1": 2}  # waited for the sync
+        assert pages == [(None, 0), ("a", 0)]
+        assert (await store.view([1])).prefix_blocks == {}
+        feed["epoch"] = "b"  # the node restarted: the next page is full again
+        store.note_finished("c1")
+        assert (await store.view([1, 2])).prefix_blocks == {"c1": 2}
+        assert pages[-1] == ("a", 5)
+    finally:
+        await store.close()
 
 
 def test_openai_tracker_synthesizes_state_from_inflight_and_latency():

@@ -98,14 +98,17 @@ async def test_block_events_and_leading_matches(store: RedisFleetStore, raw: Red
     assert sorted(n.id for n in view.nodes) == ["c2", "e1"]
 
 
-async def test_nodes_without_events_use_the_gateways_own_decisions(store: RedisFleetStore):
-    await store.put_node(node("e1", NodeKind.EDGE))
-    await store.put_node(node("c1"))
-    await store.record_blocks("c1", HASHES[:1], [])
-    store.note_routed("e1", HASHES[:3])
-    store.note_routed("c1", HASHES[:5])  # ignored: c1 publishes events, its index is precise
+async def test_only_reported_blocks_are_credited(store: RedisFleetStore):
+    await store.put_node(node("e1", NodeKind.EDGE))  # keeps no prefix cache: never credited
+    assert await store.put_node(node("c1")) is False  # no index of c1 in the store yet
+    await store.record_blocks("c1", [HASHES[0], HASHES[1], HASHES[3]], [])
+    assert await store.put_node(node("c1")) is True
     view = await store.view(HASHES)
-    assert view.prefix_blocks == {"e1": 3, "c1": 1}
+    assert view.prefix_blocks == {"c1": 2}  # the longest run of leading blocks, not any block
+
+    await store.replace_blocks("c1", HASHES[2:])  # a snapshot replaces the whole index
+    assert (await store.view(HASHES)).prefix_blocks == {}
+    assert (await store.view(HASHES[2:])).prefix_blocks == {"c1": len(HASHES) - 2}
 
 
 async def test_view_is_one_round_trip(store: RedisFleetStore, raw: Redis, monkeypatch):
@@ -154,8 +157,9 @@ async def test_openai_nodes_are_merged_into_the_view(redis_url: str, namespace: 
 async def test_outage_serves_last_view_then_recovers(store: RedisFleetStore, redis_server):
     await store.put_node(node("c1", ttl_s=30.0, running=2))
     await store.put_node(node("e1", NodeKind.EDGE, ttl_s=30.0))
-    store.note_routed("e1", HASHES[:2])
+    await store.record_blocks("c1", HASHES[:2], [])
     fresh = await store.view(HASHES)
+    assert fresh.prefix_blocks == {"c1": 2}
     assert store.healthy and not fresh.stale
 
     redis_server.stop()
@@ -165,7 +169,7 @@ async def test_outage_serves_last_view_then_recovers(store: RedisFleetStore, red
         elapsed = time.perf_counter() - t0
         assert view.stale is True
         assert sorted(n.id for n in view.nodes) == ["c1", "e1"]
-        assert view.prefix_blocks == {"e1": 2}  # the local guesses still count
+        assert view.prefix_blocks == {}  # nothing is credited that Redis cannot confirm
         assert elapsed < 1.0
         assert store.healthy is False
         assert store.last_error and "Error" in store.last_error
@@ -179,7 +183,8 @@ async def test_outage_serves_last_view_then_recovers(store: RedisFleetStore, red
     # Back by itself: the next view reaches Redis again (a fresh, empty one: no persistence).
     view = await store.view(HASHES)
     assert view.stale is False and store.healthy is True and store.last_error is None
-    await store.put_node(node("c1", running=5))
+    # Redis came back empty: put_node says the index is gone, so the node re-sends it.
+    assert await store.put_node(node("c1", running=5)) is False
     view = await store.view(HASHES)
     assert [(n.id, n.running) for n in view.nodes] == [("c1", 5)]
 

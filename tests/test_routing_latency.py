@@ -49,8 +49,13 @@ def test_prefix_cache_credit_and_one_token_minimum():
     e = est(m, node(), prompt=100, cached=64)
     assert (e.cached_tokens, e.uncached_tokens) == (64, 36)
     assert e.prefill_ms == pytest.approx(72.0)
-    e = est(m, node(), prompt=32, cached=32)  # all cached: one token is still computed
-    assert (e.cached_tokens, e.uncached_tokens) == (31, 1)
+    # All cached: as the engines do, the last block is computed again so that at least one
+    # token gives the next token's logits; credit is whole blocks only.
+    e = est(m, node(), prompt=32, cached=32)
+    assert (e.cached_tokens, e.uncached_tokens) == (16, 16)
+    e = est(m, node(), prompt=33, cached=32)
+    assert (e.cached_tokens, e.uncached_tokens) == (32, 1)
+    assert est(m, node(), prompt=100, cached=70).cached_tokens == 64
     half = LatencyModel(LatencyKnobs(prefix_credit=0.5))
     assert est(half, node(), prompt=100, cached=64).cached_tokens == 32
 

@@ -48,6 +48,7 @@ from gateway.proxy import (
     passthrough_headers,
     relay_stream,
 )
+from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetStore, FleetView
@@ -127,6 +128,7 @@ class Gateway:
         return InProcessFleetStore(
             self.config.nodes,
             fetch_state=self._fetch_state,
+            fetch_blocks=self._fetch_blocks,
             openai_nodes=trackers,
             poll_interval_s=self.config.poll_interval_s,
         )
@@ -152,6 +154,14 @@ class Gateway:
         resp = await self.client.get(url.rstrip("/") + "/load", timeout=1.0)
         resp.raise_for_status()
         return NodeState.model_validate(resp.json())
+
+    async def _fetch_blocks(self, url: str, epoch: str | None, seq: int) -> BlockFeedPage:
+        params: dict[str, str | int] = {"since": seq}
+        if epoch is not None:
+            params["epoch"] = epoch
+        resp = await self.client.get(url.rstrip("/") + "/prefix/events", params=params, timeout=1.0)
+        resp.raise_for_status()
+        return BlockFeedPage.from_json(resp.json())
 
     async def start(self) -> None:
         start = getattr(self.store, "start", None)
@@ -532,9 +542,7 @@ class Gateway:
         if ticket is not None:
             self.router.finish(ticket, measured)
             if measured is not None:
-                note = getattr(self.store, "note_routed", None)
-                if note is not None and ticket.profile is not None:
-                    note(node_id, ticket.profile.block_hashes)
+                self.store.note_finished(node_id)
         tr = self.trackers.get(node_id)
         if tr is not None:
             tr.finished(

@@ -23,6 +23,8 @@ from gateway.errors import APIError, install_error_handlers
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
+from routing.engine import PrefixCacheEngine
+from routing.fleet.block_feed import BlockFeed
 from routing.fleet.store import FleetStore
 from routing.prompt import TOKENIZER_FILES
 
@@ -68,12 +70,18 @@ def _chunk(
 
 
 def create_node_app(service: NodeService, store: FleetStore | None = None) -> FastAPI:
-    publisher = StatePublisher(service, store) if store is not None else None
+    publisher: StatePublisher | None = None
+    feed: BlockFeed | None = None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        nonlocal publisher, feed
         await service.engine.start()
-        if publisher is not None:
+        engine = service.engine
+        if isinstance(engine, PrefixCacheEngine) and engine.stats().prefix_cache:
+            feed = BlockFeed(engine)
+        if store is not None:
+            publisher = StatePublisher(service, store, feed)
             await publisher.start()
         try:
             yield
@@ -228,6 +236,19 @@ def create_node_app(service: NodeService, store: FleetStore | None = None) -> Fa
     @app.get("/load")
     async def load() -> dict[str, Any]:
         return service.node_state().model_dump(mode="json")
+
+    @app.get("/prefix/events")
+    async def prefix_events(epoch: str | None = None, since: int = 0) -> dict[str, Any]:
+        """The node's prefix-cache changes after cursor ``(epoch, since)``, or its whole index
+        (``full``) when the cursor is from another run or too old (routing.fleet.block_feed)."""
+        if feed is None:
+            raise APIError(
+                404,
+                "this node keeps no prefix cache",
+                type_="invalid_request_error",
+                code="no_prefix_cache",
+            )
+        return feed.since(epoch, since).to_json()
 
     @app.get("/tokenizer/{model:path}")
     async def tokenizer(model: str) -> dict[str, Any]:

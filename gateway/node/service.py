@@ -216,5 +216,6 @@ class NodeService:
             prefill_tokens_per_s=s.prefill_tokens_per_s,
             decode_ms_per_token=s.decode_ms_per_token,
             prefix_hit_rate=s.prefix_hit_rate,
+            prefix_cache=s.prefix_cache,
             ttl_s=self.config.ttl_s,
         )

@@ -1,20 +1,23 @@
 """The in-process fleet store (one gateway, nodes from its config) and its building blocks.
 
-- :class:`PrefixIndex`: block hashes per node, LRU-bounded; precise when fed a node's block
-  events, approximate when fed the gateway's own routing decisions (``note_routed``).
+- :class:`PrefixIndex`: the block hashes each node reported holding, LRU-bounded.
 - :class:`OpenAINodeTracker`: the inferred state of an external OpenAI-compatible server
   (kind ``openai``), from its configured limits and what the gateway observes.
-- :class:`InProcessFleetStore`: polls each configured node's ``/load`` through an injected
-  ``fetch_state(url)`` coroutine (the gateway supplies it with its HTTP client; routing stays
-  free of HTTP libraries).
+- :class:`InProcessFleetStore`: polls each configured node's ``/load`` and, for nodes that keep
+  a prefix cache, its ``/prefix/events`` feed (``routing.fleet.block_feed``), through injected
+  ``fetch_state(url)`` and ``fetch_blocks(url, epoch, seq)`` coroutines (the gateway supplies
+  them with its HTTP client; routing stays free of HTTP libraries).
 
 Invariants:
-- ``view`` never performs I/O and returns only fresh states: a polled state is stamped with the
-  time it was *received* (node clocks do not matter) and lives ``stale_after_s``.
-- A node that has published block events is indexed precisely from then on: the gateway's own
-  decisions no longer add guesses to it.
-- Per node, the index holds at most ``max_blocks_per_node`` hashes; the least recently
-  routed or stored are dropped first.
+- ``view`` never performs I/O of its own and returns only fresh states: a polled state is
+  stamped with the time it was *received* (node clocks do not matter) and lives
+  ``stale_after_s``. It waits (at most ``sync_wait_s``) for block syncs already under way, so a
+  request that follows a finished one sees what that one left in the cache.
+- A node is credited only with hashes it reported (``record_blocks``, ``replace_blocks``, or its
+  feed): the same exactness as the Redis store. A node whose state says it keeps no prefix
+  cache, and every ``openai`` node, is never credited.
+- Per node, the index holds at most ``max_blocks_per_node`` hashes; the least recently stored
+  are dropped first.
 """
 
 from __future__ import annotations
@@ -28,18 +31,20 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetStore, FleetView
 
 log = logging.getLogger(__name__)
 
 FetchState = Callable[[str], Awaitable[NodeState]]
+FetchBlocks = Callable[[str, str | None, int], Awaitable[BlockFeedPage]]
 
 
 class PrefixIndex:
     """Block hashes per node, each node's set an LRU of at most ``max_blocks_per_node``."""
 
-    def __init__(self, max_blocks_per_node: int = 65_536) -> None:
+    def __init__(self, max_blocks_per_node: int = 1 << 20) -> None:
         self.max_blocks_per_node = max_blocks_per_node
         self._nodes: dict[str, OrderedDict[int, None]] = {}
 
@@ -61,6 +66,10 @@ class PrefixIndex:
 
     def drop(self, node_id: str) -> None:
         self._nodes.pop(node_id, None)
+
+    def replace(self, node_id: str, hashes: Iterable[int]) -> None:
+        self._nodes.pop(node_id, None)
+        self.add(node_id, hashes)
 
     def size(self, node_id: str) -> int:
         return len(self._nodes.get(node_id, ()))
@@ -171,33 +180,41 @@ class OpenAINodeTracker:
 
 
 class InProcessFleetStore(FleetStore):
-    """Nodes from the gateway's config, polled over ``/load``; an index from its own decisions."""
+    """Nodes from the gateway's config, polled over ``/load``; their prefix caches over
+    ``/prefix/events`` (see the module docstring)."""
 
     def __init__(
         self,
         urls: Sequence[str] = (),
         *,
         fetch_state: FetchState | None = None,
+        fetch_blocks: FetchBlocks | None = None,
         openai_nodes: Sequence[OpenAINodeTracker] = (),
         poll_interval_s: float = 1.0,
         fetch_timeout_s: float = 0.5,
         stale_after_s: float | None = None,
-        max_blocks_per_node: int = 65_536,
+        sync_wait_s: float = 0.05,
+        max_blocks_per_node: int = 1 << 20,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if urls and fetch_state is None:
             raise ValueError("polling node urls needs a fetch_state(url) coroutine")
         self.urls = list(urls)
         self.fetch_state = fetch_state
+        self.fetch_blocks = fetch_blocks
         self.openai_nodes = {t.id: t for t in openai_nodes}
         self.poll_interval_s = poll_interval_s
         self.fetch_timeout_s = fetch_timeout_s
         self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * poll_interval_s
+        self.sync_wait_s = sync_wait_s
         self.clock = clock
         self.index = PrefixIndex(max_blocks_per_node)
-        self._precise: set[str] = set()
         self._states: dict[str, NodeState] = {}
+        self._cursors: dict[str, tuple[str | None, int]] = {}  # node id -> (epoch, seq)
+        self._syncs: dict[str, asyncio.Task[None]] = {}  # node id -> block sync under way
+        self._resync: set[str] = set()  # finished requests while a sync was under way
         self.poll_errors: dict[str, str] = {}  # url -> last error, while it fails
+        self.block_sync_errors = 0
         self._task: asyncio.Task[None] | None = None
 
     # ---- health (the in-process store has no external dependency) ---------------------------
@@ -210,7 +227,12 @@ class InProcessFleetStore(FleetStore):
         return None
 
     def health(self) -> dict[str, object]:
-        return {"backend": "memory", "healthy": True, "poll_errors": dict(self.poll_errors)}
+        return {
+            "backend": "memory",
+            "healthy": True,
+            "poll_errors": dict(self.poll_errors),
+            "block_sync_errors": self.block_sync_errors,
+        }
 
     # ---- polling -----------------------------------------------------------------------------
     async def _poll_one(self, url: str) -> bool:
@@ -226,7 +248,50 @@ class InProcessFleetStore(FleetStore):
         self._states[state.id] = state.model_copy(
             update={"timestamp": self.clock(), "ttl_s": self.stale_after_s}
         )
+        if state.prefix_cache:
+            await self._sync_blocks(state.id)
         return True
+
+    async def _sync_blocks(self, node_id: str) -> None:
+        """Bring the node's index up to its feed's cursor (one request to the node)."""
+        state = self._states.get(node_id)
+        if state is None or self.fetch_blocks is None or not state.prefix_cache:
+            return
+        epoch, seq = self._cursors.get(node_id, (None, 0))
+        try:
+            page = await asyncio.wait_for(
+                self.fetch_blocks(state.url, epoch, seq), self.fetch_timeout_s
+            )
+        except Exception as exc:  # the next poll retries from the same cursor
+            self.block_sync_errors += 1
+            log.debug("block sync of %s failed: %s", node_id, exc)
+            return
+        if page.full:
+            self.index.replace(node_id, page.stored)
+        else:
+            self.index.remove(node_id, page.removed)
+            self.index.add(node_id, page.stored)
+        self._cursors[node_id] = (page.epoch, page.seq)
+
+    def note_finished(self, node_id: str) -> None:
+        """Fetch the node's block events now (coalesced: one sync at a time per node)."""
+        state = self._states.get(node_id)
+        if state is None or not state.prefix_cache or self.fetch_blocks is None:
+            return
+        if node_id in self._syncs:
+            self._resync.add(node_id)
+            return
+        self._syncs[node_id] = asyncio.get_running_loop().create_task(self._sync_loop(node_id))
+
+    async def _sync_loop(self, node_id: str) -> None:
+        try:
+            while True:
+                self._resync.discard(node_id)
+                await self._sync_blocks(node_id)
+                if node_id not in self._resync:
+                    return
+        finally:
+            self._syncs.pop(node_id, None)
 
     async def poll_once(self) -> int:
         """Fetch every configured node's state once, concurrently; returns how many answered."""
@@ -247,34 +312,32 @@ class InProcessFleetStore(FleetStore):
             await self.poll_once()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        tasks = [t for t in (self._task, *self._syncs.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await t
+        self._task = None
 
     # ---- FleetStore --------------------------------------------------------------------------
-    async def put_node(self, state: NodeState) -> None:
+    async def put_node(self, state: NodeState) -> bool:
         self._states[state.id] = state
+        return True
 
     async def remove_node(self, node_id: str) -> None:
         self._states.pop(node_id, None)
+        self._cursors.pop(node_id, None)
         self.index.drop(node_id)
-        self._precise.discard(node_id)
 
     async def record_blocks(
         self, node_id: str, stored: Sequence[int], removed: Sequence[int]
     ) -> None:
-        if node_id not in self._precise:
-            self._precise.add(node_id)
-            self.index.drop(node_id)  # forget our guesses: the node tells us now
         self.index.remove(node_id, removed)
         self.index.add(node_id, stored)
 
-    def note_routed(self, node_id: str, block_hashes: Sequence[int]) -> None:
-        """Remember that ``node_id`` was sent this prefix (it will likely hold it afterwards)."""
-        if node_id not in self._precise and block_hashes:
-            self.index.add(node_id, block_hashes)
+    async def replace_blocks(self, node_id: str, held: Sequence[int]) -> None:
+        self.index.replace(node_id, held)
 
     def nodes(self) -> list[NodeState]:
         now = self.clock()
@@ -283,10 +346,14 @@ class InProcessFleetStore(FleetStore):
         return fresh
 
     async def view(self, block_hashes: Sequence[int]) -> FleetView:
+        if block_hashes and self._syncs:
+            await asyncio.wait(list(self._syncs.values()), timeout=self.sync_wait_s)
         nodes = self.nodes()
         prefix = {}
         if block_hashes:
             for n in nodes:
+                if n.kind == NodeKind.OPENAI:
+                    continue
                 count = self.index.leading(n.id, block_hashes)
                 if count:
                     prefix[n.id] = count

@@ -11,8 +11,12 @@ Invariants:
 - Nothing hangs: short socket timeouts, no client-side retries. While Redis is unreachable,
   ``view`` answers at once from the last good view (``stale=True``), retrying Redis at most
   every ``retry_interval_s``; the first success makes the store ``healthy`` again.
-- Nodes that never published block events (no ``events:{id}`` stream) are credited from this
-  gateway's own decisions (``note_routed``), as in the in-process store.
+- A node is credited only with blocks it reported holding (its ``blocks:{id}`` set, fed by its
+  block events): a node that keeps no prefix cache has no set and is never credited, and a
+  stale view (Redis unreachable) credits nobody.
+- ``put_node`` tells the node whether the store still holds its prefix index (the
+  ``events:{id}`` stream exists): after Redis restarts empty, the node re-sends its whole index
+  with ``replace_blocks``.
 - Writes (``put_node``, ``record_blocks``, ``remove_node``) are one pipelined round trip each
   and raise :class:`FleetStoreUnavailable` when Redis is down.
 - The NodeState objects a view returns are shared with later views until the node pushes a
@@ -31,7 +35,7 @@ from typing import Any
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from routing.fleet.memory_store import OpenAINodeTracker, PrefixIndex
+from routing.fleet.memory_store import OpenAINodeTracker
 from routing.fleet.state import NodeState
 from routing.fleet.store import KEY_PREFIX, FleetStore, FleetView
 from routing.redis_link import REDIS_ERRORS, OverRedisLink, RedisLink, redis_client
@@ -45,17 +49,13 @@ local out = {}
 for _, id in ipairs(ids) do
   local state = redis.call('GET', ns .. 'node:' .. id)
   if state then
-    local indexed = redis.call('EXISTS', ns .. 'events:' .. id)
+    local bkey = ns .. 'blocks:' .. id
     local n = 0
-    if indexed == 1 then
-      local bkey = ns .. 'blocks:' .. id
-      for i = 2, #ARGV do
-        if redis.call('SISMEMBER', bkey, ARGV[i]) == 1 then n = n + 1 else break end
-      end
+    for i = 2, #ARGV do
+      if redis.call('SISMEMBER', bkey, ARGV[i]) == 1 then n = n + 1 else break end
     end
     out[#out + 1] = state
     out[#out + 1] = n
-    out[#out + 1] = indexed
   end
 end
 return out
@@ -83,7 +83,6 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         index_ttl_s: float = 600.0,
         events_maxlen: int = 1000,
         openai_nodes: Sequence[OpenAINodeTracker] = (),
-        max_approx_blocks_per_node: int = 65_536,
         client: Redis | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -105,10 +104,8 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             clock=clock,
         )
         self._view_script = self.redis.register_script(VIEW_SCRIPT)
-        self.approx = PrefixIndex(max_approx_blocks_per_node)
         self._last_nodes: list[NodeState] = []
         self._parsed: dict[str, NodeState] = {}  # raw JSON -> state, for the last view's nodes
-        self._indexed: set[str] = set()
         self.views_total = 0
         self.stale_views_total = 0
 
@@ -126,17 +123,18 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         }
 
     # ---- writes ------------------------------------------------------------------------------
-    async def _write(self, build: Callable[[Any], None]) -> None:
+    async def _write(self, build: Callable[[Any], None]) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
         build(pipe)
         try:
-            await pipe.execute()
+            results = await pipe.execute()
         except REDIS_ERRORS as exc:
             self.link.fail(exc)
             raise FleetStoreUnavailable(f"fleet store unreachable: {exc}") from exc
         self.link.ok()
+        return list(results)
 
-    async def put_node(self, state: NodeState) -> None:
+    async def put_node(self, state: NodeState) -> bool:
         ttl_ms = max(1, int(state.ttl_s * 1000))
         payload = state.model_dump_json()
         now = self.clock()
@@ -148,7 +146,8 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             p.pexpire(self._key("blocks", state.id), self.index_ttl_ms)
             p.pexpire(self._key("events", state.id), self.index_ttl_ms)
 
-        await self._write(build)
+        results = await self._write(build)
+        return bool(results[-1])  # PEXPIRE on events:{id} is 0 when the stream is gone
 
     async def remove_node(self, node_id: str) -> None:
         def build(p: Any) -> None:
@@ -160,7 +159,6 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             p.zrem(self._key("nodes"), node_id)
 
         await self._write(build)
-        self.approx.drop(node_id)
 
     async def record_blocks(
         self, node_id: str, stored: Sequence[int], removed: Sequence[int]
@@ -185,42 +183,52 @@ class RedisFleetStore(OverRedisLink, FleetStore):
 
         await self._write(build)
 
+    async def replace_blocks(self, node_id: str, held: Sequence[int]) -> None:
+        blocks, events = self._key("blocks", node_id), self._key("events", node_id)
+        held_hex = [hex_hash(h) for h in held]
+
+        def build(p: Any) -> None:
+            p.delete(blocks)
+            for i in range(0, len(held_hex), 4096):
+                p.sadd(blocks, *held_hex[i : i + 4096])
+            p.xadd(
+                events,
+                {"full": str(len(held_hex))},
+                maxlen=self.events_maxlen,
+                approximate=True,
+            )
+            p.pexpire(blocks, self.index_ttl_ms)
+            p.pexpire(events, self.index_ttl_ms)
+
+        await self._write(build)
+
     # ---- reads -------------------------------------------------------------------------------
-    def note_routed(self, node_id: str, block_hashes: Sequence[int]) -> None:
-        """Remember a routing decision, for nodes that publish no block events."""
-        if node_id not in self._indexed and block_hashes:
-            self.approx.add(node_id, block_hashes)
 
     def _with_local(self, nodes: list[NodeState]) -> list[NodeState]:
         if not self.openai_nodes:
             return nodes
         return [*nodes, *(t.state() for t in self.openai_nodes.values())]
 
-    def _stale_view(self, block_hashes: Sequence[int]) -> FleetView:
+    def _stale_view(self) -> FleetView:
         self.stale_views_total += 1
-        nodes = self._with_local(list(self._last_nodes))
-        prefix = {}
-        for n in nodes:
-            count = self.approx.leading(n.id, block_hashes) if block_hashes else 0
-            if count:
-                prefix[n.id] = count
-        return FleetView(nodes=nodes, prefix_blocks=prefix, stale=True)
+        return FleetView(
+            nodes=self._with_local(list(self._last_nodes)), prefix_blocks={}, stale=True
+        )
 
     async def view(self, block_hashes: Sequence[int]) -> FleetView:
         self.views_total += 1
         if self.link.should_skip():
-            return self._stale_view(block_hashes)
+            return self._stale_view()
         try:
             raw = await self._view_script(args=[self.ns, *(hex_hash(h) for h in block_hashes)])
         except REDIS_ERRORS as exc:
             self.link.fail(exc)
-            return self._stale_view(block_hashes)
+            return self._stale_view()
         self.link.ok()
         nodes: list[NodeState] = []
         prefix: dict[str, int] = {}
-        indexed: set[str] = set()
         parsed: dict[str, NodeState] = {}
-        for i in range(0, len(raw), 3):
+        for i in range(0, len(raw), 2):
             node = self._parsed.get(raw[i])  # states change once a second; views run per request
             if node is None:
                 try:
@@ -230,24 +238,12 @@ class RedisFleetStore(OverRedisLink, FleetStore):
                     continue
             parsed[raw[i]] = node
             nodes.append(node)
-            if int(raw[i + 2]):
-                indexed.add(node.id)
-                count = int(raw[i + 1])
-            else:
-                count = self.approx.leading(node.id, block_hashes) if block_hashes else 0
+            count = int(raw[i + 1])
             if count:
                 prefix[node.id] = count
-        for node_id in indexed - self._indexed:
-            self.approx.drop(node_id)
-        self._indexed |= indexed
         self._parsed = parsed
         self._last_nodes = nodes
-        local = self._with_local(nodes)
-        for t in local[len(nodes) :]:
-            count = self.approx.leading(t.id, block_hashes) if block_hashes else 0
-            if count:
-                prefix[t.id] = count
-        return FleetView(nodes=local, prefix_blocks=prefix, stale=False)
+        return FleetView(nodes=self._with_local(nodes), prefix_blocks=prefix, stale=False)
 
     async def close(self) -> None:
         await self.redis.aclose()

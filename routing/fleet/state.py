@@ -38,6 +38,7 @@ class NodeState(BaseModel):
     prefill_tokens_per_s: float = 0.0  # EWMA from the node's own timings
     decode_ms_per_token: float = 0.0  # EWMA from the node's own timings
     prefix_hit_rate: float = 0.0
+    prefix_cache: bool = False  # it keeps a prefix cache and publishes its block events
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken
     ttl_s: float = 5.0
     version: int = SCHEMA_VERSION

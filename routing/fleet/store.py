@@ -1,9 +1,10 @@
 """The fleet store interface: where node states and the prefix index live.
 
 Two implementations: ``routing.fleet.redis_store.RedisFleetStore`` (many gateways, nodes
-register themselves, precise prefix index from the cloud nodes' block events) and
+register themselves and push their block events) and
 ``routing.fleet.memory_store.InProcessFleetStore`` (one gateway, nodes from its config, polled
-over ``/load``; the prefix index approximated from its own routing decisions).
+over ``/load`` and ``/prefix/events``). Both index exactly what the nodes report holding
+(``routing.fleet.block_feed``): a node that keeps no prefix cache is never credited.
 
 Redis key layout (all under ``edgecloud:v1:``):
 - ``node:{node_id}``: the NodeState as JSON, with a TTL of ``state.ttl_s``.
@@ -38,8 +39,9 @@ class FleetView:
 
 class FleetStore(abc.ABC):
     @abc.abstractmethod
-    async def put_node(self, state: NodeState) -> None:
-        """Publish a node's state (with its TTL)."""
+    async def put_node(self, state: NodeState) -> bool:
+        """Publish a node's state (with its TTL). Returns whether the store still holds the
+        node's prefix index; False (it restarted empty) asks the node for ``replace_blocks``."""
 
     @abc.abstractmethod
     async def remove_node(self, node_id: str) -> None:
@@ -50,6 +52,13 @@ class FleetStore(abc.ABC):
         self, node_id: str, stored: Sequence[int], removed: Sequence[int]
     ) -> None:
         """Apply a node's block events to the prefix index."""
+
+    @abc.abstractmethod
+    async def replace_blocks(self, node_id: str, held: Sequence[int]) -> None:
+        """Replace the node's whole prefix index with ``held`` (a snapshot of its cache)."""
+
+    def note_finished(self, node_id: str) -> None:  # noqa: B027 - optional hook
+        """A request on ``node_id`` finished: block events it caused may be waiting there."""
 
     @abc.abstractmethod
     async def view(self, block_hashes: Sequence[int]) -> FleetView:
