@@ -3,6 +3,7 @@ the slot-based generation loop over an ONNX decoder graph with an in-place KV ca
 
 Modules: ``export`` (cached exports; torch only inside ``torch_export``), ``quantize``,
 ``graph_passes``, ``graph_info``, ``providers``, ``decoder`` (session + KV buffers),
-``scheduler`` (the blocking slot loop), ``sampler`` and ``engine`` (``EdgeEngine``, the
+``scheduler`` (the blocking slot loop), ``slot_cache`` (a finished request's KV kept in its slot
+for prefix reuse), ``sampler`` and ``engine`` (``EdgeEngine``, the
 :class:`routing.engine.Engine` of kind ``"edge"``).
 """

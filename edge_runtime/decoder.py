@@ -18,7 +18,10 @@ their caches are gathered into ``[B, kv_heads, P, head_dim]`` (P = the longest, 
 zero-padded and masked out, the new token at index P for every row), and each row's valid part
 plus its new position is scattered back afterwards. The gather and scatter copy the caches once
 more, which costs far less than reading the weights once per slot; their buffers grow to the
-largest batch seen and are reused.
+largest batch seen and are reused. A slot's buffer holds its sequence as
+``[kv_heads, n, head_dim]`` for the length ``n`` it was last written with (``_len``); a run
+from a shorter ``start`` (a kept prefix reused, see ``edge_runtime.slot_cache``) first re-lays
+the first ``start`` positions as ``[kv_heads, start, head_dim]`` (one copy of them).
 
 Decode steps of the ``gqa`` layout touch as little as possible per token: each batch size has
 one binding, made once, whose KV, ``input_ids``, ``position_ids``, ``logits_to_keep`` and
@@ -33,8 +36,9 @@ onnxruntime's Python wrappers when this onnxruntime exposes them (the wrappers c
 capture and build an ``OrtDevice`` on every call); otherwise through the public wrappers.
 
 Invariants: ``prefill(slot, tokens, start)`` requires positions ``0..start-1`` of the slot to
-hold the sequence's cache and leaves ``0..start+len(tokens)-1`` valid; callers never exceed
-``context`` positions per slot.
+hold the sequence's cache and leaves ``0..start+len(tokens)-1`` valid; the positions after a
+slot's sequence may hold anything (a kept longer sequence, a dummy row's write), so ``start``
+may lie below the length last written; callers never exceed ``context`` positions per slot.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class Decoder:
                 for _ in range(slots)
             ]
             self._cur = [0] * slots
+            self._len = [0] * slots  # the sequence length the current buffer is laid out for
             self._batch_past: list[np.ndarray] = []  # gather buffers, grown on demand
             self._batch_present: list[np.ndarray] = []
         self._bindings: dict[tuple[str, int], ort.IOBinding] = {}
@@ -242,7 +247,25 @@ class Decoder:
 
     # --- concat graphs ------------------------------------------------------------------------
 
+    def _layout(self, slot: int, n: int) -> None:
+        """Lay the slot's current buffers out as ``[kv_heads, n, head_dim]``, keeping the first
+        ``n`` positions (they were written as part of a sequence of ``_len[slot]`` >= n)."""
+        old = self._len[slot]
+        if old == n:
+            return
+        if old < n:
+            raise ValueError(f"slot {slot} holds {old} positions, not {n}")
+        h, d = self.info.num_kv_heads, self.info.head_dim
+        if n:
+            src, dst = self._pp[slot][self._cur[slot]], self._pp[slot][self._cur[slot] ^ 1]
+            for a, b in zip(src, dst, strict=True):
+                b[: h * n * d].reshape(h, n, d)[:] = a[: h * old * d].reshape(h, old, d)[:, :n]
+            self._cur[slot] ^= 1
+        self._len[slot] = n
+
     def _concat_binding(self, slot: int, start: int, t: int) -> ort.IOBinding:
+        self._layout(slot, start)
+        self._len[slot] = start + t  # what the run writes (the buffers swap after it)
         io = self.session.io_binding()
         h, d = self.info.num_kv_heads, self.info.head_dim
         src, dst = self._pp[slot][self._cur[slot]], self._pp[slot][self._cur[slot] ^ 1]
@@ -278,6 +301,8 @@ class Decoder:
         """One token for each of ``slots`` (all decoding) in one run; logits ``[B, vocab]``."""
         b, h, d = len(slots), self.info.num_kv_heads, self.info.head_dim
         p = int(lengths.max())
+        for slot, n in zip(slots, lengths, strict=True):
+            self._layout(int(slot), int(n))
         self._batch_buffers(b * h * p * d, b * h * (p + 1) * d)
         io = self.session.io_binding()
         for i, (past, present) in enumerate(self._names):
@@ -302,6 +327,7 @@ class Decoder:
                 nxt = self._pp[slot][self._cur[slot] ^ 1][i][: h * (n + 1) * d].reshape(h, n + 1, d)
                 nxt[:, :n] = new[r, :, :n]
                 nxt[:, n] = new[r, :, p]
-        for slot in slots:
+        for slot, n in zip(slots, lengths, strict=True):
             self._cur[slot] ^= 1
+            self._len[slot] = int(n) + 1
         return logits

@@ -34,6 +34,8 @@ from edge_runtime.providers import (
     session_options,
 )
 from edge_runtime.scheduler import SlotRequest, SlotScheduler
+from edge_runtime.slot_cache import SlotCache
+from routing.blocks import BlockEvents, model_seed
 from routing.engine import (
     EngineError,
     EngineStats,
@@ -69,7 +71,10 @@ class EdgeEngineConfig:
     the 2-core test machine); grouping them for 20 ms measured 0 to +5% single-stream decode
     there (docs/benchmarks.md), so it is offered, not imposed (see ``edge_runtime.scheduler``);
     ``huge_pages``: back the memory the session allocated (its weights) and the KV cache with
-    transparent huge pages once loaded, where the kernel allows (``edge_runtime.huge_pages``).
+    transparent huge pages once loaded, where the kernel allows (``edge_runtime.huge_pages``);
+    ``prefix_reuse``: a finished request's KV stays in its slot, and a later request whose
+    leading 16-token blocks it holds (multi-turn chat) takes that slot and prefills only the
+    rest (``edge_runtime.slot_cache``); off: no reuse, no block events, no held blocks.
     """
 
     slots: int = 4
@@ -82,10 +87,14 @@ class EdgeEngineConfig:
     warmup: bool = True
     stream_interval_ms: float = 0.0
     huge_pages: bool = True
+    prefix_reuse: bool = True
 
 
 class EdgeEngine:
-    """An :class:`routing.engine.Engine` of kind ``"edge"``."""
+    """An :class:`routing.engine.Engine` of kind ``"edge"``, and a
+    :class:`routing.engine.PrefixCacheEngine` (with ``prefix_reuse``): block hashes are
+    seeded by ``model_id`` (the export's model identity; for a graph exported elsewhere the
+    folder name, or what the caller passes), as the gateway and the cloud engine seed them."""
 
     kind = "edge"
 
@@ -170,8 +179,11 @@ class EdgeEngine:
             **kwargs,  # type: ignore[arg-type]
         )
         decoder = Decoder(session, self.info, cfg.slots, self.max_context)
+        cache = None
+        if cfg.prefix_reuse:
+            cache = SlotCache(cfg.slots, model_seed(self.model_id), self.max_context - 1)
         scheduler = SlotScheduler(
-            decoder, cfg.max_waiting, cfg.prefill_chunk, cfg.stream_interval_ms / 1e3
+            decoder, cfg.max_waiting, cfg.prefill_chunk, cfg.stream_interval_ms / 1e3, cache
         )
         if cfg.warmup:
             _warm_up(decoder, scheduler)
@@ -270,7 +282,22 @@ class EdgeEngine:
             kv_blocks_total=snap.kv_blocks_total,
             prefill_tokens_per_s=snap.prefill_tokens_per_s,
             decode_ms_per_token=snap.decode_ms_per_step,
+            prefix_hit_rate=snap.prefix_hit_rate,
         )
+
+    def drain_block_events(self) -> BlockEvents:
+        """Block hashes the slots' kept KV stored and removed since the last call
+        (thread-safe, latest wins per hash); empty when ``prefix_reuse`` is off."""
+        scheduler = self._scheduler
+        if scheduler is None or scheduler.cache is None:
+            return BlockEvents()
+        return scheduler.cache.drain_events()
+
+    def held_blocks(self) -> list[int]:
+        """Every block hash the slots hold now (a snapshot for a fleet index that starts
+        over); the events drained later move it forward. [] when ``prefix_reuse`` is off."""
+        scheduler = self._scheduler
+        return [] if scheduler is None else scheduler.held_blocks()
 
     def _require_started(self) -> SlotScheduler:
         if self._scheduler is None:

@@ -22,6 +22,12 @@ Invariants:
   passed since the request's previous event, several per event when steps are faster than that
   (0, the default, = one event per token). Every hand-over wakes the consumer's thread, which
   on a small CPU competes with ONNX Runtime's threads for the cores.
+- Prefix reuse (with a ``SlotCache``): a request that ends (finished or cancelled) leaves its
+  KV in its slot; a new request takes the free slot holding the longest run of its leading
+  blocks (at most ``(prompt - 1) // 16``, so at least one prompt token is computed), starts
+  with ``filled`` = those blocks' tokens and reports them as ``cached_tokens``; without a
+  match it takes an empty slot, else the least recently freed one. A decode step's dummy row
+  of a free slot writes at that slot's kept length, never inside its kept KV.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import numpy as np
 
 from edge_runtime.decoder import Decoder
 from edge_runtime.sampler import Sampler
+from edge_runtime.slot_cache import SlotCache
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -59,6 +66,9 @@ class SlotRequest:
     last_token: int = -1  # sampled, fed at the next decode step
     pending: list[int] = field(default_factory=list)  # generated, not yet handed over
     last_emit: float = 0.0  # perf_counter of the previous hand-over
+    hashes: list[int] = field(default_factory=list)  # block hashes of the prompt (prefix reuse)
+    cached: int = 0  # leading prompt tokens whose KV the slot already held (whole blocks)
+    output: list[int] = field(default_factory=list)  # generated tokens (no stop token)
 
     def __post_init__(self) -> None:
         params = self.request.sampling
@@ -73,6 +83,11 @@ class SlotRequest:
     def prefilling(self) -> bool:
         return self.filled < self.prompt_len
 
+    def written(self) -> list[int]:
+        """The tokens whose KV is in the slot: the prompt, then the generated tokens fed back
+        (the last sampled one is not, until the next decode step)."""
+        return (self.request.prompt_token_ids + self.output)[: self.filled]
+
     def sort_key(self) -> tuple[int, float]:
         return (self.request.priority, self.request.arrival_time)
 
@@ -85,6 +100,7 @@ class SlotRequest:
             token_ids=tokens,
             completion_tokens=self.generated,
             prompt_tokens=self.prompt_len,
+            cached_tokens=self.cached,
             finish_reason=reason,
         )
 
@@ -106,6 +122,7 @@ class SchedulerSnapshot:
     prefill_tokens_per_s: float
     decode_ms_per_step: float
     soonest_free_tokens: int  # fewest tokens any running request may still generate
+    prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens of admitted requests
 
 
 class SlotScheduler:
@@ -115,8 +132,10 @@ class SlotScheduler:
         max_waiting: int = 16,
         prefill_chunk: int = 256,
         stream_interval_s: float = 0.0,
+        cache: SlotCache | None = None,
     ) -> None:
         self.decoder = decoder
+        self.cache = cache  # prefix reuse of kept slot KV; None: off
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
         self.stream_interval_s = max(0.0, stream_interval_s)
@@ -136,6 +155,11 @@ class SlotScheduler:
         self._tokens = np.zeros(decoder.slots, np.int64)
         self._lengths = np.zeros(decoder.slots, np.int64)
         self._active = np.zeros(decoder.slots, bool)
+        # counters since start (under the lock): prompt tokens run through prefill, and the
+        # prompt tokens of admitted requests, all and served from kept KV
+        self.prefilled_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
 
     # --- called from any thread ------------------------------------------------------------
 
@@ -150,6 +174,8 @@ class SlotScheduler:
 
     def submit(self, r: SlotRequest) -> None:
         """Queue ``r``; raises QueueFull when every slot is busy and the queue is full."""
+        if self.cache is not None:  # hashed here, outside the lock
+            r.hashes = self.cache.hashes(r.request.prompt_token_ids)
         with self.lock:
             if self._stopping:
                 raise RuntimeError("engine is stopped")
@@ -172,9 +198,9 @@ class SlotScheduler:
         return True
 
     def _remove(self, request_id: str) -> SlotRequest | None:
-        for i, r in enumerate(self.slots):
+        for r in self.slots:
             if r is not None and r.request.request_id == request_id:
-                self.slots[i] = None
+                self._vacate(r)
                 return r
         for i, (_, _, r) in enumerate(self._waiting):
             if r.request.request_id == request_id:
@@ -196,7 +222,13 @@ class SlotScheduler:
                 prefill_tokens_per_s=self.prefill_tps.value,
                 decode_ms_per_step=self.decode_ms.value,
                 soonest_free_tokens=min(remaining) if remaining else 0,
+                prefix_hit_rate=self.cached_tokens / max(self.prompt_tokens, 1),
             )
+
+    def held_blocks(self) -> list[int]:
+        """Every block hash the slots hold (see ``SlotCache.held_hashes``); [] when off."""
+        with self.lock:
+            return [] if self.cache is None else self.cache.held_hashes()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="edge-slots", daemon=True)
@@ -209,6 +241,8 @@ class SlotScheduler:
             self._changed = True
             pending = [r for r in self.slots if r is not None] + [w[2] for w in self._waiting]
             self.slots = [None] * len(self.slots)
+            if self.cache is not None:
+                self.cache.reset()
             self._waiting.clear()
             self._wake.notify_all()
         for r in pending:
@@ -257,11 +291,29 @@ class SlotScheduler:
             steady = self._decode_step(decoding, rows)
 
     def _admit(self) -> None:
-        for slot, occupant in enumerate(self.slots):
-            if occupant is None and self._waiting:
-                r = heapq.heappop(self._waiting)[2]
-                r.slot, r.filled = slot, 0
-                self.slots[slot] = r
+        """Under the lock: waiting requests into free slots, best first. With prefix reuse a
+        request takes the free slot holding most of its leading blocks (see ``SlotCache``)
+        and starts after them; without, the lowest free slot."""
+        free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
+        while free and self._waiting:
+            r = heapq.heappop(self._waiting)[2]
+            slot, blocks = free[0], 0
+            if self.cache is not None:
+                prompt, limit = r.request.prompt_token_ids, (r.prompt_len - 1) // KV_BLOCK
+                slot, blocks = self.cache.choose(free, prompt, r.hashes, limit)
+                self.cache.take(slot, blocks)
+            free.remove(slot)
+            r.slot, r.filled = slot, blocks * KV_BLOCK
+            r.cached = r.filled
+            self.slots[slot] = r
+            self.prompt_tokens += r.prompt_len
+            self.cached_tokens += r.cached
+
+    def _vacate(self, r: SlotRequest) -> None:
+        """Under the lock: ``r`` leaves its slot; the KV it wrote stays there for reuse."""
+        self.slots[r.slot] = None
+        if self.cache is not None:
+            self.cache.release(r.slot, r.written(), r.hashes)
 
     def _prefill_chunk(self, r: SlotRequest) -> None:
         start = r.filled
@@ -272,6 +324,7 @@ class SlotScheduler:
         done = start + len(chunk) == r.prompt_len
         token = r.sampler(logits) if done else -1
         with self.lock:
+            self.prefilled_tokens += len(chunk)
             if self.slots[r.slot] is not r:
                 return  # cancelled while the chunk ran
             r.filled += len(chunk)
@@ -307,10 +360,13 @@ class SlotScheduler:
             tokens[:rows] = 0
             lengths[:rows] = 0
             active[:rows] = False
+            cache = self.cache
             for i in range(rows):
                 r = self.slots[i]
                 if r is not None:
                     lengths[i] = r.filled  # a prefilling row writes one harmless position
+                elif cache is not None:
+                    lengths[i] = cache.kept_len(i)  # past the kept KV of a free slot
         for i, r in decoding:
             tokens[i], lengths[i], active[i] = r.last_token, r.filled, True
         return decoding, rows
@@ -339,6 +395,7 @@ class SlotScheduler:
             self._finish(r, [], FinishReason.STOP)
             return
         r.generated += 1
+        r.output.append(token)
         if r.generated >= r.budget or r.filled >= self.decoder.context:
             self._finish(r, [token], FinishReason.LENGTH)
             return
@@ -353,7 +410,7 @@ class SlotScheduler:
             r.emit(r.event([], None))
 
     def _finish(self, r: SlotRequest, tokens: list[int], reason: FinishReason) -> None:
-        self.slots[r.slot] = None
+        self._vacate(r)
         self._changed = True
         r.emit(r.event(tokens, reason))
 
@@ -361,5 +418,7 @@ class SlotScheduler:
         with self.lock:
             busy = [r for r in self.slots if r is not None]
             self.slots = [None] * len(self.slots)
+            if self.cache is not None:  # what the failed step left in the slots is unknown
+                self.cache.reset()
         for r in busy:
             r.emit(r.event([], FinishReason.ABORT))

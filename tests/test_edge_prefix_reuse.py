@@ -1,0 +1,206 @@
+"""Edge prefix reuse: a finished request's KV kept in its slot serves a later request's leading
+blocks (multi-turn chat), with the cloud's block hashes and events.
+
+The tiny random model, both graph flavours (GroupQueryAttention in place, portable concat).
+Greedy outputs of warm (reused) runs are compared with cold runs of an engine without reuse.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_runtime.engine import EdgeEngine, EdgeEngineConfig, greedy
+from edge_runtime.export import ensure_export
+from edge_runtime.slot_cache import SlotCache
+from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
+from routing.engine import FinishReason, GenerationRequest, PrefixCacheEngine
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module", params=["gqa", "concat"])
+def graph(request: pytest.FixtureRequest, tiny_model_path: Path, tmp_path_factory) -> Path:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.getbasetemp() / "edge-onnx"  # shared with test_edge_runtime
+    root.mkdir(exist_ok=True)
+    return ensure_export(tiny_model_path, "fp32", request.param, root=root).folder
+
+
+def _prompts(*lengths: int, seed: int = 11) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 49152, n).tolist() for n in lengths]
+
+
+async def _engine(folder: Path, **kw: object) -> EdgeEngine:
+    base: dict[str, object] = dict(slots=2, context=256, threads=1, warmup=False)
+    base.update(kw)
+    engine = EdgeEngine(folder, EdgeEngineConfig(**base))  # type: ignore[arg-type]
+    await engine.start()
+    return engine
+
+
+class Turn:
+    """One request's outcome, and the prompt tokens the engine prefilled for it."""
+
+    def __init__(self, tokens: list[int], cached: int, prefilled: int) -> None:
+        self.tokens, self.cached, self.prefilled = tokens, cached, prefilled
+
+
+async def _run(engine: EdgeEngine, prompt: list[int], new: int = 6) -> Turn:
+    scheduler = engine._require_started()
+    before = scheduler.prefilled_tokens
+    tokens: list[int] = []
+    cached: list[int] = []
+    async for event in engine.generate(GenerationRequest(prompt, greedy(new))):
+        tokens += event.token_ids
+        cached.append(event.cached_tokens)
+        if event.finished:
+            assert event.finish_reason is FinishReason.LENGTH and len(tokens) == new
+    assert len(set(cached)) == 1  # valid from the first event on, never changes
+    assert scheduler.cache is None or scheduler.cache.check_integrity() is None
+    return Turn(tokens, cached[0], scheduler.prefilled_tokens - before)
+
+
+def _kept(prompt: list[int], out: list[int]) -> list[int]:
+    """What a slot keeps after a LENGTH finish: the last sampled token was never fed."""
+    return prompt + out[:-1]
+
+
+async def test_follow_up_turn_reuses_blocks_and_matches_cold(graph: Path) -> None:
+    first, new_user = _prompts(40, 20)
+    cold = await _engine(graph, prefix_reuse=False)
+    warm = await _engine(graph)
+    try:
+        assert isinstance(warm, PrefixCacheEngine)
+        seed = model_seed(warm.model_id)
+        t1 = await _run(warm, first, new=12)
+        assert (t1.cached, t1.prefilled) == (0, 40)
+        kept1 = _kept(first, t1.tokens)  # 51 tokens: 3 full blocks
+        ev = warm.drain_block_events()
+        assert ev.stored == block_hashes(kept1, seed) and len(ev.stored) == 3
+        assert ev.removed == [] and sorted(warm.held_blocks()) == sorted(ev.stored)
+        assert not warm.drain_block_events()  # each change once
+
+        # turn 2: the conversation so far plus a new message
+        second = first + t1.tokens + new_user  # 72 tokens, 3 of its 4 usable blocks are held
+        t2 = await _run(warm, second, new=8)
+        assert t2.cached == 3 * BLOCK_SIZE and t2.prefilled == 72 - 48
+        ref1, ref2 = await _run(cold, first, new=12), await _run(cold, second, new=8)
+        assert t1.tokens == ref1.tokens and t2.tokens == ref2.tokens
+        assert (ref2.cached, ref2.prefilled) == (0, 72)
+
+        kept2 = _kept(second, t2.tokens)  # 79 tokens: 4 full blocks, the first 3 kept all along
+        ev = warm.drain_block_events()
+        assert ev.stored == block_hashes(kept2, seed)[3:] and ev.removed == []
+        assert sorted(warm.held_blocks()) == sorted(block_hashes(kept2, seed))
+        assert warm.stats().prefix_hit_rate == pytest.approx(48 / (40 + 72))
+
+        # the whole kept sequence as a prompt: one token at least is computed
+        t3 = await _run(warm, kept2[:64])
+        assert t3.cached == 3 * BLOCK_SIZE and t3.prefilled == 16
+        assert t3.tokens == (await _run(cold, kept2[:64])).tokens
+
+        # reuse off: nothing reused, reported or held
+        assert cold.drain_block_events().stored == [] and cold.held_blocks() == []
+        assert cold.stats().prefix_hit_rate == 0.0
+        assert cold._require_started().cache is None
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()
+
+
+async def test_slot_choice_removed_events_and_zero_match(graph: Path) -> None:
+    """An unrelated prompt takes the empty slot, then the least recently freed one (whose
+    blocks are reported removed); a partial match keeps only the matched blocks. Free slots'
+    kept KV survives other slots' decode steps (the dummy rows of a batched step)."""
+    a, b, c, a_next = _prompts(40, 37, 50, 10)
+    cold = await _engine(graph, prefix_reuse=False, slots=1)
+    warm = await _engine(graph)
+    try:
+        seed = model_seed(warm.model_id)
+        ta = await _run(warm, a)  # slot 0
+        ha = block_hashes(_kept(a, ta.tokens), seed)
+        assert warm.drain_block_events().stored == ha and len(ha) == 2
+
+        tb = await _run(warm, b)  # no match: the empty slot 1, decoding with slot 0 idle
+        assert (tb.cached, tb.prefilled) == (0, 37)
+        hb = block_hashes(_kept(b, tb.tokens), seed)
+        ev = warm.drain_block_events()
+        assert ev.stored == hb and ev.removed == []
+        assert sorted(warm.held_blocks()) == sorted(ha + hb)
+
+        # a's follow-up still finds slot 0 intact
+        follow = a + ta.tokens + a_next  # 56 tokens, 3 usable blocks, 2 held
+        tf = await _run(warm, follow)
+        assert tf.cached == 32 and tf.prefilled == 56 - 32
+        assert tf.tokens == (await _run(cold, follow)).tokens
+        hf = block_hashes(_kept(follow, tf.tokens), seed)
+        ev = warm.drain_block_events()
+        assert ev.stored == hf[2:] and ev.removed == []
+
+        # unrelated again: b's slot is the least recently freed; its blocks go
+        tc = await _run(warm, c)
+        assert (tc.cached, tc.prefilled) == (0, 50)
+        hc = block_hashes(_kept(c, tc.tokens), seed)
+        ev = warm.drain_block_events()
+        assert sorted(ev.removed) == sorted(hb) and ev.stored == hc
+        assert sorted(warm.held_blocks()) == sorted(hf + hc)
+
+        # a prompt sharing one block with slot 0: reuse 16 tokens, the rest of slot 0 goes
+        partial = follow[:20] + _prompts(30, seed=5)[0]
+        tp = await _run(warm, partial)
+        assert tp.cached == 16 and tp.prefilled == 50 - 16
+        assert tp.tokens == (await _run(cold, partial)).tokens
+        hp = block_hashes(_kept(partial, tp.tokens), seed)
+        ev = warm.drain_block_events()
+        assert sorted(ev.removed) == sorted(hf[1:]) and ev.stored == hp[1:]
+        assert sorted(warm.held_blocks()) == sorted(hp + hc)
+        assert warm.stats().prefix_hit_rate == pytest.approx(48 / (40 + 37 + 56 + 50 + 50))
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()
+
+
+async def test_cancelled_request_leaves_its_kv(graph: Path) -> None:
+    """A client that leaves (e.g. a stop string matched above the engine) leaves the KV it
+    wrote: the next turn reuses the prompt's blocks."""
+    prompt, more = _prompts(40, 5, seed=3)
+    cold = await _engine(graph, prefix_reuse=False, slots=1)
+    warm = await _engine(graph)
+    try:
+        stream = warm.generate(GenerationRequest(prompt, greedy(100)))
+        first = await anext(stream)
+        await stream.aclose()  # cancelled, at some point of its decode
+        assert first.cached_tokens == 0 and warm.stats().running == 0
+        follow = prompt + more
+        t = await _run(warm, follow)
+        assert t.cached == 32 and t.prefilled == 45 - 32
+        assert t.tokens == (await _run(cold, follow)).tokens
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()
+
+
+def test_collision_guard_and_integrity() -> None:
+    """Equal hashes with different token ids are a miss; a busy slot is never matched."""
+    cache = SlotCache(slots=2, seed=model_seed("m"), max_kept=100)
+    tokens = list(range(3, 3 + 40))
+    cache.take(0, 0)
+    cache.release(0, tokens, cache.hashes(tokens[:16]))  # known hashes of a prefix
+    cache.check_integrity()
+    hashes = cache.hashes(tokens)
+    assert cache.choose([0, 1], [*tokens, 1], hashes, limit=2) == (0, 2)
+    forged = tokens[:16] + [7] * 16 + tokens[32:]  # block 1 differs, its hash is claimed equal
+    assert cache.match(0, forged, hashes, limit=2) == 1
+    assert cache.choose([0, 1], [9] * 40, cache.hashes([9] * 40), limit=2) == (1, 0)  # empty
+    cache.take(0, 2)
+    assert cache.match(0, tokens, hashes, limit=2) == 0  # busy
+    assert sorted(cache.held_hashes()) == sorted(hashes)
+    cache.check_integrity()
+    cache.release(0, tokens[:32] + [5] * 90)  # kept up to max_kept tokens only
+    assert cache.kept_len(0) == 100
+    cache.check_integrity()
+    ev = cache.drain_events()
+    assert ev.removed == [] and len(ev.stored) == 100 // BLOCK_SIZE
