@@ -271,7 +271,9 @@ class EdgeEngine:
     def stats(self) -> EngineStats:
         cfg = self.config
         if self._scheduler is None:
-            return EngineStats(self.device, cfg.slots, 0, 0, 0, 0, 0.0, 0.0)
+            return EngineStats(
+                self.device, cfg.slots, 0, 0, 0, 0, 0.0, 0.0, prefix_cache=cfg.prefix_reuse
+            )
         snap = self._scheduler.snapshot()
         return EngineStats(
             device=self.device,
@@ -283,6 +285,7 @@ class EdgeEngine:
             prefill_tokens_per_s=snap.prefill_tokens_per_s,
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
+            prefix_cache=cfg.prefix_reuse,
         )
 
     def drain_block_events(self) -> BlockEvents:

@@ -73,7 +73,7 @@ async def test_follow_up_turn_reuses_blocks_and_matches_cold(graph: Path) -> Non
     cold = await _engine(graph, prefix_reuse=False)
     warm = await _engine(graph)
     try:
-        assert isinstance(warm, PrefixCacheEngine)
+        assert isinstance(warm, PrefixCacheEngine) and warm.stats().prefix_cache
         seed = model_seed(warm.model_id)
         t1 = await _run(warm, first, new=12)
         assert (t1.cached, t1.prefilled) == (0, 40)
@@ -104,7 +104,7 @@ async def test_follow_up_turn_reuses_blocks_and_matches_cold(graph: Path) -> Non
 
         # reuse off: nothing reused, reported or held
         assert cold.drain_block_events().stored == [] and cold.held_blocks() == []
-        assert cold.stats().prefix_hit_rate == 0.0
+        assert cold.stats().prefix_hit_rate == 0.0 and not cold.stats().prefix_cache
         assert cold._require_started().cache is None
     finally:
         await warm.shutdown()
