@@ -6,9 +6,10 @@ Two cache layouts, chosen by the graph (see ``graph_info``):
 allocated once. A run binds a contiguous range of slots as both ``past_key_values.N.*`` and
 ``present.N.*`` (same memory); GroupQueryAttention writes each row's new keys and values at that
 row's own length, given by the row's ``attention_mask`` (right padded). Nothing is reallocated
-and nothing but the new tokens' keys and values is written per step. Decode batches rows
-``0..B-1`` (B = highest busy slot + 1); rows of idle or still-prefilling slots are harmless
-dummies that write one position at their current length, which is overwritten later.
+and nothing but the new tokens' keys and values is written per step. Decode batches the rows of
+slots ``F..F+B-1`` (the lowest to the highest decoding slot); rows of idle or still-prefilling
+slots in between are dummies that write one position at the length the caller gives (past
+what the slot holds, so it is harmless).
 
 ``concat`` (portable graphs, ``present = concat(past, new)``). Each slot has two buffers of
 ``kv_heads * context * head_dim`` values per layer; a run reads ``past`` from one and writes
@@ -23,7 +24,7 @@ largest batch seen and are reused. A slot's buffer holds its sequence as
 from a shorter ``start`` (a kept prefix reused, see ``edge_runtime.slot_cache``) first re-lays
 the first ``start`` positions as ``[kv_heads, start, head_dim]`` (one copy of them).
 
-Decode steps of the ``gqa`` layout touch as little as possible per token: each batch size has
+Decode steps of the ``gqa`` layout touch as little as possible per token: each range of slots has
 one binding, made once, whose KV, ``input_ids``, ``position_ids``, ``logits_to_keep`` and
 ``logits`` are bound to persistent buffers (ids and positions are rewritten in place); only the
 ``attention_mask``, whose length grows, is bound again per step (a view of a buffer of ones when
@@ -119,7 +120,7 @@ class Decoder:
     # --- bindings ---------------------------------------------------------------------------
 
     def _gqa_binding(self, first: int, rows: int, kind: str) -> ort.IOBinding:
-        key = (kind, first if kind == "prefill" else rows)
+        key = (kind, first, rows)
         io = self._bindings.get(key)
         if io is None:
             io = self.session.io_binding()
@@ -211,10 +212,13 @@ class Decoder:
             self._cur[slot] ^= 1
         return out
 
-    def decode(self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """One token for each row ``b`` (slot b) at position ``lengths[b]``.
+    def decode(
+        self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray, first: int = 0
+    ) -> np.ndarray:
+        """One token for each row ``b`` (slot ``first + b``) at position ``lengths[b]``.
 
-        ``tokens``, ``lengths`` and ``active`` have one entry per row for slots ``0..B-1``.
+        ``tokens``, ``lengths`` and ``active`` have one entry per row, for slots
+        ``first..first+B-1``.
         Inactive rows are dummies (gqa) or skipped (concat); their logits are meaningless.
         Returns logits ``[B, vocab]`` (a view, valid until the next call).
         """
@@ -224,8 +228,8 @@ class Decoder:
         if total > self.context:
             raise ValueError("decode past the context")
         if self.info.attention == "concat":
-            return self._decode_concat(tokens, lengths, active)
-        io = self._gqa_binding(0, rows, "decode")
+            return self._decode_concat(tokens, lengths, active, first)
+        io = self._gqa_binding(first, rows, "decode")
         self._ids[:rows, 0] = tokens
         self._pos[:rows, 0] = lengths
         if rows > 1:  # rewrite the rows' masks in place, under the cached OrtValue's view
@@ -275,14 +279,14 @@ class Decoder:
         return io
 
     def _decode_concat(
-        self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray
+        self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray, first: int
     ) -> np.ndarray:
         rows = np.flatnonzero(active)
         if len(rows) == 1:  # one slot: a one-token prefill, no gather
             row = int(rows[0])
-            logits = self.prefill(row, [int(tokens[row])], int(lengths[row]))[None, :]
+            logits = self.prefill(first + row, [int(tokens[row])], int(lengths[row]))[None, :]
         elif len(rows) > 1:
-            logits = self._decode_concat_batch(rows, tokens[rows], lengths[rows])
+            logits = self._decode_concat_batch(rows + first, tokens[rows], lengths[rows])
         else:
             return np.zeros((len(tokens), self.vocab or 1), np.float32)
         out = np.zeros((len(tokens), logits.shape[1]), np.float32)

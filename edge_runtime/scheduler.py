@@ -275,20 +275,22 @@ class SlotScheduler:
                 log.exception("edge generation step failed; aborting the running requests")
                 self._abort_running()
 
-    def _decode_steady(self, decoding: list[tuple[int, SlotRequest]], rows: int) -> None:
+    def _decode_steady(
+        self, decoding: list[tuple[int, SlotRequest]], first: int, rows: int
+    ) -> None:
         """Decode steps with one plan for as long as nothing changes which requests run or
         wait (no submit, cancel, finish or stop: ``_changed`` stays False), and no prompt is
         left to prefill; between two steps only the rows' tokens and lengths move. The first
         step always runs (the plan was just made under the lock)."""
         tokens, lengths = self._tokens, self._lengths
-        steady = self._decode_step(decoding, rows)
+        steady = self._decode_step(decoding, first, rows)
         # a prompt still prefilling needs its next chunk between decode steps: re-plan then
         # (slots change only under the lock with _changed set; this loop alone moves `filled`)
         steady &= not any(r is not None and r.prefilling for r in self.slots)
         while steady:
             for i, r in decoding:
-                tokens[i], lengths[i] = r.last_token, r.filled
-            steady = self._decode_step(decoding, rows)
+                tokens[i - first], lengths[i - first] = r.last_token, r.filled
+            steady = self._decode_step(decoding, first, rows)
 
     def _admit(self) -> None:
         """Under the lock: waiting requests into free slots, best first. With prefix reuse a
@@ -344,43 +346,48 @@ class SlotScheduler:
                 first = r
         return first
 
-    def _plan_decode(self) -> tuple[list[tuple[int, SlotRequest]], int] | None:
-        """Under the lock: the decoding ``(row, request)`` pairs and the row count B of the
-        next decode step, its inputs written to rows ``0..B-1`` of the step buffers (B = the
-        highest decoding slot + 1); None when no slot decodes.
+    def _plan_decode(self) -> tuple[list[tuple[int, SlotRequest]], int, int] | None:
+        """Under the lock: the decoding ``(slot, request)`` pairs, the first slot F and the
+        row count B of the next decode step (slots ``F..F+B-1``: the lowest to the highest
+        decoding slot), its inputs written to rows ``0..B-1`` of the step buffers (row
+        ``slot - F``); None when no slot decodes.
 
         The buffers belong to the loop thread and are read by the step that follows (nothing
         else runs in between on that thread), so they are reused rather than reallocated."""
         decoding = [(i, r) for i, r in enumerate(self.slots) if r is not None and not r.prefilling]
         if not decoding:
             return None
-        rows = decoding[-1][0] + 1
+        first = decoding[0][0]
+        rows = decoding[-1][0] + 1 - first
         tokens, lengths, active = self._tokens, self._lengths, self._active
         if rows > 1:
             tokens[:rows] = 0
             lengths[:rows] = 0
             active[:rows] = False
             cache = self.cache
-            for i in range(rows):
-                r = self.slots[i]
+            for j in range(rows):
+                r = self.slots[first + j]
                 if r is not None:
-                    lengths[i] = r.filled  # a prefilling row writes one harmless position
+                    lengths[j] = r.filled  # a prefilling row writes one harmless position
                 elif cache is not None:
-                    lengths[i] = cache.kept_len(i)  # past the kept KV of a free slot
+                    lengths[j] = cache.kept_len(first + j)  # past the kept KV of a free slot
         for i, r in decoding:
-            tokens[i], lengths[i], active[i] = r.last_token, r.filled, True
-        return decoding, rows
+            tokens[i - first], lengths[i - first], active[i - first] = r.last_token, r.filled, True
+        return decoding, first, rows
 
-    def _decode_step(self, decoding: list[tuple[int, SlotRequest]], rows: int) -> bool:
+    def _decode_step(self, decoding: list[tuple[int, SlotRequest]], first: int, rows: int) -> bool:
         """One decode step of the planned rows; True while the plan still holds."""
         t0 = time.perf_counter()
-        logits = self.decoder.decode(self._tokens[:rows], self._lengths[:rows], self._active[:rows])
+        logits = self.decoder.decode(
+            self._tokens[:rows], self._lengths[:rows], self._active[:rows], first
+        )
         dt = time.perf_counter() - t0
         greedy = logits.argmax(axis=1) if len(decoding) > 1 else None  # one pass for all rows
-        sampled = [
-            (r, int(greedy[i]) if greedy is not None and r.sampler.greedy else r.sampler(logits[i]))
-            for i, r in decoding
-        ]
+        sampled = []
+        for i, r in decoding:
+            row = i - first
+            greedy_row = greedy is not None and r.sampler.greedy
+            sampled.append((r, int(greedy[row]) if greedy_row else r.sampler(logits[row])))
         with self.lock:
             self.decode_ms.update(dt * 1e3)
             for r, token in sampled:

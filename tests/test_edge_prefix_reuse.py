@@ -7,6 +7,7 @@ Greedy outputs of warm (reused) runs are compared with cold runs of an engine wi
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +162,42 @@ async def test_slot_choice_removed_events_and_zero_match(graph: Path) -> None:
     finally:
         await warm.shutdown()
         await cold.shutdown()
+
+
+async def test_free_slot_between_decoding_slots_keeps_its_kv(graph: Path) -> None:
+    """Slots 0 and 2 decode in one batched step while slot 1, free, holds kept KV (a dummy
+    row of the gqa step): its next turn still reuses it and matches a cold run."""
+    x, y, z, more = _prompts(40, 41, 42, 8, seed=21)
+    cold = await _engine(graph, prefix_reuse=False, slots=1)
+    warm = await _engine(graph, slots=3)
+    try:
+        outs = [await _run(warm, p) for p in (x, y, z)]  # slots 0, 1, 2 (empty ones first)
+        assert [e.tokens[:1] for e in warm._require_started().cache.entries] == [
+            x[:1],
+            y[:1],
+            z[:1],
+        ]
+        both = [p + o.tokens + more for p, o in ((x, outs[0]), (z, outs[2]))]
+        turns = await asyncio.gather(*(_collect(warm, p) for p in both))
+        assert [t[1] for t in turns] == [32, 32]  # slots 0 and 2, decoding together
+        follow = y + outs[1].tokens + more
+        t = await _run(warm, follow)
+        assert t.cached == 32 and t.prefilled == len(follow) - 32
+        assert t.tokens == (await _run(cold, follow)).tokens
+        for p, (tokens, _) in zip(both, turns, strict=True):
+            assert tokens == (await _run(cold, p, new=12)).tokens
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()
+
+
+async def _collect(engine: EdgeEngine, prompt: list[int], new: int = 12) -> tuple[list[int], int]:
+    tokens: list[int] = []
+    cached = -1
+    async for event in engine.generate(GenerationRequest(prompt, greedy(new))):
+        tokens += event.token_ids
+        cached = event.cached_tokens
+    return tokens, cached
 
 
 async def test_cancelled_request_leaves_its_kv(graph: Path) -> None:
