@@ -17,11 +17,19 @@ sequences that end by length; a sequence that turns out to stop on a stop token 
 still runs in it, and its result is dropped. It never preempts: if the pool cannot hold every
 next token, the core falls back to a planned step. Blocks and rows a dropped sequence released
 are safe to reuse at once: every later write to them is enqueued after the look-ahead step.
+
+Per-request failures stay per-request: :meth:`EngineCore.check` refuses token ids outside the
+model's vocabulary (:class:`InvalidRequest`, before anything is queued), and :meth:`EngineCore.add`
+prepares the request's sampling state (``cloud_engine.sampler.prepare``: parameters checked,
+generator made) before the request joins the scheduler. A request that fails there never runs:
+the next :meth:`EngineCore.step` returns it finished with ``FinishReason.ABORT``, and the batch
+goes on. Only a failure of a step's own work (model, device) fails the step.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -33,10 +41,17 @@ from cloud_engine.config import EngineConfig
 from cloud_engine.kv_pool import KVPool, KVSpec, budget_bytes_for
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.runner import Feed, Launched, ModelRunner, TorchRunner
+from cloud_engine.sampler import prepare
 from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
-from routing.engine import FinishReason, GenerationRequest, QueueFull, RequestTooLong
+from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequest(EngineError):
+    """The request can never run (token ids outside the model's vocabulary): HTTP 400."""
 
 
 @dataclass(slots=True)
@@ -109,6 +124,7 @@ class EngineCore:
         self.seed = model_seed(identity)
         mc = model.config
         self.max_context = cfg.max_context or mc.max_position_embeddings
+        self.vocab_size: int = mc.vocab_size
         device = torch.device(cfg.device)
         if cfg.threads and device.type == "cpu":
             torch.set_num_threads(cfg.threads)
@@ -150,12 +166,16 @@ class EngineCore:
         self._order = itertools.count()
         self._ahead: _Launch | None = None  # a look-ahead step launched but not yet collected
         self._last_collect = 0.0
+        self._failed: list[SeqOutput] = []  # requests refused by add(), reported by step()
 
     # -- admission -------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> None:
         n = len(request.prompt_token_ids)
         if n == 0:
             raise RequestTooLong("empty prompt")
+        ids = request.prompt_token_ids
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequest(f"token ids must lie in [0, {self.vocab_size})")
         total = n + request.sampling.max_tokens
         if total > self.max_context:
             raise RequestTooLong(
@@ -178,11 +198,23 @@ class EngineCore:
         return float(min(30.0, max(1.0, per_tok * 128)))
 
     def add(self, request: GenerationRequest) -> Sequence:
-        """Queue a request (call :meth:`check` first). Request ids must be unique."""
+        """Queue a request (call :meth:`check` first). Request ids must be unique.
+
+        A request whose own state cannot be prepared (sampling parameters a sampler would fail
+        on, token ids its hashing refuses) is not queued: it is returned finished, and the next
+        :meth:`step` reports it with ``FinishReason.ABORT``. Nothing else is affected."""
         if request.request_id in self.seqs:
             raise ValueError(f"duplicate request id {request.request_id}")
         seq = Sequence(request, next(self._order), self.max_context)
-        seq.extend_hashes(self.seed, self.blocks.block_size)
+        try:
+            seq.generator = prepare(request.sampling, self.pool.device)
+            seq.extend_hashes(self.seed, self.blocks.block_size)
+        except Exception as exc:  # this request's fault or not, it fails alone
+            log.warning("request %s refused: %s", request.request_id, exc)
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+            self._failed.append(SeqOutput(seq, [], FinishReason.ABORT))
+            return seq
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -207,10 +239,21 @@ class EngineCore:
         return self._ahead is not None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.has_ahead
+        return self.scheduler.has_work() or self.has_ahead or bool(self._failed)
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[SeqOutput]:
+        """One step's outputs; first those of requests :meth:`add` refused since the last."""
+        if not self._failed:
+            return self._step()
+        failed, self._failed = self._failed, []
+        try:
+            return failed + self._step()
+        except BaseException:  # reported by the next step: their streams must still end
+            self._failed = failed + self._failed
+            raise
+
+    def _step(self) -> list[SeqOutput]:
         if self.config.debug_checks:
             self.blocks.check_integrity()
         if self._ahead is not None:

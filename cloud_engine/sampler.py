@@ -4,6 +4,12 @@ Invariants: a greedy row is ``argmax`` of its logits (so paged and dense greedy 
 their logits do); a seeded row uses the reference ``cloud_engine.model.sampling.sample`` with
 its own generator, so it reproduces the dense reference's draws; unseeded rows share one
 vectorized draw (exponential race over the filtered probabilities).
+
+Per-request isolation: :func:`prepare` checks a request's parameters
+(``routing.sampling_limits.check_sampling``) and makes its generator; the engine core calls it
+when the request arrives, so parameters a sampler would fail on fail that request alone and
+never reach :func:`sample_batch`, where one row's error would fail the whole batch's step.
+Seeds are taken as their 64-bit pattern (``seed mod 2**64``, see ``routing.sampling_limits``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 
 from cloud_engine.model.sampling import sample
 from routing.engine import SamplingParams
+from routing.sampling_limits import MAX_TOP_K, check_sampling, seed_u64
 
 
 def _filtered_probs_batch(
@@ -54,7 +61,7 @@ def sample_batch(
         probs = _filtered_probs_batch(
             logits[rows],
             to_device(torch.tensor([p.temperature for p in sub]), dev),
-            to_device(torch.tensor([p.top_k for p in sub]), dev),
+            to_device(torch.tensor([min(p.top_k, MAX_TOP_K) for p in sub]), dev),
             to_device(torch.tensor([p.top_p for p in sub]), dev),
         )
         race = torch.empty_like(probs).exponential_()
@@ -73,8 +80,17 @@ def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """The request's generator (None: greedy or unseeded); raises ``InvalidSampling`` for a
+    seed outside what torch can take (``[-2**63, 2**64)``)."""
     if params.greedy or params.seed is None:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(int(params.seed))
+    g.manual_seed(seed_u64(params.seed))
     return g
+
+
+def prepare(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """Check ``params`` and make the request's generator: raises ``InvalidSampling`` (and
+    nothing else for parameters of the right types) exactly when sampling it would fail."""
+    check_sampling(params)
+    return make_generator(params, device)

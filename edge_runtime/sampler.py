@@ -5,7 +5,13 @@ Invariants:
   equal to the torch reference's choice for the same logits.
 - The top-p nucleus is the smallest prefix of the tokens sorted by probability whose mass
   reaches ``top_p`` (the token that crosses ``top_p`` is kept), as in the torch reference.
-- With a seed, a request's token sequence depends only on its logits and the seed.
+- With a seed, a request's token sequence depends only on its logits and the seed; the
+  generator is seeded with the seed's 64-bit pattern (``seed mod 2**64``, as torch does on the
+  cloud tier; see ``routing.sampling_limits``), so a negative seed is as good as any.
+- A ``Sampler`` is made when its request is submitted (``edge_runtime.scheduler.SlotRequest``),
+  on the submitting thread: parameters it could not sample with raise ``InvalidSampling``
+  (an ``EngineError``) there, for that request alone, never later in the generation loop,
+  where one row's error would abort every running request.
 """
 
 from __future__ import annotations
@@ -13,15 +19,17 @@ from __future__ import annotations
 import numpy as np
 
 from routing.engine import SamplingParams
+from routing.sampling_limits import check_sampling, seed_u64
 
 _FIRST_NUCLEUS = 256  # candidates examined first; widened until they hold top_p of the mass
 
 
 class Sampler:
     def __init__(self, params: SamplingParams) -> None:
+        check_sampling(params)  # raises InvalidSampling: this request fails alone, at once
         self.params = params
         self.greedy = params.greedy  # then a token is argmax(logits), whoever computes it
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(None if params.seed is None else seed_u64(params.seed))
 
     def __call__(self, logits: np.ndarray) -> int:
         """One token id from a ``[vocab]`` logits row."""

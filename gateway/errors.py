@@ -1,13 +1,16 @@
 """OpenAI-shaped errors for every failure a client can cause or meet.
 
 Invariant: a client mistake is a 4xx with ``{"error": {"message", "type", "param", "code"}}``;
-nothing a client sends can produce a 500.
+nothing a client sends can produce a 500. A validation error names the field in ``param`` as a
+dotted path (``messages.0.content``), without pydantic's union-member tags; its ``code`` is
+``unsupported_parameter`` for a field we cannot honour, else ``invalid_value``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +19,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+
+# pydantic error types with an OpenAI error code of their own (else "invalid_value")
+_CODES = {"unsupported_parameter": "unsupported_parameter"}
 
 
 class APIError(Exception):
@@ -73,9 +79,36 @@ def too_many_requests(message: str, retry_after_s: float) -> APIError:
     )
 
 
+# pydantic names the member of a union that failed in the error's location ("str",
+# "list[TextPart]", "TextPart", "function-after[...]"): not a field, so not in the param
+_UNION_TAG = re.compile(r"^(str|int|bool|float|bytes|none)$|[\[\]\-]|^[A-Z]")
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and not (isinstance(p, str) and _UNION_TAG.search(p) is not None)
+    ]
     return ".".join(parts) or None
+
+
+def _most_specific(errors: list[Any]) -> Any:
+    """The first error, or, where a union's members failed in turn, the deepest error under
+    the same field (``content`` failing as text and as parts: the part's own error)."""
+    first = errors[0]
+    param = _loc_to_param(tuple(first.get("loc", ()))) or ""
+    best, depth = first, len(param)
+    for e in errors[1:]:
+        p = _loc_to_param(tuple(e.get("loc", ()))) or ""
+        if len(p) > depth and (not param or p.startswith(param + ".")):
+            best, depth = e, len(p)
+    return best
+
+
+def _message(error: Any) -> str:
+    msg = str(error.get("msg", "invalid request"))
+    return msg.removeprefix("Value error, ")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -85,18 +118,19 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
+        errors = list(exc.errors())
+        first = _most_specific(errors) if errors else {}
         if first.get("type") == "json_invalid":
             return bad_request(
                 "We could not parse the JSON body of your request.", code="invalid_json"
             ).response()
         param = _loc_to_param(tuple(first.get("loc", ())))
-        msg = first.get("msg", "invalid request")
-        text = f"Invalid value for '{param}': {msg}" if param else msg
+        msg = _message(first)
+        code = _CODES.get(str(first.get("type")), "invalid_value")
+        text = f"Invalid value for '{param}': {msg}" if param and code == "invalid_value" else msg
         if len(errors) > 1:
             text += f" (and {len(errors) - 1} more error(s))"
-        return bad_request(text, param=param, code="invalid_value").response()
+        return bad_request(text, param=param, code=code).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,20 +1,77 @@
 """OpenAI request and response bodies (the subset this gateway serves), validated by pydantic.
 
+The gateway validates every body with these models at its edge, and each node validates it
+again with the same models, so a bad request is a 400 naming its field at either, never a 500.
+
 Invariants:
 - Wrong types are rejected, never coerced (``"5"`` is not a max_tokens): models are strict.
-- Unknown extra fields are accepted and ignored, as OpenAI-compatible servers commonly do, so
-  newer SDKs keep working; known fields we cannot honour (n > 1, logprobs, penalties) are
-  rejected with a 400 naming the field rather than silently ignored.
+- Every number has a bound: integers (``max_tokens``, ``max_completion_tokens``, ``n``,
+  ``top_k``, ``seed``, token ids, ...) have a sane range, so nothing downstream (the routing
+  profile's floats, block hashing's 32-bit ids, the engines' int64 tensors) can overflow;
+  floats are finite (NaN and infinities fail their bounds). ``seed`` is a signed 64-bit
+  integer, as in OpenAI's API; engines seed with its 64-bit pattern, so a negative seed is an
+  ordinary seed (``routing.sampling_limits``).
+- No string contains a lone surrogate (``"\\ud800"`` in JSON): such text has no UTF-8 form and
+  no tokenization; it is a 400 naming the field, as at OpenAI.
+- Known OpenAI fields we cannot honour (``tools``, ``tool_choice``, ``functions``,
+  ``function_call``, ``response_format`` other than text, ``logit_bias``, ``logprobs``,
+  ``top_logprobs``, non-zero penalties, ``n`` or ``best_of`` > 1, ``audio``, ``modalities``
+  other than text, ``prediction``, ``store: true``, ``reasoning_effort``,
+  ``web_search_options``, ``service_tier`` other than auto/default, ``echo``, ``suffix``) are
+  accepted only with their default, no-op values (``null``, ``false``, ``0``, ``[]``, ``{}``,
+  ``{"type": "text"}``, ``"none"``, ...) and otherwise rejected with a 400 naming the field and
+  ``code: "unsupported_parameter"``, never silently ignored. ``parallel_tool_calls``,
+  ``metadata``, ``user`` and other hints that change nothing without tools or storage are
+  accepted.
+- Unknown fields (none of the above: newer SDKs' additions) are accepted and ignored, as
+  OpenAI-compatible servers commonly do, so newer SDKs keep working.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from routing.sampling_limits import API_SEED_MAX, API_SEED_MIN, MAX_TOP_K
 
 MAX_STOP_SEQUENCES = 4
+INT32_MAX = 2**31 - 1
+MAX_TOKENS_LIMIT = INT32_MAX  # max_tokens / max_completion_tokens; the node's context decides
+MAX_TOKEN_ID = INT32_MAX  # token ids in a prompt; the node checks its model's vocabulary
+MAX_N = 128  # OpenAI's bound on n (only 1 is served)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(value: str) -> str:
+    """``value`` unchanged, or a ValueError if it holds a lone surrogate (no UTF-8 form)."""
+    if not value.isascii() and _SURROGATE.search(value) is not None:
+        raise ValueError("text must not contain lone surrogates (U+D800 to U+DFFF)")
+    return value
+
+
+Text = Annotated[str, AfterValidator(check_text)]
+
+
+def unsupported(field: str, what: str) -> PydanticCustomError:
+    """The error for a field we cannot honour (code ``unsupported_parameter``)."""
+    return PydanticCustomError(
+        "unsupported_parameter",
+        "'{field}' is not supported: {what}",
+        {"field": field, "what": what},
+    )
 
 
 class _Body(BaseModel):
@@ -23,13 +80,13 @@ class _Body(BaseModel):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -37,6 +94,11 @@ class ChatMessage(_Body):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(cls, v: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        return check_text(v) if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -50,20 +112,21 @@ class StreamOptions(_Body):
 
 
 class _SamplingFields(_Body):
-    model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(check_text)]
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # extension, as in vLLM; 0 = off
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)  # extension, as in vLLM; 0 = off
+    seed: int | None = Field(default=None, ge=API_SEED_MIN, le=API_SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
-    logprobs: bool | int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    user: str | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: Text | None = None
 
     @field_validator("stop")
     @classmethod
@@ -75,19 +138,37 @@ class _SamplingFields(_Body):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(s == "" for s in items):
             raise ValueError("stop sequences must not be empty")
+        for item in items:
+            check_text(item)
         return items
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> _SamplingFields:
-        if self.n != 1:
-            raise ValueError("n must be 1: one choice per request is supported")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
-        return self
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise unsupported("n", "one choice per request is served (use 1)")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float, info: ValidationInfo) -> float:
+        if v:
+            raise unsupported(str(info.field_name), "penalties are not applied (use 0)")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            raise unsupported("logit_bias", "logits are not biased (send null or {})")
+        return v
 
     @property
     def stop_list(self) -> list[str]:
@@ -97,14 +178,108 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The completion's token budget: ``max_completion_tokens``, else ``max_tokens``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+_NO_TOOL_CHOICE = ("none", "auto")  # "auto" without tools calls none
+_TEXT_ONLY = ({"type": "text"},)
+_SERVICE_TIERS = ("auto", "default")
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # nothing to parallelize without tools
+    response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    store: bool | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    service_tier: str | None = None
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | None) -> bool | None:
+        if v:
+            raise unsupported("logprobs", "log probabilities are not returned (use false)")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None) -> int | None:
+        if v:
+            raise unsupported("top_logprobs", "log probabilities are not returned (use 0)")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if v:
+            raise unsupported(str(info.field_name), "no tools are called (send none)")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(
+        cls, v: str | dict[str, Any] | None, info: ValidationInfo
+    ) -> str | dict[str, Any] | None:
+        if v is not None and v not in _NO_TOOL_CHOICE:
+            raise unsupported(str(info.field_name), 'no tools are called (use "none")')
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v not in _TEXT_ONLY:
+            raise unsupported("response_format", 'only {"type": "text"} is served')
+        return v
+
+    @field_validator("audio", "prediction", "web_search_options")
+    @classmethod
+    def _none_only(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            raise unsupported(str(info.field_name), "this gateway serves text completions only")
+        return v
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _no_reasoning(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise unsupported("reasoning_effort", "the models served are not reasoning models")
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_modality(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and v != ["text"]:
+            raise unsupported("modalities", 'only ["text"] is served')
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _no_store(cls, v: bool | None) -> bool | None:
+        if v:
+            raise unsupported("store", "completions are not stored (use false)")
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def _service_tier(cls, v: str | None) -> str | None:
+        if v is not None and v not in _SERVICE_TIERS:
+            raise unsupported("service_tier", 'one tier is served (use "auto" or "default")')
+        return v
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as chat templates expect them (content flattened to text)."""
@@ -116,9 +291,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] = Field()
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    best_of: int | None = Field(default=None, ge=1, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -126,25 +303,47 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
-            if all(isinstance(x, str) for x in v) and len(v) != 1:
-                raise ValueError("one prompt per request is supported")
-            if any(isinstance(x, int) and x < 0 for x in v):
-                raise ValueError("token ids must be non-negative")
+            if all(isinstance(x, str) for x in v):
+                if len(v) != 1:
+                    raise ValueError("one prompt per request is supported")
+                if v[0] == "":
+                    raise ValueError("prompt must not be empty")
+                check_text(v[0])
+            elif any(not 0 <= x <= MAX_TOKEN_ID for x in v):  # type: ignore[operator]
+                raise ValueError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
         elif v == "":
             raise ValueError("prompt must not be empty")
+        else:
+            check_text(v)
         return v
 
-    @model_validator(mode="after")
-    def _no_echo_suffix(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: int | None) -> int | None:
+        if v is not None:  # 0 still asks for the sampled token's log probability
+            raise unsupported("logprobs", "log probabilities are not returned (send null)")
+        return v
 
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise unsupported("best_of", "one candidate per request is generated (use 1)")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise unsupported("echo", "the prompt is not echoed (use false)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise unsupported("suffix", "insertion is not supported (send null)")
+        return v
 
 
 class Usage(BaseModel):

@@ -8,6 +8,10 @@ Invariants:
 - ``expected_output_tokens`` is in ``[1, max_tokens]`` (when ``max_tokens`` is set): learned per
   (API key, route) as an EWMA of observed completion tokens, else the configured default.
 - Building a profile is CPU work (tokenizing): the gateway runs long prompts off its event loop.
+- Whatever the body holds, building a profile raises :class:`ProfileError` (a ``ValueError``)
+  or :class:`routing.prompt.TemplateError` for a bad request, nothing else: token ids outside
+  ``[0, MAX_TOKEN_ID]``, text with lone surrogates, a max_tokens that is not an integer in
+  ``[1, MAX_TOKENS]`` (the gateway's schema refuses them first, with the field's name).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.blocks import block_hashes, model_seed
-from routing.prompt import PromptFormatter
+from routing.prompt import PromptFormatter, UnencodableText
 
 Route = Literal["chat", "completions"]
+
+MAX_TOKEN_ID = 2**31 - 1  # block hashing packs ids in 32 bits; vocabularies are far smaller
+MAX_TOKENS = 2**31 - 1  # max_tokens / max_completion_tokens
 
 
 class ProfileError(ValueError):
@@ -60,8 +67,8 @@ class OutputLengthEstimator:
         stat = self._stats.get((api_key or "", route))
         if stat is not None and stat[1] >= self.knobs.min_samples:
             value = stat[0]
-        if max_tokens is not None:
-            value = min(value, float(max_tokens))
+        if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
+            value = float(max_tokens)
         return max(1.0, value)
 
     def observe(self, api_key: str | None, route: str, completion_tokens: int) -> None:
@@ -141,25 +148,38 @@ def template_messages(body: Any) -> list[dict[str, Any]]:
 
 def prompt_token_ids(body: Any, formatter: PromptFormatter, route: Route) -> list[int]:
     """The prompt's token ids, as the node will compute them."""
-    if route == "chat":
-        return formatter.encode_chat(template_messages(body))
-    prompt = _get(body, "prompt")
-    if isinstance(prompt, str):
-        ids = formatter.encode(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        ids = [int(t) for t in prompt]
-    elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        ids = formatter.encode(prompt[0])
-    else:
-        raise ProfileError("prompt must be a string, one string in a list, or token ids")
+    try:
+        if route == "chat":
+            return formatter.encode_chat(template_messages(body))
+        prompt = _get(body, "prompt")
+        if isinstance(prompt, str):
+            ids = formatter.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            ids = list(prompt)
+            if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+                raise ProfileError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
+        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            ids = formatter.encode(prompt[0])
+        else:
+            raise ProfileError("prompt must be a string, one string in a list, or token ids")
+    except UnencodableText as exc:
+        raise ProfileError(str(exc)) from exc
     if not ids:
         raise ProfileError("prompt is empty after tokenization")
     return ids
 
 
 def requested_max_tokens(body: Any) -> int | None:
-    value = _get(body, "max_completion_tokens") or _get(body, "max_tokens")
-    return int(value) if value is not None else None
+    """``max_completion_tokens``, else ``max_tokens`` (as the node reads them), else None."""
+    value = _get(body, "max_completion_tokens")
+    name = "max_completion_tokens"
+    if value is None:
+        value, name = _get(body, "max_tokens"), "max_tokens"
+    if value is None:
+        return None
+    if type(value) is not int or not 1 <= value <= MAX_TOKENS:
+        raise ProfileError(f"{name} must be an integer in [1, {MAX_TOKENS}]")
+    return value
 
 
 _SEEDS: dict[str, int] = {}  # model identity -> model_seed(identity), a pure function

@@ -6,6 +6,8 @@ Invariants:
 - ``encode`` never adds a BOS of its own: chat templates place their own markers, and special
   tokens written in the text (``<|im_start|>``) map to their single ids.
 - ``stop_token_ids`` are the ids generation ends on (generation_config's eos list, else config's).
+- Text that cannot be tokenized (a lone surrogate) raises :class:`UnencodableText`, a
+  ``ValueError``, never the tokenizer's ``TypeError``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ TOKENIZER_FILES = (
 
 class TemplateError(ValueError):
     """The chat template rejected the messages (e.g. roles out of order)."""
+
+
+class UnencodableText(ValueError):
+    """Text the tokenizer cannot encode: it holds a lone surrogate (``"\\ud800"`` in JSON),
+    which has no UTF-8 form. A client's mistake (HTTP 400), never a crash."""
 
 
 def _raise(message: str) -> None:
@@ -130,10 +137,18 @@ class PromptFormatter:
             raise TemplateError(f"chat template failed: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; :class:`UnencodableText` for text with lone surrogates."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:  # the tokenizer's answer to a str it cannot make UTF-8 of
+            raise UnencodableText(_unencodable(text)) from exc
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            encoded = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        except TypeError as exc:
+            raise UnencodableText(_unencodable("".join(texts))) from exc
+        return [e.ids for e in encoded]
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **extra: Any) -> list[int]:
         return self.encode(self.render(messages, add_generation_prompt=True, **extra))
@@ -144,6 +159,15 @@ class PromptFormatter:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _unencodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        found = exc.object[exc.start : exc.end]
+        return f"text must not contain lone surrogates (U+D800 to U+DFFF), found {found!a}"
+    return "text cannot be tokenized"
 
 
 def _read_json(path: Path) -> dict[str, Any]:

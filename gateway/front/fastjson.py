@@ -5,7 +5,10 @@
   lone surrogates, other encodings, invalid documents) is handed to ``json.loads``, which
   accepts it or raises its own error, message included. orjson reads an integer beyond 64
   bits as a float where ``json`` keeps it exact: a document in which orjson found a number of
-  that size (|x| >= 2**63) is parsed again by ``json``.
+  that size (|x| >= 2**63) is parsed again by ``json``. One exception to "raises what
+  ``json.loads`` raises": a document nested deeper than ``gateway.json_limits.MAX_DEPTH``
+  raises ``JSONTooDeep`` (a ``ValueError``), whichever parser read it, where ``json`` would
+  parse it or raise ``RecursionError``.
 - :func:`dumps` serializes a document :func:`loads` parsed with orjson (``strict=True``) with
   orjson, else with ``json.dumps``. The bytes differ from ``json.dumps`` (compact, UTF-8
   rather than ``\\u`` escapes) but encode the same JSON value.
@@ -15,6 +18,10 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from gateway.json_limits import JSONTooDeep, check_content_type, check_depth
+
+JSON_CONTENT_TYPE = "application/json"
 
 try:
     import orjson
@@ -53,11 +60,24 @@ def _orjson_loads(raw: bytes | str) -> Any:
 
 
 def loads(raw: bytes | str) -> tuple[Any, bool]:
-    """``(json.loads(raw), True if orjson parsed it)``."""
+    """``(json.loads(raw), True if orjson parsed it)``; ``JSONTooDeep`` for deep nesting."""
     obj = _orjson_loads(raw)
     if obj is not _REFUSED and not _has_big_float(obj):
+        check_depth(raw, obj)
         return obj, True
-    return json.loads(raw), False
+    try:
+        obj = json.loads(raw)
+    except RecursionError:
+        raise JSONTooDeep("the JSON body nests arrays and objects too deeply") from None
+    check_depth(raw, obj)
+    return obj, False
+
+
+def loads_request(raw: bytes, content_type: str | bytes | None) -> tuple[Any, bool]:
+    """:func:`loads` of a request body whose Content-Type header is ``content_type`` (None:
+    absent): an ``APIError`` 415 unless it is JSON (``gateway.json_limits.check_content_type``)."""
+    check_content_type(content_type, raw)
+    return loads(raw)
 
 
 def usage_of_response(raw: bytes) -> Any:

@@ -5,6 +5,10 @@ One NodeService wraps one engine (edge or cloud) and one model. It owns no HTTP:
 - Every admitted request ends with exactly one finish (stop, length or abort) and its engine
   request is released (``aclose`` + ``abort``) on every path: done, stop string, client gone.
 - Prompt plus max_tokens over the context is a 400 before anything runs; a full queue a 429.
+- Bodies arrive validated by ``gateway.openai_schema`` (bounded integers, no lone surrogates);
+  on top of that, token ids outside the model's vocabulary, text the tokenizer cannot encode,
+  sampling parameters an engine cannot honour (``routing.sampling_limits``) and any admission
+  refusal of the engine are 400s naming the field, before anything runs.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from routing.engine import (
     TokenEvent,
 )
 from routing.fleet.state import NodeKind, NodeState
-from routing.prompt import PromptFormatter, TemplateError
+from routing.prompt import PromptFormatter, TemplateError, UnencodableText
+from routing.sampling_limits import InvalidSampling, check_sampling
 from routing.textstream import TextStreamer
 
 # Prompts longer than this many characters are tokenized off the event loop.
@@ -91,7 +96,7 @@ class NodeService:
         self.check_model(req.model)
         try:
             ids = await self._encode(self.formatter.encode_chat, req.template_messages())
-        except TemplateError as exc:
+        except (TemplateError, UnencodableText) as exc:
             raise bad_request(str(exc), param="messages") from exc
         return self._prepared(req, ids, "chat")
 
@@ -101,13 +106,18 @@ class NodeService:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             ids = [int(t) for t in prompt]
             vocab = self.formatter.vocab_size
-            if max(ids) >= vocab:
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
                 raise bad_request(
-                    f"token id {max(ids)} is outside the vocabulary (size {vocab})", param="prompt"
+                    f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt"
                 )
         else:
             text = prompt[0] if isinstance(prompt, list) else prompt
-            ids = await self._encode(self.formatter.encode, text)
+            try:
+                ids = await self._encode(self.formatter.encode, text)
+            except UnencodableText as exc:
+                raise bad_request(str(exc), param="prompt") from exc
         if not ids:
             raise bad_request("prompt is empty after tokenization", param="prompt")
         return self._prepared(req, ids, "completion")
@@ -128,7 +138,9 @@ class NodeService:
                 f"This model's maximum context length is {ctx} tokens. However, you requested "
                 f"{len(ids) + requested} tokens ({len(ids)} in the prompt, {requested} for the "
                 "completion). Please reduce the prompt or max_tokens.",
-                param="max_tokens",
+                param="max_tokens"
+                if req.max_completion_tokens is None
+                else "max_completion_tokens",
                 code="context_length_exceeded",
             )
         max_tokens = requested if requested is not None else ctx - len(ids)
@@ -140,6 +152,10 @@ class NodeService:
             seed=req.seed,
             stop_token_ids=self.formatter.stop_token_ids,
         )
+        try:
+            check_sampling(sampling)
+        except InvalidSampling as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
         gen = GenerationRequest(
             prompt_token_ids=ids,
             sampling=sampling,
@@ -191,6 +207,10 @@ class NodeService:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
         except RequestTooLong as exc:
             raise bad_request(str(exc), code="context_length_exceeded") from exc
+        except InvalidSampling as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
+        except EngineError as exc:  # any other refusal of the request itself
+            raise bad_request(str(exc), param="prompt") from exc
         finally:
             await agen.aclose()
             if not finished or streamer.stopped:
