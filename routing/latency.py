@@ -19,11 +19,12 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.backlog import EngineShape, Work, replay
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState
 
@@ -35,7 +36,10 @@ class KindDefaults(BaseModel):
 
     prefill_tokens_per_s: float = Field(gt=0)
     decode_ms_per_token: float = Field(gt=0, description="one sequence, batch 1")
-    batch_slope: float = Field(ge=0, description="relative decode slowdown per extra sequence")
+    batch_slope: float = Field(
+        ge=0, description="relative decode slowdown per extra sequence, until fitted"
+    )
+    prefill_chunk: int = Field(default=256, ge=1, description="prompt tokens per engine step")
 
 
 class LatencyKnobs(BaseModel):
@@ -54,10 +58,10 @@ class LatencyKnobs(BaseModel):
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
     edge: KindDefaults = KindDefaults(
-        prefill_tokens_per_s=400.0, decode_ms_per_token=30.0, batch_slope=0.6
+        prefill_tokens_per_s=400.0, decode_ms_per_token=30.0, batch_slope=0.6, prefill_chunk=256
     )
     cloud: KindDefaults = KindDefaults(
-        prefill_tokens_per_s=6000.0, decode_ms_per_token=20.0, batch_slope=0.03
+        prefill_tokens_per_s=6000.0, decode_ms_per_token=20.0, batch_slope=0.03, prefill_chunk=1024
     )
     openai: KindDefaults = KindDefaults(
         prefill_tokens_per_s=3000.0, decode_ms_per_token=25.0, batch_slope=0.0
@@ -84,8 +88,10 @@ class Estimate:
     e2e_ms: float
     cached_tokens: int
     uncached_tokens: int
-    batch: int  # sequences decoding alongside, itself included
-    load: float  # occupancy (running + waiting + local in-flight) / max_batch
+    batch: int  # sequences decoding alongside, itself included (mean_batch rounded)
+    load: float  # occupancy (requests in hand, this one not counted) / slots
+    own_prefill_ms: float = 0.0  # its own uncached tokens at the prefill rate
+    mean_batch: float = 1.0  # mean rows of the decode steps it is predicted to take part in
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,12 +126,51 @@ class _Ewma:
 
 
 @dataclass(slots=True)
+class LineFit:
+    """``y = a + b x`` by least squares over exponentially forgotten samples.
+
+    ``solve`` answers only once the samples span ``min_spread`` in x (standard deviation) over
+    at least ``min_samples``: a fit over one batch size says nothing about the slope.
+    """
+
+    decay: float = 0.97
+    min_samples: int = 6
+    min_spread: float = 0.5
+    n: int = 0
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.sw = d * self.sw + 1.0
+        self.sx = d * self.sx + x
+        self.sy = d * self.sy + y
+        self.sxx = d * self.sxx + x * x
+        self.sxy = d * self.sxy + x * y
+        self.n += 1
+
+    def solve(self) -> tuple[float, float] | None:
+        if self.n < self.min_samples or self.sw <= 0:
+            return None
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mx * mx
+        if var < self.min_spread**2:
+            return None
+        b = (self.sxy / self.sw - mx * my) / var
+        return my - b * mx, b
+
+
+@dataclass(slots=True)
 class NodeRates:
     """What the model measured on one node (normalized to batch 1 for decode)."""
 
     prefill_tokens_per_s: _Ewma = field(default_factory=_Ewma)
     decode_ms_per_token_b1: _Ewma = field(default_factory=_Ewma)
     output_tokens: _Ewma = field(default_factory=_Ewma)
+    decode_fit: LineFit = field(default_factory=LineFit)  # ms/token against (batch - 1)
 
 
 @dataclass(slots=True)
@@ -203,8 +248,17 @@ class LatencyModel:
         self.rates.pop(node_id, None)
 
     # ---- rates -------------------------------------------------------------------------------
-    def batch_factor(self, kind: NodeKind, batch: float) -> float:
-        return 1.0 + self.knobs.defaults(kind).batch_slope * max(0.0, batch - 1.0)
+    def batch_factor(self, kind: NodeKind, batch: float, node_id: str | None = None) -> float:
+        slope = self._slope(node_id, kind)
+        return 1.0 + slope * max(0.0, batch - 1.0)
+
+    def _slope(self, node_id: str | None, kind: NodeKind) -> float:
+        rates = self.rates.get(node_id) if node_id is not None else None
+        if rates is not None:
+            fit = rates.decode_fit.solve()
+            if fit is not None and fit[0] > 0:
+                return min(max(fit[1] / fit[0], 0.0), 2.0)
+        return self.knobs.defaults(kind).batch_slope
 
     def _blend(self, measured: _Ewma, reported: float, default: float) -> float:
         k = self.knobs
@@ -225,8 +279,13 @@ class LatencyModel:
         """Decode ms/token of one sequence at batch 1 (the node's report is normalized)."""
         rates = self.rates.get(node.id) or _NO_RATES
         default = self.knobs.defaults(node.kind).decode_ms_per_token
-        reported = node.decode_ms_per_token / self.batch_factor(node.kind, max(1, node.running))
-        return _finite(self._blend(rates.decode_ms_per_token_b1, reported, default), default)
+        factor = self.batch_factor(node.kind, max(1, node.running), node.id)
+        reported = node.decode_ms_per_token / factor
+        measured = rates.decode_ms_per_token_b1
+        fit = rates.decode_fit.solve()
+        if fit is not None and fit[0] > 0:  # the fit's intercept is batch 1 itself
+            measured = _Ewma(fit[0], measured.n)
+        return _finite(self._blend(measured, reported, default), default)
 
     def mean_output_tokens(self, node_id: str) -> float:
         rates = self.rates.get(node_id)
@@ -235,6 +294,22 @@ class LatencyModel:
         return max(1.0, rates.output_tokens.value)
 
     # ---- prediction --------------------------------------------------------------------------
+    def batch_slope(self, node: NodeState) -> float:
+        """Relative decode slowdown per extra row: fitted on this node's observations once they
+        span several batch sizes, else the kind's default."""
+        return self._slope(node.id, node.kind)
+
+    def shape(self, node: NodeState) -> EngineShape:
+        """The node's engine as :func:`routing.backlog.replay` runs it."""
+        kd = self.knobs.defaults(node.kind)
+        return EngineShape(
+            slots=max(1, node.max_batch),
+            chunk_tokens=kd.prefill_chunk,
+            prefill_ms_per_token=1000.0 / self.prefill_tokens_per_s(node),
+            decode_step_ms_b1=self.decode_ms_per_token_b1(node),
+            batch_slope=self.batch_slope(node),
+        )
+
     def estimate(
         self,
         node: NodeState,
@@ -244,83 +319,88 @@ class LatencyModel:
         expected_output_tokens: float,
         rtt_ms: float,
         extra_inflight: int = 0,
+        ahead: Sequence[Work] | None = None,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
         ``cached_tokens`` is what the prefix index says the node holds (whole blocks, capped at
         ``(prompt_tokens - 1) // BLOCK_SIZE`` of them as the engines do, scaled by
-        ``prefix_credit``); ``extra_inflight`` counts
-        requests this gateway sent to the node after its state was taken.
+        ``prefix_credit``). ``ahead`` is the work this gateway knows the node has in hand, in
+        arrival order (``routing.router.DispatchLedger.work``); ``extra_inflight`` counts
+        requests on the node that ``ahead`` does not describe (other gateways', or, without
+        ``ahead``, everything beyond the node's own running and waiting counts): each is taken
+        as half of a typical request's decoding.
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
         blocks = min(cached_tokens // BLOCK_SIZE, max(0, prompt_tokens - 1) // BLOCK_SIZE)
         cached = int(blocks * k.prefix_credit) * BLOCK_SIZE
         uncached = max(1, prompt_tokens - cached)
-        slots = max(1, node.max_batch)
-        occupied = node.running + node.waiting + max(0, extra_inflight)
-        # decode_ms_per_token_b1(node) and prefill_tokens_per_s(node), inlined (hot path)
-        kd = k.defaults(node.kind)
-        slope = kd.batch_slope
-        rates = self.rates.get(node.id) or _NO_RATES
-        reported = node.decode_ms_per_token / (1.0 + slope * max(0.0, max(1, node.running) - 1.0))
-        default = kd.decode_ms_per_token
-        d1 = _finite(self._blend(rates.decode_ms_per_token_b1, reported, default), default)
-        default = kd.prefill_tokens_per_s
-        prefill_rate = _finite(
-            self._blend(rates.prefill_tokens_per_s, node.prefill_tokens_per_s, default), default
-        )
-
-        ahead = max(0, occupied - slots + 1)
-        if ahead == 0 and node.kv_blocks_total > 0:
-            need = math.ceil((prompt_tokens + expected_output_tokens) / BLOCK_SIZE)
-            need -= cached // BLOCK_SIZE
+        shape = self.shape(node)
+        if ahead is None:
+            unknown = node.running + node.waiting + max(0, extra_inflight)
+            work: list[Work] = []
+        else:
+            unknown = max(0, extra_inflight)
+            work = list(ahead)
+        if unknown:
+            typical = Work(0.0, 0.5 * self.mean_output_tokens(node.id))
+            work = [typical] * unknown + work
+        out = max(1.0, expected_output_tokens)
+        if node.kv_blocks_total > 0 and work:
+            need = math.ceil((prompt_tokens + out) / BLOCK_SIZE) - cached // BLOCK_SIZE
             if need > node.kv_blocks_total - node.kv_blocks_used:
-                ahead = 1  # no room in the KV cache: wait for a request to finish
-        queue_ms = 0.0
-        if ahead:
-            service_ms = (
-                self.mean_output_tokens(node.id) * d1 * (1.0 + slope * max(0.0, slots - 1.0))
-            )
-            queue_ms = ahead * service_ms / slots
-
-        batch = min(slots, occupied + 1)
-        per_token = d1 * (1.0 + slope * max(0.0, batch - 1.0))
-        prefill_ms = 1000.0 * uncached / prefill_rate
-        ttft = max(0.0, rtt_ms) + queue_ms + prefill_ms
-        e2e = ttft + max(0.0, expected_output_tokens) * per_token
+                # no room in the KV cache: it starts when a request in hand finishes
+                shape = replace(shape, slots=min(shape.slots, len(work)))
+        r = replay(shape, work, Work(float(uncached), out - 1.0))
+        own_prefill = uncached * shape.prefill_ms_per_token
+        rtt = max(0.0, rtt_ms)
+        steps = out - 1.0
+        per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
+        if per_token <= 0:
+            per_token = shape.decode_step_ms(max(1, round(r.mean_batch)))
         return Estimate(
             node_id=node.id,
             rtt_ms=rtt_ms,
-            queue_ms=queue_ms,
-            prefill_ms=prefill_ms,
-            ttft_ms=ttft,
+            queue_ms=r.queue_ms,
+            prefill_ms=r.first_token_ms - r.queue_ms,
+            ttft_ms=rtt + r.first_token_ms,
             decode_ms_per_token=per_token,
-            e2e_ms=e2e,
+            e2e_ms=rtt + r.last_token_ms,
             cached_tokens=cached,
             uncached_tokens=uncached,
-            batch=batch,
-            load=occupied / slots,
+            batch=max(1, round(r.mean_batch)),
+            load=len(work) / shape.slots,
+            own_prefill_ms=own_prefill,
+            mean_batch=r.mean_batch,
         )
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, obs: Observation) -> dict[str, float]:
-        """Learn from one finished request; returns the prediction errors recorded (ms)."""
+        """Learn from one finished request; returns the prediction errors recorded (ms).
+
+        Prefill is learned only from requests predicted to start at once with little else
+        running (their TTFT is mostly their own prefill); decode ms/token is fitted against
+        the mean batch the request was predicted to decode in.
+        """
         k = self.knobs
         rates = self.rates.get(obs.node_id)
         if rates is None:
             rates = self.rates[obs.node_id] = NodeRates()
         est = obs.estimate
         net = max(0.0, obs.net_rtt_ms)
-        queue = (
-            obs.node_queue_ms if obs.node_queue_ms is not None else (est.queue_ms if est else 0.0)
-        )
 
         uncached = obs.prompt_tokens - obs.cached_tokens
         if obs.ttft_ms is not None and uncached >= k.min_prefill_tokens:
             server_ms = obs.ttft_ms - net
-            prefill_ms = max(server_ms - queue, 0.25 * server_ms, 0.5)
-            rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms, k.rate_alpha)
+            others = 0.0
+            if est is not None:
+                others = max(0.0, est.ttft_ms - est.rtt_ms - est.own_prefill_ms)
+            if obs.node_queue_ms is not None:
+                others = obs.node_queue_ms
+            if est is None or others <= 0.25 * max(server_ms, 1e-3):
+                prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
+                rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms, k.rate_alpha)
 
         ttft_at_gateway = obs.ttft_ms
         if ttft_at_gateway is None and est is not None:
@@ -328,10 +408,11 @@ class LatencyModel:
         if ttft_at_gateway is not None and obs.completion_tokens >= k.min_decode_tokens:
             per_token = (obs.e2e_ms - ttft_at_gateway) / (obs.completion_tokens - 1)
             if per_token > 0:
-                batch = est.batch if est else 1
+                batch = est.mean_batch if est else 1.0
                 rates.decode_ms_per_token_b1.add(
-                    per_token / self.batch_factor(obs.kind, batch), k.rate_alpha
+                    per_token / self.batch_factor(obs.kind, batch, obs.node_id), k.rate_alpha
                 )
+                rates.decode_fit.add(batch - 1.0, per_token)
         if obs.completion_tokens > 0:
             rates.output_tokens.add(float(obs.completion_tokens), k.rate_alpha)
 

@@ -65,6 +65,11 @@ class Candidate:
             "prefill_ms": round(e.prefill_ms, 2),
             "decode_ms_per_token": round(e.decode_ms_per_token, 3),
             "cached_tokens": e.cached_tokens,
+            "uncached_tokens": e.uncached_tokens,
+            "prefill_tokens_per_s": round(1000.0 * e.uncached_tokens / e.prefill_ms, 1)
+            if e.prefill_ms > 0
+            else None,
+            "batch": e.batch,
             "load": round(e.load, 3),
         }
 
@@ -134,6 +139,7 @@ class Decision:
             "x-edgecloud-predicted-ttft-ms": f"{self.estimate.ttft_ms:.1f}",
             "x-edgecloud-predicted-e2e-ms": f"{self.estimate.e2e_ms:.1f}",
             "x-edgecloud-cached-tokens": str(self.estimate.cached_tokens),
+            "x-edgecloud-credited-tokens": str(self.estimate.cached_tokens),
         }
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,8 +13,11 @@ Invariants:
 - Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, in the view
   (the store only returns fresh nodes, or its last view when it is unreachable), and not in
   ``exclude`` (open circuits). Nothing else filters; policies only order.
-- Requests this gateway dispatched after a node's state was taken, and not finished yet, count
-  as extra load on that node, so a burst does not pile onto one node between heartbeats.
+- Every request this gateway has in flight on a node is replayed as work in hand there
+  (``DispatchLedger.work``: its remaining prefill and decode steps, from its prediction and its
+  first token when seen), including those sent after the node's state was taken, so a burst
+  does not pile onto one node between heartbeats; the node's own running and waiting counts
+  beyond what it had seen of ours stand for other gateways' requests.
 - A config change (hot reload) takes effect at the next ``decide``; learned rates, RTT
   measurements and output-length statistics are kept.
 - Pure: no I/O; time comes from the injected ``clock`` (wall time, like NodeState.timestamp).
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from routing.backlog import Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeState
 from routing.fleet.store import FleetView
@@ -66,16 +70,36 @@ class Measured:
     node_queue_ms: float | None = None
 
 
+@dataclass(slots=True)
+class _InFlight:
+    dispatched_at: float
+    estimate: Estimate
+    output_tokens: float
+    first_token_at: float | None = None
+
+
 class DispatchLedger:
-    """Requests in flight per node, with their dispatch times (sorted, as the clock is)."""
+    """Requests in flight per node, with their dispatch times (sorted, as the clock is) and
+    what was predicted for them, so a decision can replay the work each node has in hand."""
 
     def __init__(self) -> None:
         self._times: dict[str, list[tuple[float, int]]] = {}
+        self._entries: dict[int, _InFlight] = {}
 
-    def add(self, node_id: str, at: float, ticket_id: int) -> None:
+    def add(
+        self,
+        node_id: str,
+        at: float,
+        ticket_id: int,
+        estimate: Estimate | None = None,
+        output_tokens: float = 0.0,
+    ) -> None:
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
+        if estimate is not None:
+            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens)
 
     def remove(self, node_id: str, at: float, ticket_id: int) -> bool:
+        self._entries.pop(ticket_id, None)
         items = self._times.get(node_id)
         if not items:
             return False
@@ -84,6 +108,11 @@ class DispatchLedger:
             del items[i]
             return True
         return False
+
+    def first_token(self, ticket_id: int, at: float) -> None:
+        entry = self._entries.get(ticket_id)
+        if entry is not None and entry.first_token_at is None:
+            entry.first_token_at = at
 
     def in_flight(self, node_id: str) -> int:
         return len(self._times.get(node_id, ()))
@@ -94,6 +123,31 @@ class DispatchLedger:
         if not items:
             return 0
         return len(items) - bisect.bisect_right(items, (t, float("inf")))
+
+    def work(self, node_id: str, now: float) -> list[Work]:
+        """What each request in flight on the node still has to do, oldest first, as far as
+        its prediction and what was seen of it (its first token) tell."""
+        out: list[Work] = []
+        for _, ticket_id in self._times.get(node_id, ()):
+            e = self._entries.get(ticket_id)
+            if e is None:
+                continue
+            est = e.estimate
+            elapsed = (now - e.dispatched_at) * 1000.0
+            steps = max(0.0, e.output_tokens - 1.0)
+            t_first = est.ttft_ms - est.rtt_ms
+            if e.first_token_at is not None or elapsed >= t_first:
+                since_first = (
+                    (now - e.first_token_at) * 1000.0
+                    if e.first_token_at is not None
+                    else elapsed - t_first
+                )
+                done = since_first / max(est.decode_ms_per_token, 1e-3)
+                out.append(Work(0.0, max(1.0, steps - done) if steps else 0.0))
+            else:
+                left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
+                out.append(Work(est.uncached_tokens * min(1.0, left), steps))
+        return out
 
 
 class Router:
@@ -161,6 +215,7 @@ class Router:
         """Eligible nodes with their estimates (sorted by id), and why the others are not."""
         cfg = self.config
         client_region = profile.client_region or cfg.default_region
+        now = self.clock()
         out: list[Candidate] = []
         left_out: dict[str, str] = {}
         need = profile.context_needed
@@ -174,13 +229,17 @@ class Router:
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
             else:
+                ours = self.ledger.in_flight(node.id)
+                seen = ours - self.ledger.since(node.id, node.timestamp)
                 est = self.model.estimate(
                     node,
                     prompt_tokens=profile.prompt_tokens,
                     cached_tokens=view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE,
                     expected_output_tokens=profile.expected_output_tokens,
                     rtt_ms=self.regions.rtt_ms(client_region, node.region),
-                    extra_inflight=self.ledger.since(node.id, node.timestamp),
+                    # what other gateways sent it: its own counts beyond ours it had seen
+                    extra_inflight=max(0, node.running + node.waiting - seen),
+                    ahead=self.ledger.work(node.id, now),
                 )
                 out.append(Candidate(node, est))
         out.sort(key=lambda c: c.node.id)
@@ -225,8 +284,13 @@ class Router:
         """Count a dispatch to ``candidate`` (default: the chosen node) as in flight."""
         cand = candidate or decision.chosen
         ticket = Ticket(next(self._ids), cand.node, cand.estimate, self.clock(), profile)
-        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id)
+        out = profile.expected_output_tokens if profile is not None else 0.0
+        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out)
         return ticket
+
+    def first_token(self, ticket: Ticket) -> None:
+        """The node sent the ticket's first token: its prefill is over (refines ``work``)."""
+        self.ledger.first_token(ticket.id, self.clock())
 
     def finish(self, ticket: Ticket, measured: Measured | None = None) -> dict[str, float]:
         """End a dispatch. With ``measured`` (a successful request) the model learns from it.

@@ -162,12 +162,12 @@ async def test_block_feed_pages_are_polled_and_synced_after_a_request():
         assert pages == [(None, 0)]
         assert (await store.view([1, 2])).prefix_blocks == {"c1": 2}
         feed["seq"] = 5
-        store.note_finished("c1")
+        store.note_cache_changed("c1")
         assert (await store.view([2, 3])).prefix_blocks == {"c1": 2}  # waited for the sync
         assert pages == [(None, 0), ("a", 0)]
         assert (await store.view([1])).prefix_blocks == {}
         feed["epoch"] = "b"  # the node restarted: the next page is full again
-        store.note_finished("c1")
+        store.note_cache_changed("c1")
         assert (await store.view([1, 2])).prefix_blocks == {"c1": 2}
         assert pages[-1] == ("a", 5)
     finally:

@@ -538,32 +538,14 @@ def test_node_refuses_bad_inputs_with_4xx_and_keeps_the_connection(fleet, kind) 
         conn.close()
 
 
-# The hot routes need the Content-Type from gateway/front/app.py (see the xfail test below).
-_GATEWAY_BAD = [c for c in BAD if c[3] != 415]
-
-
 def test_gateway_refuses_bad_inputs_with_4xx_and_keeps_the_connection(fleet) -> None:
     conn = Conn(fleet["gw"].url)
     try:
-        for case in _GATEWAY_BAD:
+        for case in BAD:
             _check_bad(conn, fleet["model"], case, "gateway")
         for path, make, ctype in GOOD:
             status, body = conn.post(path, make(fleet["model"]), ctype)
             assert status == 200, ("gateway", body)
-    finally:
-        conn.close()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway/front/app.py's hot endpoint must pass request.headers.get('content-type') "
-    "to Gateway.parse_json; remove this mark once it does",
-)
-def test_gateway_hot_routes_refuse_bodies_not_declared_json(fleet) -> None:
-    conn = Conn(fleet["gw"].url)
-    try:
-        for case in (c for c in BAD if c[3] == 415):
-            _check_bad(conn, fleet["model"], case, "gateway")
     finally:
         conn.close()
 

@@ -37,10 +37,11 @@ def est(model: LatencyModel, n: NodeState, prompt=100, cached=0, out=10.0, rtt=5
 def test_formula_on_an_idle_node():
     m = LatencyModel()
     e = est(m, node())
-    # ttft = rtt 5 + queue 0 + 100 tokens / 500 tok/s; e2e = ttft + 10 tokens x 20 ms
+    # ttft = rtt 5 + queue 0 + 100 tokens / 500 tok/s; the prefill gives the first token, the
+    # other 9 take a decode step of 20 ms each
     assert (e.queue_ms, e.prefill_ms, e.ttft_ms) == (0.0, 200.0, 205.0)
     assert e.decode_ms_per_token == 20.0 and e.batch == 1
-    assert e.e2e_ms == pytest.approx(405.0)
+    assert e.e2e_ms == pytest.approx(385.0)
     assert e.uncached_tokens == 100 and e.cached_tokens == 0
 
 
@@ -72,9 +73,11 @@ def test_batch_slows_decode_and_a_full_node_queues():
     full = node(running=4, waiting=1)  # 4 slots, 1 waiting: we are second in line
     e = est(m, full)
     d1 = 20.0 / (1 + 0.6 * 3)
-    service = 128 * d1 * (1 + 0.6 * 3)  # 128 = assumed output of requests ahead
-    assert e.queue_ms == pytest.approx(2 * service / 4)
-    assert e.ttft_ms == pytest.approx(5 + 2 * service / 4 + 200)
+    # Requests we know only by count are half-way through a typical (128-token) answer: the
+    # four running ones decode 64 more steps at batch 4, then two slots are free.
+    wait = 64 * d1 * (1 + 0.6 * 3)
+    assert e.queue_ms == pytest.approx(wait)
+    assert e.ttft_ms == pytest.approx(5 + wait + 200)
     assert e.load == pytest.approx(5 / 4)
 
     # Requests this gateway sent after the state was taken count too.
@@ -84,8 +87,12 @@ def test_batch_slows_decode_and_a_full_node_queues():
 
 def test_no_kv_room_means_waiting_for_a_finish():
     m = LatencyModel()
-    roomy = node("c", NodeKind.CLOUD, max_batch=64, kv_blocks_total=1000, kv_blocks_used=10)
-    tight = node("c", NodeKind.CLOUD, max_batch=64, kv_blocks_total=1000, kv_blocks_used=995)
+    roomy = node(
+        "c", NodeKind.CLOUD, max_batch=64, running=2, kv_blocks_total=1000, kv_blocks_used=10
+    )
+    tight = node(
+        "c", NodeKind.CLOUD, max_batch=64, running=2, kv_blocks_total=1000, kv_blocks_used=995
+    )
     assert est(m, roomy).queue_ms == 0.0
     assert est(m, tight).queue_ms > 0.0
 
@@ -140,8 +147,9 @@ def test_measured_rates_blend_with_self_reports_and_move_predictions():
     assert m.decode_ms_per_token_b1(n) == pytest.approx(0.7 * 40 + 0.3 * 20)
     after = est(m, n, prompt=400, out=50)
     assert after.prefill_ms == pytest.approx(400 / 220 * 1000)
-    assert after.e2e_ms == pytest.approx(5 + 400 / 220 * 1000 + 50 * 34.0)
-    assert before.e2e_ms == pytest.approx(5 + 800 + 50 * 20.0)
+    # the prefill gives the first of the 50 tokens; 49 decode steps follow
+    assert after.e2e_ms == pytest.approx(5 + 400 / 220 * 1000 + 49 * 34.0)
+    assert before.e2e_ms == pytest.approx(5 + 800 + 49 * 20.0)
 
     # The node then reports itself faster again: the self-report keeps a say.
     n_fast = node(prefill_tokens_per_s=2000.0)
@@ -189,7 +197,7 @@ def test_short_prompts_and_cached_prompts_do_not_teach_prefill():
 def test_prediction_errors_are_recorded_per_tier():
     m = LatencyModel()
     n = node()
-    e = est(m, n, prompt=100, out=10, rtt=30.0)  # predicted ttft 230, e2e 430
+    e = est(m, n, prompt=100, out=10, rtt=30.0)  # predicted ttft 230, e2e 410
     errs = m.observe(
         Observation(
             node_id="e1",
@@ -203,8 +211,8 @@ def test_prediction_errors_are_recorded_per_tier():
             estimate=e,
         )
     )
-    # The gateway saw a 10 ms network, not the client's 30: predictions are compared at 210/410.
-    assert errs == {"ttft": pytest.approx(50.0), "e2e": pytest.approx(-10.0)}
+    # The gateway saw a 10 ms network, not the client's 30: predictions are compared at 210/390.
+    assert errs == {"ttft": pytest.approx(50.0), "e2e": pytest.approx(10.0)}
     ttft = m.errors.get("ttft", "edge")
     assert ttft.count == 1 and ttft.bias_ms == pytest.approx(50.0)
     assert ttft.mean_abs_rel == pytest.approx(50 / 260)

@@ -211,7 +211,9 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     def hot(model_cls: Any, route: str) -> Endpoint:
         async def endpoint(request: Request, read_body: Callable[[], Awaitable[bytes]]) -> Response:
             who = await gw.auth(request)
-            data, req, strict = gw.parse_json(await read_body(), model_cls)
+            data, req, strict = gw.parse_json(
+                await read_body(), model_cls, request.headers.get("content-type")
+            )
             return await gw.forward(request, data, route, req, who, strict_json=strict)
 
         return endpoint

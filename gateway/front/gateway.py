@@ -179,7 +179,10 @@ class Gateway:
     async def parse(
         cls, request: Request, model_cls: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> tuple[dict[str, Any], Any]:
-        return cls.parse_body(await request.body(), model_cls)
+        data, req, _ = cls.parse_json(
+            await request.body(), model_cls, request.headers.get("content-type")
+        )
+        return data, req
 
     @classmethod
     def parse_body(
@@ -190,12 +193,17 @@ class Gateway:
 
     @staticmethod
     def parse_json(
-        raw: bytes, model_cls: type[ChatCompletionRequest] | type[CompletionRequest]
+        raw: bytes,
+        model_cls: type[ChatCompletionRequest] | type[CompletionRequest],
+        content_type: str | bytes | None = fastjson.JSON_CONTENT_TYPE,
     ) -> tuple[dict[str, Any], Any, bool]:
         """The body as JSON, its validated model, and whether orjson parsed it (see
-        :mod:`gateway.front.fastjson`)."""
+        :mod:`gateway.front.fastjson`). ``content_type`` is the request's Content-Type header
+        (None: absent): a body not declared JSON is a 415 (``gateway.json_limits``); the
+        default is for callers that checked it already. Nesting deeper than
+        ``gateway.json_limits.MAX_DEPTH`` is a 400 ``invalid_json``."""
         try:
-            data, strict = fastjson.loads(raw)
+            data, strict = fastjson.loads_request(raw, content_type)
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(
                 f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
@@ -435,6 +443,11 @@ class Gateway:
                 headers={**passthrough_headers(opened.response), **hdrs},
             )
         self.breakers.on_success(opened.node_id)
+        if req.stream:  # the node sent its first token: the prompt's blocks are in its cache
+            self.store.note_cache_changed(opened.node_id)
+            ticket = tickets.get(opened.node_id)
+            if ticket is not None:
+                self.router.first_token(ticket)
         if not req.stream:
             return await self._full(opened, tickets, hdrs, t_start, rate, route)
         return self._stream(opened, tickets, hdrs, t_start, req.include_usage, release, rate, route)
@@ -465,7 +478,13 @@ class Gateway:
         usage: dict[str, Any] = {}
         with contextlib.suppress(ValueError, AttributeError):
             usage = fastjson.usage_of_response(content)
-        measured = self._measured(usage, e2e, None)
+        ttft = _ttft_of_whole_reply(opened.response.headers, e2e)
+        hdrs["x-edgecloud-measured-e2e-ms"] = f"{e2e:.1f}"
+        if ttft is None:
+            hdrs.pop("x-edgecloud-measured-ttft-ms", None)
+        else:
+            hdrs["x-edgecloud-measured-ttft-ms"] = f"{ttft:.1f}"
+        measured = self._measured(usage, e2e, ttft)
         self._end(opened.node_id, tickets, measured)
         await self._account(rate, measured, opened, hdrs, route, 200)
         return Response(
@@ -542,7 +561,7 @@ class Gateway:
         if ticket is not None:
             self.router.finish(ticket, measured)
             if measured is not None:
-                self.store.note_finished(node_id)
+                self.store.note_cache_changed(node_id)
         tr = self.trackers.get(node_id)
         if tr is not None:
             tr.finished(
@@ -567,6 +586,7 @@ class Gateway:
                     "x-edgecloud-predicted-ttft-ms": f"{cand.estimate.ttft_ms:.1f}",
                     "x-edgecloud-predicted-e2e-ms": f"{cand.estimate.e2e_ms:.1f}",
                     "x-edgecloud-cached-tokens": str(cand.estimate.cached_tokens),
+                    "x-edgecloud-credited-tokens": str(cand.estimate.cached_tokens),
                 }
             )
         node_cached = opened.response.headers.get("x-edgecloud-cached-tokens")
@@ -611,6 +631,21 @@ class Gateway:
             "policy": self.policy_override or self.router.config.policy,
             "policy_reload_error": self.policy_source.last_error,
         }
+
+
+def _ttft_of_whole_reply(node_headers: httpx.Headers, e2e_ms: float) -> float | None:
+    """The time to first token of a reply sent whole, as the gateway's client would have seen
+    it streamed: the gateway's end-to-end time less the node's time from first to last token
+    (both node figures come from the node's headers; None when it sent neither)."""
+    try:
+        node_ttft = float(node_headers["x-edgecloud-measured-ttft-ms"])
+        node_e2e = float(node_headers["x-edgecloud-node-e2e-ms"])
+    except (KeyError, ValueError):
+        return None
+    decode = node_e2e - node_ttft
+    if not (0.0 <= decode <= e2e_ms):
+        return None
+    return e2e_ms - decode
 
 
 class RelayResponse(StreamingResponse):

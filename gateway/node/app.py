@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, install_error_handlers
+from gateway.json_limits import validated_body
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
@@ -95,7 +96,11 @@ def create_node_app(service: NodeService, store: FleetStore | None = None) -> Fa
     app.add_middleware(BodyLimitMiddleware, max_bytes=service.config.max_body_bytes)
     app.state.service = service
 
-    def headers(prep: Prepared, first: Delta | None, t0: float) -> dict[str, str]:
+    def headers(
+        prep: Prepared, first: Delta | None, t0: float, t_first: float, t_end: float | None = None
+    ) -> dict[str, str]:
+        """Node-side timings from the request's arrival: to its first token and, for a reply
+        sent whole, to its last (``x-edgecloud-node-e2e-ms``)."""
         h = {
             "x-edgecloud-node": service.config.node_id,
             "x-edgecloud-tier": service.engine.kind,
@@ -103,7 +108,9 @@ def create_node_app(service: NodeService, store: FleetStore | None = None) -> Fa
         }
         if first is not None:
             h["x-edgecloud-cached-tokens"] = str(first.event.cached_tokens)
-            h["x-edgecloud-measured-ttft-ms"] = f"{(time.perf_counter() - t0) * 1000:.1f}"
+            h["x-edgecloud-measured-ttft-ms"] = f"{(t_first - t0) * 1000:.1f}"
+        if t_end is not None:
+            h["x-edgecloud-node-e2e-ms"] = f"{(t_end - t0) * 1000:.1f}"
         return h
 
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
@@ -151,17 +158,21 @@ def create_node_app(service: NodeService, store: FleetStore | None = None) -> Fa
         return StreamingResponse(
             body(),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers(prep, first, t0)},
+            headers={**SSE_HEADERS, **headers(prep, first, t0, time.perf_counter())},
         )
 
     async def full_response(
         prep: Prepared, deltas: AsyncIterator[Delta], request: Request, t0: float
     ) -> Response:
+        t_first = t0
+
         async def collect() -> tuple[str, Delta | None, Delta | None]:
+            nonlocal t_first
             parts: list[str] = []
             first = last = None
             async for d in deltas:
-                first = first or d
+                if first is None:
+                    first, t_first = d, time.perf_counter()
                 last = d
                 parts.append(d.text)
             return "".join(parts), first, last
@@ -207,15 +218,23 @@ def create_node_app(service: NodeService, store: FleetStore | None = None) -> Fa
             "choices": [choice],
             "usage": u,
         }
-        return JSONResponse(body, headers=headers(prep, first, t0))
+        return JSONResponse(body, headers=headers(prep, first, t0, t_first, time.perf_counter()))
 
+    # Bodies are read and validated here, not by FastAPI: Content-Type and nesting depth are
+    # checked first (gateway.json_limits), so every bad body is a 4xx naming what is wrong.
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        req = validated_body(
+            await request.body(), request.headers.get("content-type"), ChatCompletionRequest
+        )
         prep = await service.prepare_chat(req)
         return await respond(prep, req.stream, request)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        req = validated_body(
+            await request.body(), request.headers.get("content-type"), CompletionRequest
+        )
         prep = await service.prepare_completion(req)
         return await respond(prep, req.stream, request)
 

@@ -273,7 +273,7 @@ class InProcessFleetStore(FleetStore):
             self.index.add(node_id, page.stored)
         self._cursors[node_id] = (page.epoch, page.seq)
 
-    def note_finished(self, node_id: str) -> None:
+    def note_cache_changed(self, node_id: str) -> None:
         """Fetch the node's block events now (coalesced: one sync at a time per node)."""
         state = self._states.get(node_id)
         if state is None or not state.prefix_cache or self.fetch_blocks is None:

@@ -57,8 +57,9 @@ class FleetStore(abc.ABC):
     async def replace_blocks(self, node_id: str, held: Sequence[int]) -> None:
         """Replace the node's whole prefix index with ``held`` (a snapshot of its cache)."""
 
-    def note_finished(self, node_id: str) -> None:  # noqa: B027 - optional hook
-        """A request on ``node_id`` finished: block events it caused may be waiting there."""
+    def note_cache_changed(self, node_id: str) -> None:  # noqa: B027 - optional hook
+        """A request on ``node_id`` passed its prefill or finished: block events it caused may
+        be waiting on the node (stores that poll nodes fetch them now)."""
 
     @abc.abstractmethod
     async def view(self, block_hashes: Sequence[int]) -> FleetView:

@@ -1,0 +1,74 @@
+"""Start the embedded default (``edgecloud serve``) for a benchmark and stop it afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port_block(n: int = 3) -> int:
+    """A port ``p`` with ``p .. p + n - 1`` free now (``serve`` takes port, port+1, port+2)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = int(s.getsockname()[1])
+        if p + n >= 65535:
+            continue
+        ok = True
+        for q in range(p + 1, p + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return p
+    raise RuntimeError("no block of free ports")
+
+
+@contextlib.contextmanager
+def embedded_default(
+    extra: list[str] | None = None, log_path: Path | None = None, timeout_s: float = 240.0
+) -> Iterator[str]:
+    """``edgecloud serve`` on free ports; yields the gateway's base URL once both nodes are in
+    its view. Stops the whole process group on exit."""
+    port = free_port_block()
+    exe = Path(sys.executable).with_name("edgecloud")
+    cmd = [str(exe), "serve", "--port", str(port), *(extra or [])]
+    out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"edgecloud serve exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                nodes = httpx.get(base + "/admin/nodes", timeout=2.0).json().get("nodes", [])
+                if len(nodes) >= 2:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("edgecloud serve did not come up")
+            time.sleep(0.5)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if log_path:
+            out.close()  # type: ignore[union-attr]

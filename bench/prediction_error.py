@@ -1,0 +1,282 @@
+"""Predicted against measured latency on the embedded default, per tier and concurrency.
+
+Starts ``edgecloud serve`` (edge node, cloud node, gateway with the in-process store) and
+replays a seeded mix of chats through it at each ``--concurrency``:
+
+- ``short``: one short question, ``max_tokens`` 16 or 32;
+- ``long``: a unique document of ~700-1,300 tokens to summarize, ``max_tokens`` 16;
+- ``shared``: one long system prompt shared by every request of the class (its prefix is
+  cached after the first) and a short question, ``max_tokens`` 16 or 32;
+- ``followup``: the third turn of a chat whose first two turns were sent before (the node that
+  served them may hold the prefix).
+
+Half of the requests stream. For each request the gateway's prediction
+(``x-edgecloud-predicted-ttft-ms`` / ``-e2e-ms``) is compared with what the client measured:
+TTFT at the first content chunk of a stream (for a reply sent whole, the gateway's
+``x-edgecloud-measured-ttft-ms``, the node's first-token time) and the end-to-end time.
+The first ``--warmup`` requests (at concurrency 1) are not counted: the model learns each
+node's rates from them. Errors are relative: ``|predicted - measured| / measured``.
+
+    python bench/prediction_error.py --concurrency 1 4 16 --requests 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import RESULTS, machine, recorded_command, table
+from bench._serve import embedded_default
+
+WORDS = ["system", "network", "latency", "cache", "region", "request", "model", "token", "answer", "office", "morning", "report", "budget", "meeting", "schedule", "project", "customer", "invoice", "policy", "review", "update"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "How many days are in a week?",
+    "Give me a synonym for happy.",
+    "What is two plus two?",
+    "Translate 'good morning' to Spanish.",
+    "What colour is the sky on a clear day?",
+    "Who wrote Romeo and Juliet?",
+]
+SYSTEM = " ".join(
+    f"Rule {i}: answer the user briefly, politely and precisely, citing the office handbook."
+    for i in range(60)
+)
+
+
+@dataclass
+class Sample:
+    cls: str
+    concurrency: int
+    stream: bool
+    tier: str
+    status: int
+    predicted_ttft_ms: float
+    predicted_e2e_ms: float
+    measured_ttft_ms: float | None
+    measured_e2e_ms: float
+    cached_tokens: int
+    completion_tokens: int
+    max_tokens: int
+
+
+def document(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randrange(600, 1100)))
+
+
+def make_request(rng: random.Random, n: int) -> tuple[str, list[dict[str, str]], int]:
+    kind = rng.choice(["short", "short", "long", "shared", "followup"])
+    if kind == "short":
+        return kind, [{"role": "user", "content": rng.choice(QUESTIONS)}], rng.choice([16, 32])
+    if kind == "long":
+        msg = "Summarize this log in one sentence:\n" + document(rng)
+        return kind, [{"role": "user", "content": msg}], 16
+    if kind == "shared":
+        return (
+            kind,
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": rng.choice(QUESTIONS)},
+            ],
+            rng.choice([16, 32]),
+        )
+    topic = rng.choice(WORDS)
+    conv = [
+        {"role": "user", "content": f"Tell me about the {topic} in our office, chat {n}."},
+        {"role": "assistant", "content": "It is an important part of how the office works. "},
+        {"role": "user", "content": "Why does it matter?"},
+        {"role": "assistant", "content": "Because people rely on it every morning. "},
+        {"role": "user", "content": rng.choice(QUESTIONS)},
+    ]
+    return kind, conv, 16
+
+
+async def send(
+    client: httpx.AsyncClient,
+    base: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    stream: bool,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "auto",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    t0 = time.perf_counter()
+    ttft = None
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        if stream:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                obj = json.loads(line[6:])
+                if ttft is None and any(
+                    (c.get("delta") or {}).get("content") for c in obj.get("choices") or ()
+                ):
+                    ttft = (time.perf_counter() - t0) * 1000
+                usage = obj.get("usage") or usage
+        else:
+            usage = json.loads(await r.aread()).get("usage") or {}
+    e2e = (time.perf_counter() - t0) * 1000
+    h = r.headers
+    if not stream and "x-edgecloud-measured-ttft-ms" in h:
+        ttft = float(h["x-edgecloud-measured-ttft-ms"])
+    return {
+        "status": r.status_code,
+        "tier": h.get("x-edgecloud-tier", "?"),
+        "predicted_ttft_ms": float(h.get("x-edgecloud-predicted-ttft-ms", "nan")),
+        "predicted_e2e_ms": float(h.get("x-edgecloud-predicted-e2e-ms", "nan")),
+        "measured_ttft_ms": ttft,
+        "measured_e2e_ms": e2e,
+        "cached_tokens": int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0),
+        "completion_tokens": int(usage.get("completion_tokens") or 0),
+    }
+
+
+async def run_level(
+    base: str, concurrency: int, count: int, seed: int, followups: dict[str, list[Any]]
+) -> list[Sample]:
+    rng = random.Random(seed)
+    plan = [make_request(rng, seed * 1000 + i) for i in range(count)]
+    streams = [rng.random() < 0.5 for _ in range(count)]
+    out: list[Sample] = []
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(count):
+        queue.put_nowait(i)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                cls, messages, max_tokens = plan[i]
+                if cls == "followup":  # send the first two turns first, as the chat did
+                    for k in (1, 3):
+                        await send(client, base, messages[:k], 16, False)
+                r = await send(client, base, messages, max_tokens, streams[i])
+                out.append(Sample(cls, concurrency, streams[i], max_tokens=max_tokens, **r))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
+
+
+def rel_errors(samples: list[Sample], metric: str) -> list[float]:
+    errs = []
+    for s in samples:
+        measured = getattr(s, f"measured_{metric}_ms")
+        predicted = getattr(s, f"predicted_{metric}_ms")
+        if s.status == 200 and measured is not None and measured > 0 and predicted == predicted:
+            errs.append(abs(predicted - measured) / measured)
+    return errs
+
+
+def quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
+    rows = []
+    levels = sorted({s.concurrency for s in samples})
+    for c in levels:
+        for tier in ("all", "edge", "cloud"):
+            sel = [s for s in samples if s.concurrency == c and (tier == "all" or s.tier == tier)]
+            if not sel:
+                continue
+            ttft, e2e = rel_errors(sel, "ttft"), rel_errors(sel, "e2e")
+            rows.append(
+                {
+                    "concurrency": c,
+                    "tier": tier,
+                    "requests": len(sel),
+                    "ttft_median_err": round(quantile(ttft, 0.5), 3),
+                    "ttft_p90_err": round(quantile(ttft, 0.9), 3),
+                    "e2e_median_err": round(quantile(e2e, 0.5), 3),
+                    "e2e_p90_err": round(quantile(e2e, 0.9), 3),
+                    "mean_e2e_ms": round(statistics.fmean(s.measured_e2e_ms for s in sel), 1),
+                    "not_200": sum(s.status != 200 for s in sel),
+                }
+            )
+    return rows
+
+
+async def scrape_error_metrics(base: str) -> dict[str, str]:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(base + "/metrics")).text
+    return {
+        line.split(" ")[0]: line.split(" ")[1]
+        for line in text.splitlines()
+        if line.startswith("edgecloud_prediction_")
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=48, help="counted requests per level")
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--log", type=Path, default=None, help="write serve's output here")
+    ap.add_argument("--out", type=Path, default=RESULTS / "prediction_error.json")
+    args = ap.parse_args(argv)
+
+    with embedded_default(log_path=args.log) as base:
+        asyncio.run(run_level(base, 1, args.warmup, args.seed + 999, {}))
+        samples: list[Sample] = []
+        for i, c in enumerate(args.concurrency):
+            t0 = time.perf_counter()
+            samples += asyncio.run(run_level(base, c, args.requests, args.seed + i, {}))
+            print(f"concurrency {c}: {args.requests} requests in {time.perf_counter() - t0:.1f} s")
+        metrics = asyncio.run(scrape_error_metrics(base))
+    rows = summarize(samples)
+    cols = [
+        "concurrency",
+        "tier",
+        "requests",
+        "ttft_median_err",
+        "ttft_p90_err",
+        "e2e_median_err",
+        "e2e_p90_err",
+        "mean_e2e_ms",
+        "not_200",
+    ]
+    print(table(rows, cols))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": recorded_command("prediction_error.py", sys.argv[1:], ("--out", "--log")),
+                "machine": machine(),
+                "results": rows,
+                "gateway_metrics": metrics,
+                "samples": [asdict(s) for s in samples],
+            },
+            indent=1,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
