@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A process started by a Supervisor (``edgecloud serve``'s nodes) dies with its parent.
+    from gateway.supervisor import bind_to_parent
+
+    bind_to_parent()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -26,6 +26,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from cloud_engine.engine import CloudEngine
     from gateway.node.server import serve_node
+    from gateway.server_limits import limits_from_args
     from routing.model_store import resolve
 
     if args.threads:
@@ -54,5 +55,6 @@ def run_serve(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         public_url=args.public_url,
         redis_url=args.redis_url,
+        limits=limits_from_args(args),
     )
     return 0

@@ -107,6 +107,7 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
     from gateway.node.server import serve_node
+    from gateway.server_limits import limits_from_args
     from routing.model_store import resolve
 
     info = resolve(args.model)
@@ -130,5 +131,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         public_url=args.public_url,
         redis_url=args.redis_url,
+        limits=limits_from_args(args),
     )
     return 0

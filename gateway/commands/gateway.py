@@ -2,9 +2,12 @@
 
 ``serve`` starts an edge node and a cloud node on one model as child processes, sharing the
 machine's cores between them (oversubscribed torch threads collapse, see the notes), and the
-gateway in front of them in this process with the in-process fleet store. Ctrl-C (or SIGTERM)
-stops the gateway, then the children; a child that dies takes the whole thing down with a
-message, rather than leaving a half-served endpoint.
+gateway in front of them in this process with the in-process fleet store. The children are
+owned by a :class:`gateway.supervisor.Supervisor`: they die with this process however it ends
+(SIGKILL included), and one that dies takes the whole thing down with a message and a non-zero
+exit, rather than leaving a half-served endpoint. SIGTERM or Ctrl-C drains the gateway (no new
+connections, in-flight requests finish within ``--drain-timeout``), then stops the children
+(SIGTERM, then SIGKILL after a few seconds), one line per thing stopped.
 """
 
 from __future__ import annotations
@@ -12,12 +15,22 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+from gateway.server_limits import add_server_arguments, limits_from_args
+
+if TYPE_CHECKING:
+    from gateway.http_server import DrainingServer
+    from gateway.supervisor import ChildExit, Supervisor
+
+# After the gateway has drained, how long the nodes get to exit on SIGTERM before SIGKILL
+# (a torch process alone takes a second or more to tear down on a busy machine).
+CHILD_STOP_TIMEOUT_S = 10.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -25,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g.add_argument("--config", type=Path, required=False, help="gateway YAML (default: built-in)")
     g.add_argument("--host", default=None)
     g.add_argument("--port", type=int, default=None)
+    add_server_arguments(g)
     g.set_defaults(func=run_gateway)
 
     s = sub.add_parser("serve", help="edge node + cloud node + gateway on one machine (embedded)")
@@ -37,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--edge-variant", default="int8", choices=["fp32", "int8", "int4"])
     s.add_argument("--edge-threads", type=int, default=None, help="default: half the cores")
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
+    s.add_argument(
+        "--cloud-device", default="auto", help="the cloud node's device: cuda, cpu, auto"
+    )
     s.add_argument("--policy-file", type=Path, default=None, help="routing policy YAML")
     s.add_argument(
         "--ready-timeout",
@@ -44,20 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=600.0,
         help="seconds to wait for the nodes (the first run exports the ONNX graph)",
     )
+    add_server_arguments(s)
     s.set_defaults(func=run_serve)
-
-
-def _uvicorn(app: object, host: str, port: int) -> None:
-    import uvicorn
-
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-        proxy_headers=False,
-    )  # type: ignore[arg-type]
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -66,6 +71,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig, load_gateway_config
+    from gateway.http_server import DrainingServer
 
     try:
         cfg = load_gateway_config(args.config) if args.config else GatewayConfig()
@@ -85,7 +91,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     except GeoDatabaseError as exc:
         print(f"edgecloud gateway: error: {exc}", file=sys.stderr)
         return 2
-    _uvicorn(app, host, port)
+    server = DrainingServer(
+        app, host=host, port=port, limits=limits_from_args(args), proxy_headers=False
+    )
+    result = server.serve_until_stopped()
+    print(result.describe("gateway"), file=sys.stderr)
     return 0
 
 
@@ -95,15 +105,12 @@ def split_cores(total: int) -> tuple[int, int]:
     return edge, max(1, total - edge)
 
 
-def _wait_ready(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def _wait_ready(urls: list[str], supervisor: Supervisor, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     pending = set(urls)
     while pending:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(
-                    f"a node exited during start-up (exit code {p.returncode}); see its log above"
-                )
+        if supervisor.unexpected is not None:
+            raise RuntimeError(f"{supervisor.unexpected.describe()} during start-up; see its log")
         for url in list(pending):
             try:
                 if httpx.get(url + "/health", timeout=1.0).status_code == 200:
@@ -112,14 +119,40 @@ def _wait_ready(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout: 
                 pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"nodes not ready after {timeout:.0f}s: {sorted(pending)}")
-        time.sleep(0.5)
+        time.sleep(0.25)
+
+
+def _node_argv(
+    kind: str, args: argparse.Namespace, model: Path, port: int, threads: int
+) -> list[str]:
+    argv = [sys.executable, "-m", "gateway.cli", kind, "serve", "--model", str(model)]
+    argv += ["--region", args.region, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--threads", str(threads), "--node-id", f"{kind}-{args.region}"]
+    # The same limits as the gateway's: under systemd every process of the unit gets SIGTERM
+    # at once, and a node must then drain as long as the gateway in front of it.
+    argv += ["--drain-timeout", str(args.drain_timeout)]
+    argv += ["--header-timeout", str(args.header_timeout)]
+    argv += ["--body-timeout", str(args.body_timeout)]
+    if kind == "edge":
+        argv += ["--variant", args.edge_variant]
+    else:
+        argv += ["--device", args.cloud_device]
+    return argv
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Start the nodes, serve the gateway until SIGTERM/Ctrl-C or a node's death, stop all.
+
+    The supervisor is the one owner of the children: whatever path this function leaves by,
+    its ``finally`` stops them, once. Returns 1 if a node died or start-up failed, else 0.
+    """
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig
+    from gateway.http_server import DrainingServer
+    from gateway.supervisor import ChildSpec, Supervisor
     from routing.model_store import ModelNotFound, resolve
 
+    limits = limits_from_args(args)
     try:
         info = resolve(args.model)
     except ModelNotFound:
@@ -130,64 +163,31 @@ def run_serve(args: argparse.Namespace) -> int:
     edge_t, cloud_t = args.edge_threads or edge_t, args.cloud_threads or cloud_t
     edge_port = args.edge_port or args.port + 1
     cloud_port = args.cloud_port or args.port + 2
-    exe = [sys.executable, "-m", "gateway.cli"]
-    common = ["--model", str(info.path), "--region", args.region, "--host", "127.0.0.1"]
-    env = dict(os.environ)
-    children = [
-        subprocess.Popen(
-            [
-                *exe,
-                "edge",
-                "serve",
-                *common,
-                "--port",
-                str(edge_port),
-                "--threads",
-                str(edge_t),
-                "--variant",
-                args.edge_variant,
-                "--node-id",
-                f"edge-{args.region}",
-            ],
-            env=env,
-        ),
-        subprocess.Popen(
-            [
-                *exe,
-                "cloud",
-                "serve",
-                *common,
-                "--port",
-                str(cloud_port),
-                "--threads",
-                str(cloud_t),
-                "--device",
-                "auto",
-                "--node-id",
-                f"cloud-{args.region}",
-            ],
-            env=env,
-        ),
-    ]
+    servers: list[DrainingServer] = []
 
-    def stop_children(*_: object) -> None:
-        for p in children:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in children:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    def node_died(ended: ChildExit) -> None:  # the supervisor's watcher thread
+        print(f"edgecloud serve: error: {ended.describe()}; stopping", file=sys.stderr)
+        for server in servers:
+            server.request_stop(f"{ended.name} exited")
 
-    urls = [f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{cloud_port}"]
+    supervisor = Supervisor(on_unexpected_exit=node_died)
+    # Until the gateway's server takes over the signals, SIGTERM stops start-up as Ctrl-C does.
+    previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    rc = 0
     try:
         print(
             f"starting edge node ({edge_t} thread(s)) and cloud node ({cloud_t} thread(s)) on "
             f"{info.name}...",
             file=sys.stderr,
         )
-        _wait_ready(urls, children, args.ready_timeout)
+        supervisor.start(
+            ChildSpec("edge node", _node_argv("edge", args, info.path, edge_port, edge_t))
+        )
+        supervisor.start(
+            ChildSpec("cloud node", _node_argv("cloud", args, info.path, cloud_port, cloud_t))
+        )
+        urls = [f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{cloud_port}"]
+        _wait_ready(urls, supervisor, args.ready_timeout)
         cfg = GatewayConfig(
             host=args.host,
             port=args.port,
@@ -195,17 +195,39 @@ def run_serve(args: argparse.Namespace) -> int:
             policy_file=args.policy_file,
             virtual_models={"auto": info.name},
         )
+        server = DrainingServer(
+            create_gateway_app(cfg),
+            host=args.host,
+            port=args.port,
+            limits=limits,
+            proxy_headers=False,
+            # from the first stop request on, the nodes' own exits are expected ones
+            on_stop_request=lambda _reason: supervisor.expect_exits(),
+        )
+        servers.append(server)
+        if supervisor.unexpected is not None:  # died between start-up and here
+            server.request_stop(f"{supervisor.unexpected.name} exited")
         print(
             f"edgecloud is serving {info.name} on http://{args.host}:{args.port}/v1 "
             f"(model 'auto' or '{info.name}'); Ctrl-C stops everything",
             file=sys.stderr,
         )
-        _uvicorn(create_gateway_app(cfg), args.host, args.port)
+        result = server.serve_until_stopped()
+        print(result.describe("gateway"), file=sys.stderr)
     except RuntimeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        print(f"edgecloud serve: error: {exc}", file=sys.stderr)
+        rc = 1
     except KeyboardInterrupt:
-        pass
+        print("edgecloud serve: interrupted during start-up", file=sys.stderr)
     finally:
-        stop_children()
-    return 0
+        # Stopping is bounded (CHILD_STOP_TIMEOUT_S, then SIGKILL): a second signal must not
+        # interrupt it half-way.
+        handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for ended in supervisor.stop(term_timeout_s=CHILD_STOP_TIMEOUT_S):
+                print(ended.describe(), file=sys.stderr)
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+            signal.signal(signal.SIGTERM, previous_term)
+    return 1 if supervisor.unexpected is not None else rc

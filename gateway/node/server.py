@@ -1,4 +1,9 @@
-"""Running one node process: engine + NodeService + app under uvicorn."""
+"""Running one node process: engine + NodeService + app under uvicorn.
+
+The app is served by :class:`gateway.http_server.DrainingServer` (header and body read
+timeouts, a connection cap); SIGTERM or SIGINT drains in-flight requests within the limits'
+``drain_timeout_s``, shuts the engine down, and :func:`serve_node` returns (exit code 0).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,10 @@ import logging
 import socket
 from pathlib import Path
 
-import uvicorn
-
+from gateway.http_server import ServeResult, serve
 from gateway.node.app import create_node_app
 from gateway.node.service import NodeConfig, NodeService
+from gateway.server_limits import ServerLimits
 from routing.engine import Engine
 from routing.fleet.store import FleetStore
 from routing.model_store import ModelInfo
@@ -65,7 +70,8 @@ def serve_node(
     public_url: str | None = None,
     redis_url: str | None = None,
     log_level: str = "warning",
-) -> None:
+    limits: ServerLimits | None = None,
+) -> ServeResult:
     service = build_service(
         engine, model, region=region, host=host, port=port, node_id=node_id, public_url=public_url
     )
@@ -77,12 +83,6 @@ def serve_node(
         model.name,
         service.config.public_url,
     )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        loop="auto",
-        http="auto",
-        timeout_graceful_shutdown=5,
-    )
+    result = serve(app, host=host, port=port, limits=limits or ServerLimits(), log_level=log_level)
+    log.info(result.describe(f"node {service.config.node_id}"))
+    return result
