@@ -40,7 +40,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import RESULTS, machine, recorded_command, table
 from bench._serve import embedded_default
 
-WORDS = ["system", "network", "latency", "cache", "region", "request", "model", "token", "answer", "office", "morning", "report", "budget", "meeting", "schedule", "project", "customer", "invoice", "policy", "review", "update"]
+WORDS = [
+    "system",
+    "network",
+    "latency",
+    "cache",
+    "region",
+    "request",
+    "model",
+    "token",
+    "answer",
+    "office",
+    "morning",
+    "report",
+    "budget",
+    "meeting",
+    "schedule",
+    "project",
+    "customer",
+    "invoice",
+    "policy",
+    "review",
+    "update",
+]
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -147,7 +169,9 @@ async def send(
         "predicted_e2e_ms": float(h.get("x-edgecloud-predicted-e2e-ms", "nan")),
         "measured_ttft_ms": ttft,
         "measured_e2e_ms": e2e,
-        "cached_tokens": int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0),
+        "cached_tokens": int(
+            ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
+        ),
         "completion_tokens": int(usage.get("completion_tokens") or 0),
     }
 
@@ -221,14 +245,17 @@ def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
     return rows
 
 
-async def scrape_error_metrics(base: str) -> dict[str, str]:
+async def scrape_gateway(base: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """The gateway's running prediction errors (``/metrics``) and its learned rates."""
     async with httpx.AsyncClient() as client:
         text = (await client.get(base + "/metrics")).text
-    return {
+        admin = (await client.get(base + "/admin/nodes")).json()
+    metrics = {
         line.split(" ")[0]: line.split(" ")[1]
         for line in text.splitlines()
         if line.startswith("edgecloud_prediction_")
     }
+    return metrics, {"latency_model": admin.get("latency_model"), "nodes": admin.get("nodes")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             samples += asyncio.run(run_level(base, c, args.requests, args.seed + i, {}))
             print(f"concurrency {c}: {args.requests} requests in {time.perf_counter() - t0:.1f} s")
-        metrics = asyncio.run(scrape_error_metrics(base))
+        metrics, learned = asyncio.run(scrape_gateway(base))
     rows = summarize(samples)
     cols = [
         "concurrency",
@@ -266,10 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(
         json.dumps(
             {
-                "command": recorded_command("prediction_error.py", sys.argv[1:], ("--out", "--log")),
+                "command": recorded_command(
+                    "prediction_error.py", sys.argv[1:], ("--out", "--log")
+                ),
                 "machine": machine(),
                 "results": rows,
                 "gateway_metrics": metrics,
+                "learned": learned,
                 "samples": [asdict(s) for s in samples],
             },
             indent=1,

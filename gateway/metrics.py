@@ -23,6 +23,8 @@ from fastapi import Request, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from routing.latency import PredictionErrors
+
 NAMESPACE = "edgecloud"
 
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -157,6 +159,21 @@ class GatewayMetrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        self.prediction_error = Gauge(
+            "prediction_error_ratio",
+            "Running mean of |measured - predicted| / measured (EWMA), by metric (ttft, e2e) "
+            "and tier (all, edge, cloud, openai).",
+            ["metric", "tier"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.prediction_bias = Gauge(
+            "prediction_bias_seconds",
+            "Running mean of measured - predicted (EWMA; > 0: the model is optimistic).",
+            ["metric", "tier"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self._requests = _children(self.requests)
         self._ttft = _children(self.ttft)
         self._e2e = _children(self.e2e)
@@ -192,6 +209,12 @@ class GatewayMetrics:
 
     def set_redis_up(self, component: str, up: bool) -> None:
         self.redis_up.labels(_v(component)).set(1 if up else 0)
+
+    def observe_prediction_errors(self, errors: PredictionErrors) -> None:
+        """Export the latency model's running errors (called after each learned request)."""
+        for (metric, tier), st in errors.stats.items():
+            self.prediction_error.labels(metric, tier).set(st.mean_abs_rel)
+            self.prediction_bias.labels(metric, tier).set(st.bias_ms / 1000.0)
 
     def observe_rate_limited(self, limit: str) -> None:
         self.rate_limited.labels(_v(limit)).inc()

@@ -91,6 +91,7 @@ class Estimate:
     batch: int  # sequences decoding alongside, itself included (mean_batch rounded)
     load: float  # occupancy (requests in hand, this one not counted) / slots
     own_prefill_ms: float = 0.0  # its own uncached tokens at the prefill rate
+    in_hand: int = 0  # requests the node was taken to have ahead of this one
     mean_batch: float = 1.0  # mean rows of the decode steps it is predicted to take part in
 
 
@@ -373,6 +374,7 @@ class LatencyModel:
             load=len(work) / shape.slots,
             own_prefill_ms=own_prefill,
             mean_batch=r.mean_batch,
+            in_hand=len(work),
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -446,5 +448,6 @@ class LatencyModel:
             if node is not None:
                 row["prefill_tokens_per_s"] = self.prefill_tokens_per_s(node)
                 row["decode_ms_per_token_b1"] = self.decode_ms_per_token_b1(node)
+                row["batch_slope"] = self.batch_slope(node)
             out[node_id] = row
         return out

@@ -70,6 +70,7 @@ class Candidate:
             if e.prefill_ms > 0
             else None,
             "batch": e.batch,
+            "in_hand": e.in_hand,
             "load": round(e.load, 3),
         }
 

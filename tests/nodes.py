@@ -6,10 +6,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
+import uvicorn
+
+from tests.conftest import free_port
+
+if TYPE_CHECKING:
+    from cloud_engine.engine import CloudEngine
+    from edge_runtime.engine import EdgeEngine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,3 +77,45 @@ class Proc:
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", *args]
+
+
+class Served:
+    """An ASGI app under uvicorn in a thread of this process, on a free loopback port."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def tiny_cloud_engine(model: Path) -> CloudEngine:
+    """The cloud engine on the tiny model, CPU, a 32 MB KV pool."""
+    from cloud_engine.config import EngineConfig
+    from cloud_engine.engine import CloudEngine
+
+    return CloudEngine.from_model(
+        model, "cpu", config=EngineConfig(device="cpu", kv_memory_bytes=32 << 20)
+    )
+
+
+def tiny_edge_engine(model: Path, **config: Any) -> EdgeEngine:
+    """The edge engine on the tiny model's fp32 export: 4 slots, one thread (``config``
+    overrides EdgeEngineConfig fields)."""
+    from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
+
+    cfg = EdgeEngineConfig(**{"slots": 4, "threads": 1, "huge_pages": False, **config})
+    return EdgeEngine.from_model(model, "fp32", config=cfg)

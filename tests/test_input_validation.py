@@ -15,7 +15,6 @@ import asyncio
 import http.client
 import json
 import math
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,36 +22,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from routing.engine import FinishReason, GenerationRequest, SamplingParams
 from routing.sampling_limits import InvalidSampling
 from tests.conftest import free_port
+from tests.nodes import Served, tiny_cloud_engine, tiny_edge_engine
 
 VOCAB = 49152  # the tiny model's vocabulary (tests/conftest.py)
-
-
-class Served:
-    """An ASGI app under uvicorn in a thread of this process, on a free loopback port."""
-
-    def __init__(self, app: Any, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 class Conn:
@@ -99,22 +75,6 @@ def edge_home(tiny_home: dict[str, str]) -> Iterator[None]:
         yield
 
 
-def _cloud_engine(model: Path) -> Any:
-    from cloud_engine.config import EngineConfig
-    from cloud_engine.engine import CloudEngine
-
-    return CloudEngine.from_model(
-        model, "cpu", config=EngineConfig(device="cpu", kv_memory_bytes=32 << 20)
-    )
-
-
-def _edge_engine(model: Path) -> Any:
-    from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
-
-    cfg = EdgeEngineConfig(slots=4, threads=1, huge_pages=False)
-    return EdgeEngine.from_model(model, "fp32", config=cfg)
-
-
 @pytest.fixture(scope="module")
 def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Iterator[dict]:
     """A cloud node, an edge node and a gateway in front of both."""
@@ -128,8 +88,8 @@ def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Ite
     served: dict[str, Served] = {}
     try:
         for kind, engine in (
-            ("cloud", _cloud_engine(tiny_model_path)),
-            ("edge", _edge_engine(tiny_model_path)),
+            ("cloud", tiny_cloud_engine(tiny_model_path)),
+            ("edge", tiny_edge_engine(tiny_model_path)),
         ):
             port = free_port()
             service = build_service(
@@ -700,7 +660,7 @@ def _assert_isolated(alone: list, together: list, bad: list) -> None:
 def test_cloud_engine_fails_a_bad_request_alone(tiny_model_path, one_torch_thread) -> None:
     from cloud_engine.core import InvalidRequest
 
-    alone, together, bad = asyncio.run(_isolation(_cloud_engine(tiny_model_path)))
+    alone, together, bad = asyncio.run(_isolation(tiny_cloud_engine(tiny_model_path)))
     _assert_isolated(alone, together, bad)
     # bad sampling is refused inside the engine's step thread: the request ends with ABORT
     assert [outcome for _, outcome in bad[: len(BAD_SAMPLING)]] == [FinishReason.ABORT] * len(
@@ -712,7 +672,7 @@ def test_cloud_engine_fails_a_bad_request_alone(tiny_model_path, one_torch_threa
 def test_edge_engine_fails_a_bad_request_alone(tiny_model_path, edge_home) -> None:
     from edge_runtime.engine import InvalidRequest
 
-    alone, together, bad = asyncio.run(_isolation(_edge_engine(tiny_model_path)))
+    alone, together, bad = asyncio.run(_isolation(tiny_edge_engine(tiny_model_path)))
     _assert_isolated(alone, together, bad)
     # the edge makes a request's sampler when it is submitted: refused there, alone
     assert all(isinstance(outcome, InvalidSampling) for _, outcome in bad[: len(BAD_SAMPLING)])

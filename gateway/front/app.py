@@ -255,10 +255,13 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     @app.get("/admin/nodes")
     async def admin_nodes(_: KeyIdentity = Depends(gw.auth.require_admin)) -> dict[str, Any]:
         view = await gw.store.view([])
+        model = gw.router.model
         return {
             "stale": view.stale,
             "nodes": [n.model_dump(mode="json") for n in view.nodes],
             "circuits": gw.breakers.snapshot(),
+            "latency_model": model.snapshot({n.id: n for n in view.nodes}),
+            "prediction_errors": model.errors.snapshot(),
         }
 
     @app.get("/admin/policy")

@@ -559,7 +559,8 @@ class Gateway:
     def _end(self, node_id: str, tickets: dict[str, Ticket], measured: Measured | None) -> None:
         ticket = tickets.pop(node_id, None)
         if ticket is not None:
-            self.router.finish(ticket, measured)
+            if self.router.finish(ticket, measured):
+                self.metrics.observe_prediction_errors(self.router.model.errors)
             if measured is not None:
                 self.store.note_cache_changed(node_id)
         tr = self.trackers.get(node_id)
