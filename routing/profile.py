@@ -48,11 +48,19 @@ class OutputKnobs(BaseModel):
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens per (API key, route), LRU-bounded; a default until learned."""
+    """EWMA of completion tokens per (API key, route, max_tokens) and per (API key, route),
+    LRU-bounded; a default until learned.
+
+    Apps send one ``max_tokens`` per feature (a one-line answer, a summary, code), so requests
+    with the same cap are the best guide to each other; a cap never seen falls back to the
+    key's and route's mean over every cap.
+    """
+
+    _ANY = -1  # the max_tokens slot of the per-(key, route) statistics
 
     def __init__(self, knobs: OutputKnobs | None = None) -> None:
         self.knobs = knobs or OutputKnobs()
-        self._stats: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()
+        self._stats: OrderedDict[tuple[str, str, int], tuple[float, int]] = OrderedDict()
 
     def configure(self, knobs: OutputKnobs) -> None:
         self.knobs = knobs
@@ -62,23 +70,38 @@ class OutputLengthEstimator:
         while len(self._stats) > self.knobs.max_keys:
             self._stats.popitem(last=False)
 
+    @staticmethod
+    def _cap(max_tokens: int | None) -> int:
+        return max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else -1
+
     def expected(self, api_key: str | None, route: str, max_tokens: int | None = None) -> float:
         value = self.knobs.default_tokens
-        stat = self._stats.get((api_key or "", route))
-        if stat is not None and stat[1] >= self.knobs.min_samples:
-            value = stat[0]
+        key, cap = api_key or "", self._cap(max_tokens)
+        for slot in (cap, self._ANY) if cap != self._ANY else (self._ANY,):
+            stat = self._stats.get((key, route, slot))
+            if stat is not None and stat[1] >= self.knobs.min_samples:
+                value = stat[0]
+                break
         if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
             value = float(max_tokens)
         return max(1.0, value)
 
-    def observe(self, api_key: str | None, route: str, completion_tokens: int) -> None:
-        key = (api_key or "", route)
-        prev = self._stats.pop(key, None)
+    def observe(
+        self,
+        api_key: str | None,
+        route: str,
+        completion_tokens: int,
+        max_tokens: int | None = None,
+    ) -> None:
         x = float(completion_tokens)
-        if prev is None:
-            self._stats[key] = (x, 1)
-        else:
-            self._stats[key] = (prev[0] + self.knobs.alpha * (x - prev[0]), prev[1] + 1)
+        cap = self._cap(max_tokens)
+        for slot in (cap, self._ANY) if cap != self._ANY else (self._ANY,):
+            k = (api_key or "", route, slot)
+            prev = self._stats.pop(k, None)
+            if prev is None:
+                self._stats[k] = (x, 1)
+            else:
+                self._stats[k] = (prev[0] + self.knobs.alpha * (x - prev[0]), prev[1] + 1)
         self._trim()
 
     def __len__(self) -> int:

@@ -320,9 +320,8 @@ class Router:
             )
         )
         if ticket.profile is not None:
-            self.outputs.observe(
-                ticket.profile.api_key, ticket.profile.route, measured.completion_tokens
-            )
+            p = ticket.profile
+            self.outputs.observe(p.api_key, p.route, measured.completion_tokens, p.max_tokens)
         return errors
 
     def in_flight(self, node_id: str) -> int:

@@ -161,3 +161,14 @@ def test_output_estimator_is_lru_bounded_and_waits_for_samples():
     est.observe("c", "chat", 5)  # evicts "a", the least recently updated
     assert len(est) == 2 and est.expected("a", "chat") == 64
     assert est.expected(None, "chat", max_tokens=0) == 1.0  # never below one token
+
+
+def test_output_length_is_learned_per_max_tokens_then_per_key():
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0))
+    est.observe("a", "chat", 8, max_tokens=32)  # short answers under a cap of 32
+    est.observe("a", "chat", 250, max_tokens=512)  # long ones under 512
+    assert est.expected("a", "chat", 32) == 8
+    assert est.expected("a", "chat", 512) == 250
+    assert est.expected("a", "chat", 300) == 250  # a cap never seen: the key's latest overall
+    assert est.expected("a", "chat", None) == 250
+    assert est.expected("a", "chat", 4) == 4  # never above the cap
