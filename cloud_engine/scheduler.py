@@ -13,7 +13,8 @@ One :meth:`Scheduler.schedule` call plans one forward pass under a token budget:
    prefix cache and prefills (a chunk of) the rest. The first sequence that does not fit stops
    admission (no overtaking), so the queue order is honoured.
 
-Invariants: a sequence appears at most once in a batch; after ``schedule`` every scheduled
+Invariants: a sequence appears at most once in a batch, and never in a batch while it is
+``in_flight`` in an earlier one (pipeline parallelism keeps several batches in flight); after ``schedule`` every scheduled
 sequence owns blocks for ``num_computed + num_new`` tokens; a batch never exceeds
 ``max_tokens_per_step`` tokens or ``max_running`` sequences.
 """
@@ -120,7 +121,8 @@ class Scheduler:
         cfg = self.config
         batch = ScheduledBatch()
         budget = cfg.max_tokens_per_step
-        queue = sorted(self.running, key=lambda s: s.sort_key)
+        # A sequence in a batch still in the pipe is neither planned again nor preempted.
+        queue = sorted((s for s in self.running if not s.in_flight), key=lambda s: s.sort_key)
         i = 0
         while i < len(queue) and budget > 0:
             seq = queue[i]

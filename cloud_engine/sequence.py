@@ -43,6 +43,7 @@ class Sequence:
     preemptions: int = 0
     row: int = -1  # the runner's block-table row while running (-1: none)
     generator: object | None = None  # the runner's per-request RNG (seeded sampling)
+    in_flight: bool = False  # in a launched, not yet collected batch (pipeline parallelism)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

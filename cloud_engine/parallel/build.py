@@ -1,0 +1,56 @@
+"""Building one rank's part of a parallel engine: weights, KV pool shard, runner or worker loop."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from cloud_engine.config import EngineConfig
+from cloud_engine.core import EngineCore
+from cloud_engine.kv_pool import KVPool, budget_bytes_for
+from cloud_engine.model.config import ModelConfig
+from cloud_engine.parallel.dist import ParallelConfig, Rank
+from cloud_engine.parallel.model import ShardedLlama
+from cloud_engine.parallel.pipeline import PipelineCore
+from cloud_engine.parallel.runner import DistRunner, make_pool, worker_loop
+
+
+def load_rank(folder: str | Path, rank: Rank, cfg: EngineConfig) -> tuple[ShardedLlama, KVPool]:
+    """This rank's weights (only its shards are read) and its shard of the KV pool.
+
+    ``cfg.kv_memory_bytes`` (or the CUDA fraction) is the budget of *each* rank; the block
+    count is the minimum over the world."""
+    cfg = cfg.resolved()
+    assert cfg.dtype is not None
+    mc = ModelConfig.from_folder(folder)
+    layers = rank.config.stage_layers(mc.num_hidden_layers)[rank.pp_rank]
+    model = ShardedLlama(str(folder), rank, layers, cfg.dtype)
+    budget = budget_bytes_for(rank.device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)
+    return model, make_pool(model, rank, budget, cfg.max_kv_blocks, cfg.kv_int8)
+
+
+def driver_core(folder: str | Path, identity: str, rank: Rank, cfg: EngineConfig) -> EngineCore:
+    """Rank 0's engine core: the one scheduler and block manager over every rank."""
+    if torch_threads := cfg.threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    model, pool = load_rank(folder, rank, cfg)
+    runner = DistRunner(model, pool, rank)
+    cfg = replace(cfg, overlap=False, device=str(rank.device))
+    if rank.config.pp > 1:
+        return PipelineCore(model, identity, cfg, runner, depth=rank.config.pp)
+    return EngineCore(model, identity, cfg, runner)  # type: ignore[arg-type]
+
+
+def run_worker(folder: str | Path, rank: Rank, cfg: EngineConfig) -> None:
+    """A non-driver rank: load its part and serve steps until the driver sends STOP."""
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    model, pool = load_rank(folder, rank, cfg)
+    worker_loop(model, pool, rank)
+
+
+__all__ = ["ParallelConfig", "driver_core", "load_rank", "run_worker"]
