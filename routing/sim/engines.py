@@ -1,0 +1,564 @@
+"""Simulated engines: one event per engine step (a run of identical decode steps is one event,
+cut short when something arrives that would change the plan).
+
+- :class:`EdgeSim` mirrors ``edge_runtime.scheduler``: FCFS admission into ``slots``; a new
+  request takes the free slot holding most of its leading blocks (its kept KV), else an empty
+  slot, else the least recently freed; each loop runs one prefill chunk of the oldest request
+  still prefilling, then one decode step of every decoding row. A slot keeps its request's
+  prompt blocks when it ends (``stored``) and drops those a new occupant does not reuse
+  (``removed``), counted per slot.
+- :class:`CloudSim` mirrors ``cloud_engine.scheduler``: continuous batching, decodes first, then
+  chunked prefill of running and newly admitted requests under ``max_tokens_per_step``;
+  admission stops at ``slots`` running or when the KV pool cannot hold the prompt; a row that
+  cannot grow preempts the newest running request (recomputed later). :class:`KvPool` keeps
+  freed full prompt blocks as an LRU prefix cache.
+
+Invariants:
+- ``now`` never moves backwards; a request's ``first_s <= end_s``; ``generated`` ends equal to
+  the request's ``output_tokens``.
+- Reused prefixes are whole blocks, at most ``(prompt - 1) // 16`` of them (as the engines).
+- ``KvPool``: free + cached + held == total at every step boundary (``check``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from routing.sim.profiles import StepCost
+
+BLOCK = 16
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request's life in the simulator (times in simulated seconds)."""
+
+    idx: int
+    prompt: int
+    output: int
+    blocks: Sequence[int]  # keys of its full 16-token prompt blocks
+    arrival_s: float = 0.0  # at the client
+    node_arrival_s: float = 0.0
+    cached: int = 0  # prompt tokens reused at the node
+    filled: int = 0  # prompt tokens in the KV (cached + prefilled)
+    generated: int = 0
+    first_s: float = -1.0
+    end_s: float = -1.0
+    slot: int = -1
+    held: int = 0  # cloud: unhashed blocks held
+    refs: list[int] = field(default_factory=list)  # cloud: hashed blocks referenced
+    preempted: int = 0
+    payload: object = None  # the simulator's bookkeeping
+
+    @property
+    def prefilling(self) -> bool:
+        return self.filled < self.prompt
+
+
+def reusable(prompt: int) -> int:
+    return max(0, prompt - 1) // BLOCK
+
+
+EventSink = Callable[[list[int], list[int]], None]  # stored, removed
+
+
+class _Node:
+    """What both engines share: a wait queue, a clock, counters and the reported EWMAs."""
+
+    def __init__(self, node_id: str, cost: StepCost, slots: int, on_blocks: EventSink) -> None:
+        self.id = node_id
+        self.cost = cost
+        self.slots = slots
+        self.on_blocks = on_blocks
+        self.waiting: deque[SimRequest] = deque()
+        self.now = 0.0
+        self.version = 0  # bumps when the pending step event is superseded
+        self.busy = False
+        # a run of identical decode steps in progress: start, step length, steps
+        self.run: tuple[float, float, int] | None = None
+        self.prefill_tps = 0.0
+        self.decode_ms = 0.0
+        self.served = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.busy_s = 0.0
+        self.steps = 0
+
+    def _ewma(self, prefill_tokens: float, prefill_ms: float, decode_ms: float) -> None:
+        if prefill_tokens > 0 and prefill_ms > 0:
+            x = 1000.0 * prefill_tokens / prefill_ms
+            self.prefill_tps = (
+                x if self.prefill_tps == 0 else self.prefill_tps + 0.2 * (x - self.prefill_tps)
+            )
+        if decode_ms > 0:
+            self.decode_ms = (
+                decode_ms
+                if self.decode_ms == 0
+                else self.decode_ms + 0.2 * (decode_ms - self.decode_ms)
+            )
+
+    def _finish(self, r: SimRequest, t: float) -> None:
+        r.end_s = t
+        self.served += 1
+        self.prompt_tokens += r.prompt
+        self.cached_tokens += r.cached
+
+
+class EdgeSim(_Node):
+    """An edge node: slots with kept KV (see the module docstring)."""
+
+    kind = "edge"
+
+    def __init__(
+        self,
+        node_id: str,
+        cost: StepCost,
+        slots: int,
+        chunk_tokens: int,
+        on_blocks: EventSink,
+        prefix_cache: bool = True,
+    ) -> None:
+        super().__init__(node_id, cost, slots, on_blocks)
+        self.chunk = chunk_tokens
+        self.prefix_cache = prefix_cache
+        self.occupant: list[SimRequest | None] = [None] * slots
+        self.kept: list[Sequence[int]] = [()] * slots  # block keys each slot's KV holds
+        self.freed_at: list[int] = [0] * slots
+        self._clock = 0
+        self._count: dict[int, int] = {}
+        self.order: list[SimRequest] = []  # running, in admission order
+
+    @property
+    def running(self) -> int:
+        return len(self.order)
+
+    def kv(self) -> tuple[int, int]:
+        return 0, 0
+
+    def wants_step_on_arrival(self) -> bool:
+        return len(self.order) < self.slots
+
+    def _drop(self, keys: Sequence[int], removed: list[int]) -> None:
+        c = self._count
+        for k in keys:
+            n = c.get(k, 0) - 1
+            if n <= 0:
+                c.pop(k, None)
+                removed.append(k)
+            else:
+                c[k] = n
+
+    def _keep(self, keys: Sequence[int], stored: list[int]) -> None:
+        c = self._count
+        for k in keys:
+            n = c.get(k, 0)
+            if n == 0:
+                stored.append(k)
+            c[k] = n + 1
+
+    def _admit(self) -> None:
+        removed: list[int] = []
+        while self.waiting and len(self.order) < self.slots:
+            r = self.waiting.popleft()
+            free = [i for i, o in enumerate(self.occupant) if o is None]
+            best, best_n = -1, 0
+            limit = reusable(r.prompt)
+            if self.prefix_cache:
+                for i in free:
+                    kept = self.kept[i]
+                    n = 0
+                    for a, b in zip(kept, r.blocks, strict=False):
+                        if a != b or n >= limit:
+                            break
+                        n += 1
+                    if n > best_n:
+                        best, best_n = i, n
+            if best < 0:
+                empty = [i for i in free if not self.kept[i]]
+                best = empty[0] if empty else min(free, key=lambda i: self.freed_at[i])
+                best_n = 0
+            kept = self.kept[best]
+            if len(kept) > best_n:
+                self._drop(kept[best_n:], removed)
+            self.kept[best] = kept[:best_n]
+            self.occupant[best] = r
+            r.slot = best
+            r.cached = r.filled = best_n * BLOCK
+            self.order.append(r)
+        if removed:
+            self.on_blocks([], removed)
+
+    def step(self, t: float) -> float | None:
+        """Run one loop (or a run of identical decode steps) from ``t``; returns when it ends,
+        or None when there is nothing to do."""
+        self.now = t
+        self._admit()
+        if not self.order:
+            return None
+        cost = self.cost
+        dt = cost.overhead_ms
+        pre = next((r for r in self.order if r.prefilling), None)
+        pre_tokens = pre_ms = 0.0
+        finished_prefill = False
+        if pre is not None:
+            c = min(self.chunk, pre.prompt - pre.filled)
+            pre_ms = cost.chunk_ms(pre.filled, c)
+            dt += pre_ms
+            pre_tokens = c
+            pre.filled += c
+            finished_prefill = not pre.prefilling
+        rows = [r for r in self.order if not r.prefilling and r.generated < r.output]
+        if pre is not None and finished_prefill:
+            pre.first_s = t + dt / 1000.0
+            pre.generated = 1
+            if pre.generated >= pre.output:
+                rows = [r for r in rows if r is not pre]
+        k = 1
+        dec = 0.0
+        if rows:
+            if pre is None and not self.waiting_admissible():
+                k = min(r.output - r.generated for r in rows)
+            ctx = sum(r.prompt + r.generated for r in rows) / len(rows) + 0.5 * k
+            dec = cost.decode_ms(len(rows), ctx)
+            dt += k * dec
+        if pre is None and k > 1:
+            self.run = (t, (cost.overhead_ms + dec) / 1000.0, k)
+            dt = k * (cost.overhead_ms + dec)
+        else:
+            self.run = None
+        for r in rows:
+            r.generated += k
+        self._ewma(pre_tokens, pre_ms, dec)
+        self.steps += k
+        end = t + dt / 1000.0
+        self.busy_s += dt / 1000.0
+        self._pending_rows = rows
+        self._pending_pre = pre
+        return end
+
+    def waiting_admissible(self) -> bool:
+        return bool(self.waiting) and len(self.order) < self.slots
+
+    def interrupt(self, t: float) -> float | None:
+        """An arrival at ``t`` during a run: cut the run at the next step boundary. Returns
+        the new end of the run (the time of the next step) or None if nothing changed."""
+        if self.run is None:
+            return None
+        t0, d, k = self.run
+        m = min(k, max(1, math.ceil((t - t0) / d - 1e-9)))
+        if m >= k:
+            return None
+        back = k - m
+        for r in self._pending_rows:
+            r.generated -= back
+        self.steps -= back
+        self.busy_s -= back * d
+        self.run = None
+        return t0 + m * d
+
+    def end_step(self, t: float, finished: list[SimRequest]) -> None:
+        """The step (or run) that ended at ``t``: settle finished requests."""
+        self.now = t
+        self.run = None
+        stored: list[int] = []
+        keep = []
+        for r in self.order:
+            if r.first_s < 0 and not r.prefilling:
+                r.first_s = t
+            if not r.prefilling and r.generated >= r.output:
+                self._finish(r, t)
+                finished.append(r)
+                i = r.slot
+                self.occupant[i] = None
+                if self.prefix_cache:
+                    full = list(r.blocks[: reusable(r.prompt + 1)])
+                    have = len(self.kept[i])
+                    self.kept[i] = full
+                    self._keep(full[have:], stored)
+                self._clock += 1
+                self.freed_at[i] = self._clock
+            else:
+                keep.append(r)
+        self.order = keep
+        if stored:
+            self.on_blocks(stored, [])
+
+
+class KvPool:
+    """A finite pool of 16-token blocks; freed hashed blocks stay cached (LRU) until needed."""
+
+    def __init__(self, total: int, on_blocks: EventSink) -> None:
+        self.total = total
+        self.free = total
+        self.refs: dict[int, int] = {}  # hashed blocks in use -> refcount
+        self.cached: OrderedDict[int, None] = OrderedDict()  # hashed, unreferenced (LRU first)
+        self.held = 0  # unhashed blocks in use
+        self.on_blocks = on_blocks
+        self.hits = 0
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free - len(self.cached)
+
+    def available(self) -> int:
+        return self.free + len(self.cached)
+
+    def check(self) -> None:
+        assert self.free + len(self.cached) + len(self.refs) + self.held == self.total, (
+            self.free,
+            len(self.cached),
+            len(self.refs),
+            self.held,
+            self.total,
+        )
+
+    def alloc(self, n: int) -> bool:
+        """Take ``n`` unhashed blocks, evicting cached ones (LRU) if needed."""
+        if n > self.free + len(self.cached):
+            return False
+        removed = []
+        while self.free < n:
+            k, _ = self.cached.popitem(last=False)
+            removed.append(k)
+            self.free += 1
+        self.free -= n
+        self.held += n
+        if removed:
+            self.on_blocks([], removed)
+        return True
+
+    def match(self, keys: Sequence[int], limit: int) -> list[int]:
+        """Reference the longest run of leading ``keys`` the pool holds (at most ``limit``)."""
+        out = []
+        refs, cached = self.refs, self.cached
+        for k in keys[:limit]:
+            n = refs.get(k)
+            if n is not None:
+                refs[k] = n + 1
+            elif k in cached:
+                del cached[k]
+                refs[k] = 1
+            else:
+                break
+            out.append(k)
+        return out
+
+    def unmatch(self, keys: Sequence[int]) -> None:
+        for k in keys:
+            n = self.refs[k] - 1
+            if n:
+                self.refs[k] = n
+            else:
+                del self.refs[k]
+                self.cached[k] = None
+
+    def publish(self, r: SimRequest, keys: Sequence[int]) -> None:
+        """After ``r``'s prefill: its computed full prompt blocks become hashed blocks."""
+        stored = []
+        for k in keys:
+            if r.held <= 0:
+                break
+            if k in self.refs:  # computed twice at once: keep one copy
+                self.refs[k] += 1
+                self.free += 1
+            elif k in self.cached:
+                del self.cached[k]
+                self.refs[k] = 1
+                self.free += 1
+            else:
+                self.refs[k] = 1
+                stored.append(k)
+            r.held -= 1
+            self.held -= 1
+            r.refs.append(k)
+        if stored:
+            self.on_blocks(stored, [])
+
+    def release(self, r: SimRequest) -> None:
+        self.unmatch(r.refs)
+        r.refs = []
+        self.free += r.held
+        self.held -= r.held
+        r.held = 0
+
+
+class CloudSim(_Node):
+    """A cloud replica: continuous batching with chunked prefill over a finite KV pool."""
+
+    kind = "cloud"
+
+    def __init__(
+        self,
+        node_id: str,
+        cost: StepCost,
+        slots: int,
+        max_tokens_per_step: int,
+        kv_blocks: int,
+        on_blocks: EventSink,
+        prefix_cache: bool = True,
+    ) -> None:
+        super().__init__(node_id, cost, slots, on_blocks)
+        self.budget = max_tokens_per_step
+        self.pool = KvPool(kv_blocks, on_blocks)
+        self.prefix_cache = prefix_cache
+        self.order: list[SimRequest] = []
+        self._pending_rows: list[SimRequest] = []
+        self._pending_pre: list[tuple[SimRequest, int]] = []
+
+    @property
+    def running(self) -> int:
+        return len(self.order)
+
+    def kv(self) -> tuple[int, int]:
+        return self.pool.used, self.pool.total
+
+    def waiting_admissible(self) -> bool:
+        if not self.waiting or len(self.order) >= self.slots:
+            return False
+        r = self.waiting[0]
+        return math.ceil(r.prompt / BLOCK) <= self.pool.available() + r.cached // BLOCK
+
+    def wants_step_on_arrival(self) -> bool:
+        return self.waiting_admissible()
+
+    def _blocks_needed(self, r: SimRequest) -> int:
+        return math.ceil((r.prompt + 1) / BLOCK) - len(r.refs) - r.held
+
+    def _try_admit(self, r: SimRequest, reserve: int = 0) -> bool:
+        limit = reusable(r.prompt)
+        hit = self.pool.match(r.blocks, limit) if self.prefix_cache else []
+        need = math.ceil((r.prompt + 1) / BLOCK) - len(hit)
+        if need + reserve > self.pool.available() or not self.pool.alloc(need):
+            self.pool.unmatch(hit)
+            return False
+        r.refs = hit
+        r.held = need
+        if r.preempted == 0 or r.cached == 0:
+            r.cached = len(hit) * BLOCK
+        r.filled = len(hit) * BLOCK
+        return True
+
+    def _preempt_newest(self) -> None:
+        r = self.order.pop()
+        self.pool.release(r)
+        r.preempted += 1
+        r.filled = 0
+        self.waiting.appendleft(r)
+
+    def _grow(self, rows: list[SimRequest], k: int) -> int:
+        """Blocks ``rows`` need to decode ``k`` more steps."""
+        n = 0
+        for r in rows:
+            ctx = r.prompt + r.generated
+            n += max(0, math.ceil((ctx + k) / BLOCK) - len(r.refs) - r.held)
+        return n
+
+    def step(self, t: float) -> float | None:
+        self.now = t
+        cost = self.cost
+        while True:
+            rows = [r for r in self.order if not r.prefilling and r.generated < r.output]
+            if not rows or self._grow(rows, 1) <= self.pool.available():
+                break
+            self._preempt_newest()
+        reserve = self._grow(rows, 1)
+        budget = self.budget - len(rows)
+        pre: list[tuple[SimRequest, int]] = []
+        pre_ms = 0.0
+        pre_tokens = 0
+        for r in self.order:
+            if budget <= 0:
+                break
+            if r.prefilling:
+                c = min(budget, r.prompt - r.filled)
+                pre.append((r, c))
+                budget -= c
+        while budget > 0 and self.waiting and len(self.order) < self.slots:
+            r = self.waiting[0]
+            if not self._try_admit(r, reserve):
+                break
+            self.waiting.popleft()
+            self.order.append(r)
+            c = min(budget, r.prompt - r.filled)
+            if c <= 0:  # everything but the last token cached: one token to compute
+                c = 1
+                r.filled = r.prompt - 1
+            pre.append((r, c))
+            budget -= c
+        if not self.order:
+            return None
+        for r, c in pre:
+            pre_ms += cost.chunk_ms(r.filled, c)
+            pre_tokens += c
+        k = 1
+        dec = 0.0
+        if rows:
+            if not pre and not self.waiting_admissible():
+                k = min(r.output - r.generated for r in rows)
+                avail = self.pool.available()
+                if self._grow(rows, k) > avail:
+                    lo, hi = 1, k
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        if self._grow(rows, mid) <= avail:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    k = lo
+            ctx = sum(r.prompt + r.generated for r in rows) / len(rows) + 0.5 * k
+            dec = cost.decode_ms(len(rows), ctx)
+        step_ms = cost.overhead_ms + pre_ms + dec
+        self.run = (t, step_ms / 1000.0, k) if k > 1 else None
+        for r in rows:
+            r.generated += k
+            need = math.ceil((r.prompt + r.generated) / BLOCK) - len(r.refs) - r.held
+            if need > 0:
+                self.pool.alloc(need)
+                r.held += need
+        self._ewma(pre_tokens, pre_ms, dec)
+        self._pending_rows = rows
+        self._pending_pre = pre
+        self.steps += k
+        dt = k * step_ms / 1000.0
+        self.busy_s += dt
+        return t + dt
+
+    def interrupt(self, t: float) -> float | None:
+        if self.run is None:
+            return None
+        t0, d, k = self.run
+        m = min(k, max(1, math.ceil((t - t0) / d - 1e-9)))
+        if m >= k:
+            return None
+        back = k - m
+        for r in self._pending_rows:
+            r.generated -= back  # blocks taken for the undone steps stay held (harmless)
+        self.steps -= back
+        self.busy_s -= back * d
+        self.run = None
+        return t0 + m * d
+
+    def end_step(self, t: float, finished: list[SimRequest]) -> None:
+        self.now = t
+        self.run = None
+        for r, c in self._pending_pre:
+            r.filled += c
+            if not r.prefilling:
+                if self.prefix_cache:
+                    self.pool.publish(r, r.blocks[len(r.refs) : reusable(r.prompt + 1)])
+                if r.first_s < 0:
+                    r.first_s = t
+                    r.generated = max(r.generated, 1)
+        self._pending_pre = []
+        keep = []
+        for r in self.order:
+            if not r.prefilling and r.generated >= r.output:
+                self.pool.release(r)
+                self._finish(r, t)
+                finished.append(r)
+            else:
+                keep.append(r)
+        self.order = keep
