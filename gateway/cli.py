@@ -16,6 +16,9 @@ COMMAND_MODULES = [
     "gateway.commands.gateway",
     "gateway.commands.cloud",
     "gateway.commands.edge",
+    "gateway.commands.sim",
+    "gateway.commands.profile",
+    "gateway.commands.tune",
 ]
 
 

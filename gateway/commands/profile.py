@@ -1,0 +1,177 @@
+"""``edgecloud profile --node URL``: measure a live node and write a node profile JSON
+(``routing.sim.profiles.NodeProfile``) for the simulator.
+
+What it measures, through the Node API only (``/load`` and streamed ``/v1/completions`` with
+token-id prompts, so prompt lengths are exact):
+- prefill: time to first token of a lone request by prompt length (fresh random prompts, so no
+  prefix hit), minus the per-request overhead (the intercept at the shortest prompts);
+- decode: ms per step by batch size (concurrent streams) and context, from each stream's time
+  between its first and last token over its completion tokens;
+- slots / max batch, KV blocks and max context from ``/load``;
+- prefix-hit speedup: TTFT of a repeated prompt against its first, cold, run.
+
+Invariants: nothing else may use the node while it runs (the numbers would include it);
+every prompt is seeded (``--seed``), so two runs send the same requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("profile", help="measure a live node into a simulator profile JSON")
+    p.add_argument("--node", required=True, help="the node's base URL, e.g. http://127.0.0.1:8001")
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    p.add_argument("--name", default=None)
+    p.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths")
+    p.add_argument("--batches", type=int, nargs="*", default=None)
+    p.add_argument("--contexts", type=int, nargs="*", default=[128, 1024])
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--notes", default="")
+    p.add_argument(
+        "--node-token", default=None, help="the node's token (default: $EDGECLOUD_NODE_TOKEN)"
+    )
+    p.set_defaults(func=_run)
+
+
+async def _stream(
+    client: Any,
+    url: str,
+    model: str,
+    ids: list[int],
+    max_tokens: int,
+    seed: int,
+    chunks: list[float] | None = None,
+) -> tuple[float, float, int, float]:
+    """(ttft_s, e2e_s, completion tokens, time of the last token) of one streamed completion;
+    ``chunks`` collects the arrival time (perf_counter) of every content chunk."""
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 1.0,
+        "seed": seed,
+    }
+    t0 = time.perf_counter()
+    first = last = -1.0
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            now = time.perf_counter()
+            if d.get("choices") and d["choices"][0].get("text") is not None:
+                if first < 0:
+                    first = now
+                last = now
+                if chunks is not None:
+                    chunks.append(now)
+            if d.get("usage"):
+                tokens = int(d["usage"].get("completion_tokens", 0))
+    t1 = time.perf_counter()
+    if first < 0:
+        first = last = t1
+    return first - t0, t1 - t0, tokens, last - t0
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(200, 20000) for _ in range(n)]
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    url = args.node.rstrip("/")
+    rng = random.Random(args.seed)
+    import os
+
+    token = args.node_token or os.environ.get("EDGECLOUD_NODE_TOKEN")
+    headers = {"x-edgecloud-node-token": token} if token else {}
+    async with httpx.AsyncClient(timeout=600.0, headers=headers) as client:
+        state = (await client.get(url + "/load")).json()
+        model = state["models"][0]
+        kind = state["kind"]
+        max_ctx = int(state["max_context"])
+        slots = int(state["max_batch"])
+        # warm up
+        await _stream(client, url, model, _ids(rng, 32), 4, 1)
+        lengths = args.prefill or [16, 64, 256, 512, 1024, 2048, 4096]
+        lengths = [n for n in lengths if n + 2 <= max_ctx]
+        ttfts: dict[int, float] = {}
+        for n in lengths:
+            xs = []
+            for k in range(args.repeats):
+                t, _, _, _ = await _stream(client, url, model, _ids(rng, n), 1, k)
+                xs.append(t)
+            ttfts[n] = statistics.median(xs)
+            print(f"prefill {n:5d} tokens: ttft {ttfts[n] * 1000:8.1f} ms", flush=True)
+        ns = sorted(ttfts)
+        slope = (ttfts[ns[1]] - ttfts[ns[0]]) / (ns[1] - ns[0]) if len(ns) > 1 else 0.0
+        overhead = max(0.0, ttfts[ns[0]] - slope * ns[0])
+        prefill = [{"tokens": n, "ms": max(0.05, (ttfts[n] - overhead) * 1000.0)} for n in ns]
+        batches = args.batches or [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= slots]
+        decode = []
+        for ctx in args.contexts:
+            if ctx + args.decode_tokens + 2 > max_ctx:
+                continue
+            for b in batches:
+                runs = [
+                    _stream(client, url, model, _ids(rng, ctx), args.decode_tokens, 100 + i)
+                    for i in range(b)
+                ]
+                res = await asyncio.gather(*runs)
+                per = [(last - ttft) * 1000.0 / (tok - 1) for ttft, _, tok, last in res if tok > 2]
+                if per:
+                    ms = statistics.median(per)
+                    decode.append({"batch": b, "context": ctx, "ms_per_step": ms})
+                    print(f"decode batch {b:3d} ctx {ctx:5d}: {ms:7.2f} ms/step", flush=True)
+        # prefix hit: a long prompt twice
+        n = min(1024, max_ctx - 8)
+        ids = _ids(rng, n)
+        cold, _, _, _ = await _stream(client, url, model, ids, 1, 0)
+        warm, _, _, _ = await _stream(client, url, model, ids, 1, 0)
+        speedup = cold / max(warm, 1e-6)
+        print(f"prefix hit ({n} tokens): cold {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms")
+    return {
+        "name": args.name or f"{kind}-{state.get('device', '')}",
+        "kind": "edge" if kind == "edge" else "cloud",
+        "device": str(state.get("device", "")),
+        "model": model,
+        "source": "measured",
+        "notes": args.notes,
+        "slots": slots,
+        "chunk_tokens": 256,
+        "max_tokens_per_step": 1024,
+        "kv_blocks": int(state.get("kv_blocks_total", 0)),
+        "max_context": max_ctx,
+        "overhead_ms": 0.0,
+        "request_overhead_ms": overhead * 1000.0,
+        "prefill": prefill,
+        "decode": decode,
+        "prefix_hit_speedup": speedup,
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _run(args: argparse.Namespace) -> int:
+    from routing.sim.profiles import NodeProfile, save_profile
+
+    data = asyncio.run(measure(args))
+    prof = NodeProfile.model_validate(data)
+    save_profile(prof, args.out)
+    print(f"wrote {args.out}")
+    return 0
