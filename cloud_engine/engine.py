@@ -120,6 +120,7 @@ class CloudEngine:
         self._stop = True
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_ranks)
         for rid in list(self._streams):
             seq = self.core.abort(rid)
             if seq is not None:
@@ -127,6 +128,24 @@ class CloudEngine:
         handoff, self._handoff = self._handoff, None
         if handoff is not None:  # after the last events: they are delivered
             await asyncio.get_running_loop().run_in_executor(None, handoff.close)
+
+    def _stop_ranks(self) -> None:
+        """A parallel engine: the other ranks stop (STOP through the pipe), then their
+        processes are reaped; a rank exiting now is expected, not fatal."""
+        runner = self.core.runner
+        local = getattr(runner, "local_ranks", None)
+        sup = getattr(local, "supervisor", None)
+        if sup is not None:
+            sup.expect_exits()
+        stop = getattr(runner, "stop", None)
+        if stop is not None:
+            try:
+                stop()
+            except Exception:
+                log.exception("stopping the other ranks failed")
+        if sup is not None:
+            for ended in sup.stop():
+                log.info(ended.describe())
 
     # -- requests --------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> None:
@@ -183,6 +202,7 @@ class CloudEngine:
             decode_ms_per_token=c.counters.decode_ms,
             prefix_hit_rate=c.prefix_hit_rate,
             prefix_cache=True,
+            **getattr(self, "parallel_stats", {}),
         )
 
     def drain_block_events(self) -> BlockEvents:
@@ -198,17 +218,23 @@ class CloudEngine:
     # -- the step thread -------------------------------------------------------------------
     def _run(self) -> None:
         core = self.core
+        idle = getattr(core.runner, "idle", None)
+        on_error = getattr(core.runner, "on_error", None)
         with torch.inference_mode():
             while not self._stop:
                 self._drain_inbox()
                 if not core.has_work():
+                    if idle is not None:  # a parallel runner keeps its ranks' waits alive
+                        idle()
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 try:
                     outs = core.step()
-                except Exception:  # a failed step must not strand its requests
+                except Exception as exc:  # a failed step must not strand its requests
                     log.exception("engine step failed; aborting the running requests")
+                    if on_error is not None:  # a parallel engine with a rank gone: fatal
+                        on_error(exc)
                     outs = [
                         SeqOutput(s, [], FinishReason.ABORT)
                         for s in list(core.seqs.values())

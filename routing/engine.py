@@ -102,6 +102,9 @@ class EngineStats:
     decode_ms_per_token: float  # EWMA, per sequence at the current batch
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
     prefix_cache: bool = False  # it reuses cached prefixes and reports them (PrefixCacheEngine)
+    tp: int = 1  # tensor-parallel ranks (cloud)
+    pp: int = 1  # pipeline stages (cloud)
+    devices: tuple[str, ...] = ()  # one per rank, when parallel
 
 
 @runtime_checkable

@@ -7,7 +7,9 @@ attention and one after the MLP. The vocabulary is padded to a multiple of ``tp`
 embeds its vocabulary rows (the others zero, then an all-reduce) and computes its slice of the
 logits.
 
-KV heads: with ``tp <= kv_heads`` each rank holds ``kv_heads / tp`` of them; with more ranks
+KV heads: with ``tp <= kv_heads`` each rank holds whole KV groups (a KV head and its query
+heads), as evenly as possible when ``tp`` does not divide them (SmolLM2-135M: 3 KV heads over
+2 ranks give 2 and 1; the row-parallel sum does not care); with more ranks
 than KV heads (``tp`` a multiple of ``kv_heads``) each rank holds the one KV head its query
 heads use (head ``r * kv_heads // tp``), replicated over ``tp / kv_heads`` ranks.
 
@@ -47,14 +49,17 @@ class HeadShard:
 
     @classmethod
     def of(cls, cfg: ModelConfig, tp: int, r: int) -> HeadShard:
+        """Whole KV groups per rank (as even as possible: 3 KV heads over 2 ranks give 2 and
+        1), or with more ranks than KV heads (``tp`` a multiple of them) one replicated KV
+        head per rank and an even split of the query heads."""
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        if hq % tp:
-            raise ValueError(f"{hq} attention heads do not split over tp={tp}")
-        if hkv % tp and tp % hkv:
-            raise ValueError(f"tp={tp} must divide or be a multiple of the {hkv} KV heads")
-        nq = hq // tp
+        g = hq // hkv
         if tp <= hkv:
-            return cls(r * nq, nq, r * (hkv // tp), hkv // tp)
+            k0, k1 = r * hkv // tp, (r + 1) * hkv // tp
+            return cls(k0 * g, (k1 - k0) * g, k0, k1 - k0)
+        if tp % hkv or hq % tp:
+            raise ValueError(f"tp={tp} must be at most, or a multiple of, the {hkv} KV heads")
+        nq = hq // tp
         return cls(r * nq, nq, r * hkv // tp, 1)
 
 
@@ -94,9 +99,7 @@ class ShardedLayer:
         self.w_o = ck.cols(a + "o_proj.weight", qa, qb)
         self.q_norm = ck.full(a + "q_norm.weight") if cfg.qk_norm else None
         self.k_norm = ck.full(a + "k_norm.weight") if cfg.qk_norm else None
-        inter = cfg.intermediate_size
-        if inter % tp:
-            raise ValueError(f"intermediate size {inter} does not split over tp={tp}")
+        inter = cfg.intermediate_size  # split as evenly as possible (row-parallel sums any split)
         ia, ib = r * inter // tp, (r + 1) * inter // tp
         m = p + "mlp."
         self.w_gate_up = torch.cat(

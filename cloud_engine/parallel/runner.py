@@ -114,10 +114,12 @@ class StageExecutor:
         return out
 
     # -- messages between stages ------------------------------------------------------------
-    def send(self, dst: int, *tensors: torch.Tensor) -> None:
+    def send(self, dst: int, *tensors: torch.Tensor, group: object | None = None) -> None:
+        """Non-blocking sends, in order; the tensors stay referenced until they completed."""
         self._reap()
         for t in tensors:
-            self._sends.append((dist.isend(t.contiguous(), dst), t))
+            t = t.contiguous()
+            self._sends.append((dist.isend(t, dst, group=group), t))  # type: ignore[arg-type]
 
     def _reap(self) -> None:
         while self._sends and self._sends[0][0].is_completed():  # type: ignore[attr-defined]
@@ -133,12 +135,12 @@ class StageExecutor:
     ) -> None:
         if self.rank.last_stage:
             return
-        parts = (
-            [head]
-            + ([payload] if payload is not None else [])
-            + ([hidden[0]] if hidden is not None else [])
+        nxt = self.rank.next_rank
+        self.send(
+            nxt, head, *([payload] if payload is not None else []), group=self.rank.ctrl_group
         )
-        self.send(self.rank.next_rank, *parts)
+        if hidden is not None:
+            self.send(nxt, hidden[0])
 
 
 @dataclass
@@ -195,9 +197,9 @@ class DistRunner:
     def _post(self, head: torch.Tensor, payload: torch.Tensor | None) -> None:
         r = self.rank
         if r.tp_group is not None:
-            dist.broadcast(head, src=0, group=r.tp_group)  # type: ignore[arg-type]
+            dist.broadcast(head, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
             if payload is not None:
-                dist.broadcast(payload, src=0, group=r.tp_group)  # type: ignore[arg-type]
+                dist.broadcast(payload, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
         self.last_send = time.monotonic()
 
     @torch.inference_mode()
@@ -261,7 +263,7 @@ class DistRunner:
         stats[0][3] = self.control_s
         for src in range(1, world):
             t = torch.empty(STATS, dtype=torch.float64)
-            dist.recv(t, src)
+            dist.recv(t, src, group=self.rank.ctrl_group)  # type: ignore[arg-type]
             stats.append(t)
         return [s.tolist() for s in stats]
 
@@ -274,9 +276,9 @@ def worker_loop(model: ShardedLlama, pool: KVPool, rank: Rank) -> None:
         while True:
             head = torch.empty(HEADER, dtype=torch.int64)
             if r.first_stage:
-                dist.broadcast(head, src=0, group=r.tp_group)  # type: ignore[arg-type]
+                dist.broadcast(head, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
             else:
-                dist.recv(head, r.prev_rank)
+                dist.recv(head, r.prev_rank, group=r.ctrl_group)
             cmd = Cmd(int(head[0]))
             if cmd is not Cmd.STEP:
                 ex.forward_next(head, None, None)
@@ -286,9 +288,9 @@ def worker_loop(model: ShardedLlama, pool: KVPool, rank: Rank) -> None:
             payload = torch.empty(payload_size(head), dtype=torch.int64)
             hidden = None
             if r.first_stage:
-                dist.broadcast(payload, src=0, group=r.tp_group)  # type: ignore[arg-type]
+                dist.broadcast(payload, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
             else:
-                dist.recv(payload, r.prev_rank)
+                dist.recv(payload, r.prev_rank, group=r.ctrl_group)
                 n = int(head[1])
                 hidden = torch.empty(
                     1, n, model.config.hidden_size, dtype=ex.dtype, device=ex.device
@@ -302,4 +304,4 @@ def worker_loop(model: ShardedLlama, pool: KVPool, rank: Rank) -> None:
                 if res is not None and r.tp_rank == 0:
                     ex.send(0, res)
     ex.flush()
-    dist.send(ex.stats.as_tensor(), 0)
+    dist.send(ex.stats.as_tensor(), 0, group=r.ctrl_group)  # type: ignore[arg-type]

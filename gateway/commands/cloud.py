@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--kv-budget-mb", type=float, default=None, help="KV pool bytes on CPU")
     s.add_argument("--max-running", type=int, default=None, help="max running sequences")
     s.add_argument("--max-waiting", type=int, default=None, help="waiting queue size (then 429)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
+    s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (one process each)")
+    s.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 10,14 (default: even)")
     s.set_defaults(func=run_serve)
 
 
@@ -45,7 +48,14 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting if args.max_waiting is not None else 1024,
         kv_memory_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
     )
-    engine = CloudEngine.from_model(info.path, device=device, config=cfg)
+    if args.tp * args.pp > 1:  # rank processes on this host, or this rank of a torchrun world
+        from cloud_engine.parallel.launch import parallel_engine_for
+
+        engine = parallel_engine_for(info, cfg, args.tp, args.pp, args.pp_layers)
+        if engine is None:  # a torchrun rank other than 0: its worker loop has ended
+            return 0
+    else:
+        engine = CloudEngine.from_model(info.path, device=device, config=cfg)
     serve_node(
         engine,
         info,

@@ -237,5 +237,8 @@ class NodeService:
             decode_ms_per_token=s.decode_ms_per_token,
             prefix_hit_rate=s.prefix_hit_rate,
             prefix_cache=s.prefix_cache,
+            tp=s.tp,
+            pp=s.pp,
+            devices=list(s.devices),
             ttl_s=self.config.ttl_s,
         )

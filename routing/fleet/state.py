@@ -39,6 +39,9 @@ class NodeState(BaseModel):
     decode_ms_per_token: float = 0.0  # EWMA from the node's own timings
     prefix_hit_rate: float = 0.0
     prefix_cache: bool = False  # it keeps a prefix cache and publishes its block events
+    tp: int = 1  # tensor-parallel ranks of its engine
+    pp: int = 1  # pipeline stages of its engine
+    devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken
     ttl_s: float = 5.0
     version: int = SCHEMA_VERSION
