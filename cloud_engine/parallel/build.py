@@ -8,9 +8,9 @@ from pathlib import Path
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
 from cloud_engine.kv_pool import KVPool, budget_bytes_for
-from cloud_engine.model.config import ModelConfig
 from cloud_engine.parallel.dist import ParallelConfig, Rank
 from cloud_engine.parallel.model import ShardedLlama
+from cloud_engine.parallel.moe import read_config
 from cloud_engine.parallel.pipeline import PipelineCore
 from cloud_engine.parallel.runner import DistRunner, make_pool, worker_loop
 
@@ -22,7 +22,7 @@ def load_rank(folder: str | Path, rank: Rank, cfg: EngineConfig) -> tuple[Sharde
     count is the minimum over the world."""
     cfg = cfg.resolved()
     assert cfg.dtype is not None
-    mc = ModelConfig.from_folder(folder)
+    mc, _ = read_config(str(folder))
     layers = rank.config.stage_layers(mc.num_hidden_layers)[rank.pp_rank]
     model = ShardedLlama(str(folder), rank, layers, cfg.dtype)
     budget = budget_bytes_for(rank.device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)

@@ -29,6 +29,7 @@ from cloud_engine.model.config import ModelConfig
 from cloud_engine.model.llama import AttentionBackend, Rotary, apply_rotary
 from cloud_engine.parallel.checkpoint import Checkpoint
 from cloud_engine.parallel.dist import Rank
+from cloud_engine.parallel.moe import MoEConfig, SparseMoE, read_config
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,7 +72,14 @@ class ShardedLayer:
     """One decoder layer's shard (plain tensors; ``local`` is its index in this rank's pool)."""
 
     def __init__(
-        self, ck: Checkpoint, cfg: ModelConfig, heads: HeadShard, rank: Rank, layer: int, local: int
+        self,
+        ck: Checkpoint,
+        cfg: ModelConfig,
+        heads: HeadShard,
+        rank: Rank,
+        layer: int,
+        local: int,
+        moe: MoEConfig | None = None,
     ) -> None:
         p = f"model.layers.{layer}."
         d = cfg.head_dim
@@ -99,13 +107,15 @@ class ShardedLayer:
         self.w_o = ck.cols(a + "o_proj.weight", qa, qb)
         self.q_norm = ck.full(a + "q_norm.weight") if cfg.qk_norm else None
         self.k_norm = ck.full(a + "k_norm.weight") if cfg.qk_norm else None
-        inter = cfg.intermediate_size  # split as evenly as possible (row-parallel sums any split)
-        ia, ib = r * inter // tp, (r + 1) * inter // tp
-        m = p + "mlp."
-        self.w_gate_up = torch.cat(
-            [ck.rows(m + "gate_proj.weight", ia, ib), ck.rows(m + "up_proj.weight", ia, ib)]
-        )
-        self.w_down = ck.cols(m + "down_proj.weight", ia, ib)
+        self.moe = SparseMoE(ck, moe, layer, tp, r) if moe and moe.is_sparse(layer) else None
+        if self.moe is None:
+            inter = cfg.intermediate_size  # split as evenly as possible (row-parallel: any split)
+            ia, ib = r * inter // tp, (r + 1) * inter // tp
+            m = p + "mlp."
+            self.w_gate_up = torch.cat(
+                [ck.rows(m + "gate_proj.weight", ia, ib), ck.rows(m + "up_proj.weight", ia, ib)]
+            )
+            self.w_down = ck.cols(m + "down_proj.weight", ia, ib)
         self.ln1 = ck.full(p + "input_layernorm.weight")
         self.ln2 = ck.full(p + "post_attention_layernorm.weight")
         self.q_size, self.kv_size = heads.nq * d, heads.nkv * d
@@ -125,7 +135,10 @@ class ShardedLayer:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.attend(self.local, q, k, v)
         x = x + self.rank.all_reduce(F.linear(out.reshape(b, t, self.q_size), self.w_o))
-        g, u = F.linear(_rms(x, self.ln2, eps), self.w_gate_up).chunk(2, dim=-1)
+        h = _rms(x, self.ln2, eps)
+        if self.moe is not None:
+            return x + self.rank.all_reduce(self.moe(h))
+        g, u = F.linear(h, self.w_gate_up).chunk(2, dim=-1)
         return x + self.rank.all_reduce(F.linear(F.silu(g) * u, self.w_down))
 
 
@@ -136,8 +149,8 @@ class ShardedLlama(torch.nn.Module):
     def __init__(self, folder: str, rank: Rank, layers: range, dtype: torch.dtype) -> None:
         super().__init__()
         ck = Checkpoint(folder, dtype, rank.device)
-        cfg = ModelConfig.from_folder(folder)
-        self.config, self.rank, self.layers = cfg, rank, layers
+        cfg, moe = read_config(folder)
+        self.config, self.moe, self.rank, self.layers = cfg, moe, rank, layers
         self.heads = HeadShard.of(cfg, rank.config.tp, rank.tp_rank)
         tp, r = rank.config.tp, rank.tp_rank
         self.vocab = cfg.vocab_size
@@ -149,7 +162,9 @@ class ShardedLlama(torch.nn.Module):
             self.embed = ck.rows_padded(
                 "model.embed_tokens.weight", self.v0, self.v0 + self.vocab_local
             )
-        self.blocks = [ShardedLayer(ck, cfg, self.heads, rank, i, j) for j, i in enumerate(layers)]
+        self.blocks = [
+            ShardedLayer(ck, cfg, self.heads, rank, i, j, moe) for j, i in enumerate(layers)
+        ]
         self.norm = self.head = None
         if self.last:
             self.norm = ck.full("model.norm.weight")

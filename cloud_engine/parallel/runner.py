@@ -55,7 +55,8 @@ def make_pool(
     n = budget_bytes // spec.bytes_per_block
     if max_blocks is not None:
         n = min(n, max_blocks)
-    n = min_over_world(int(n), rank.device)
+    if rank.config.world_size > 1:
+        n = min_over_world(int(n), rank.device)
     return KVPool(spec, n, rank.device)
 
 
