@@ -15,7 +15,18 @@ Invariants:
   keys seen recently keep working from the cache; an unknown key gets a 503, never a 401 (its
   owner did nothing wrong) and never a 500.
 - Admin endpoints need one of ``admin_keys``; a user key is not an admin key. With no admin key
-  configured the admin API is open only while authentication is off, else it answers 403.
+  configured the admin API answers 403 while authentication is on; while it is off, it is
+  served to *local* callers only (:func:`is_local`: a loopback peer, and no
+  ``X-Forwarded-For``/``Forwarded`` header, so a reverse proxy on the same host does not make
+  the world local), others get 403.
+- Weak secrets are refused when the config is loaded: with authentication on and any key
+  configured, the salt must have at least :data:`MIN_SECRET_CHARS` characters, and no key (user
+  or admin) may be one of :data:`WEAK_KEYS` (checked by hashing them with the salt; the keys
+  themselves are never in the config).
+- Node token (gateway -> nodes): nodes given one (``--node-token``/``$EDGECLOUD_NODE_TOKEN``)
+  answer 401 to any request without it in ``X-Edgecloud-Node-Token`` (or ``Authorization:
+  Bearer``), except ``GET /health`` (liveness); compared with :func:`secrets.compare_digest`,
+  never logged (:class:`NodeTokenMiddleware`).
 - Redis lookups are cached per key hash for ``cache_ttl_s`` (unknown keys for
   ``negative_cache_ttl_s``), in a bounded LRU, so a flood of bad keys cannot flood Redis.
 """
@@ -24,6 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import json
 import re
 import secrets
 import time
@@ -34,6 +47,7 @@ from typing import Protocol
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError, too_many_requests
 from routing.ratelimit import KeyRecord, KeyStoreUnavailable, Limits, RateDecision, RateLimiter
@@ -41,6 +55,17 @@ from routing.ratelimit import KeyRecord, KeyStoreUnavailable, Limits, RateDecisi
 KEY_PREFIX = "sk-ec-"
 HASH_SCHEME = "hmac-sha256"
 _HASH_RE = re.compile(rf"^{HASH_SCHEME}:[0-9a-f]{{64}}$")
+
+MIN_SECRET_CHARS = 16
+# Keys refused whatever the salt (the config holds hashes only: these are hashed and compared).
+WEAK_KEYS: tuple[str, ...] = (
+    "", "admin", "administrator", "root", "password", "passw0rd", "secret", "changeme",
+    "change-me", "default", "test", "testing", "demo", "key", "apikey", "api-key", "api_key",
+    "token", "letmein", "qwerty", "guest", "user", "1234", "12345", "123456", "12345678",
+    "123456789", "0000", "sk-", KEY_PREFIX, "sk-ec-test", "sk-test", "none", "null",
+)  # fmt: skip
+NODE_TOKEN_ENV = "EDGECLOUD_NODE_TOKEN"
+NODE_TOKEN_HEADER = "x-edgecloud-node-token"
 
 
 def generate_key() -> str:
@@ -128,6 +153,28 @@ class AuthConfig(BaseModel):
             raise ValueError("auth: the same key_hash appears twice")
         return self
 
+    @model_validator(mode="after")
+    def _strong(self) -> AuthConfig:
+        """Weak secrets are refused (see the module invariants)."""
+        if not self.is_enabled or not (self.keys or self.admin_keys or self.redis_keys):
+            return self
+        salt = self.salt.get_secret_value()
+        if len(salt) < MIN_SECRET_CHARS:
+            raise ValueError(
+                f"auth.salt must have at least {MIN_SECRET_CHARS} characters (got {len(salt)}): "
+                "use a long random secret, e.g. python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))'"
+            )
+        weak = {hash_key(w, salt): w for w in WEAK_KEYS}
+        for section, entries in (("keys", self.keys), ("admin_keys", self.admin_keys)):
+            for k in entries:
+                if k.key_hash in weak:
+                    raise ValueError(
+                        f"auth.{section}: key {k.name!r} is a well-known weak key; make one "
+                        "with gateway.auth.generate_key()"
+                    )
+        return self
+
     @property
     def is_enabled(self) -> bool:
         if self.enabled is not None:
@@ -175,6 +222,87 @@ def bearer_token(request: Request) -> str | None:
     if scheme.lower() != "bearer" or not token:
         return None
     return token
+
+
+def check_node_token(token: str) -> str:
+    """The token, if strong enough to share between gateway and nodes; else ValueError."""
+    if len(token) < MIN_SECRET_CHARS or token.lower() in WEAK_KEYS:
+        raise ValueError(
+            f"the node token must have at least {MIN_SECRET_CHARS} characters and not be a "
+            "well-known word (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return token
+
+
+_FORWARDED = (b"x-forwarded-for", b"forwarded", b"x-real-ip")
+
+
+def is_local(scope: Scope) -> bool:
+    """True when the request comes from this machine itself: its socket peer is a loopback
+    address and it carries no forwarding header (a proxy on the same host forwards others'
+    requests; a client adding such a header only loses the privilege, never gains it)."""
+    client = scope.get("client")
+    if not client:
+        return False
+    try:
+        if not ipaddress.ip_address(client[0]).is_loopback:
+            return False
+    except ValueError:
+        return False
+    return not any(name in _FORWARDED for name, _ in scope.get("headers") or ())
+
+
+class NodeTokenMiddleware:
+    """ASGI middleware of a node: every HTTP request but ``GET /health`` must carry the node
+    token (``X-Edgecloud-Node-Token: <token>`` or ``Authorization: Bearer <token>``), else it
+    gets an OpenAI-shaped 401 (``code: invalid_node_token``). Constant-time comparison; the
+    token is never logged or echoed."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._token = check_node_token(token).encode()
+        self._bearer = b"bearer " + self._token
+
+    def _ok(self, scope: Scope) -> bool:
+        ok = False
+        for name, value in scope.get("headers") or ():
+            if name == NODE_TOKEN_HEADER.encode():
+                ok |= secrets.compare_digest(value, self._token)
+            elif name == b"authorization":
+                v = value.strip()
+                ok |= secrets.compare_digest(v[:7].lower() + v[7:], self._bearer)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or (scope.get("method") == "GET" and scope.get("path") == "/health")
+            or self._ok(scope)
+        ):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "This node needs the node token (X-Edgecloud-Node-Token).",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_node_token",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
 
 
 class Authenticator:
@@ -281,12 +409,19 @@ class Authenticator:
             raise invalid_api_key("Incorrect API key provided.")
         return ident
 
-    async def identify_admin(self, token: str | None) -> KeyIdentity:
+    async def identify_admin(self, token: str | None, *, local: bool = False) -> KeyIdentity:
         """The admin identity for a presented key; 401 for any other key, 403 if no admin key
-        is configured while authentication is on."""
+        is configured while authentication is on, or (auth off) for a caller not ``local``."""
         if not self._admin:
             if not self.enabled:
-                return KeyIdentity("anonymous-admin", Limits(), source="anonymous", admin=True)
+                if local:
+                    return KeyIdentity("anonymous-admin", Limits(), source="anonymous", admin=True)
+                raise APIError(
+                    403,
+                    "With authentication off the admin API is served on loopback only.",
+                    type_="permission_error",
+                    code="admin_loopback_only",
+                )
             raise APIError(
                 403,
                 "The admin API is disabled: configure auth.admin_keys.",
@@ -305,7 +440,15 @@ class Authenticator:
         return await self.identify(bearer_token(request))
 
     async def require_admin(self, request: Request) -> KeyIdentity:
-        return await self.identify_admin(bearer_token(request))
+        return await self.identify_admin(bearer_token(request), local=is_local(request.scope))
+
+    async def admin_or_none(self, request: Request) -> KeyIdentity | None:
+        """The caller's admin identity if it has one (never raises): an admin key, or, with
+        authentication off and no admin key configured, a local caller."""
+        try:
+            return await self.require_admin(request)
+        except APIError:
+            return None
 
 
 # ---- limits ------------------------------------------------------------------------------------

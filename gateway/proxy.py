@@ -52,12 +52,17 @@ HOP_HEADERS = {
 
 
 def make_client(
-    connect_timeout_s: float = 2.0, read_timeout_s: float = 600.0, max_connections: int = 2048
+    connect_timeout_s: float = 2.0,
+    read_timeout_s: float = 600.0,
+    max_connections: int = 2048,
+    headers: dict[str, str] | None = None,
 ) -> httpx.AsyncClient:
     """One pooled keep-alive client shared by every node.
 
     Upstream cookies are never kept: the client is shared by every caller of the gateway, so a
     cookie one node set for one caller must not travel with the next caller's request.
+    ``headers`` go with every request to a node (the node token), on every path: the client's
+    own requests and :func:`send_upstream`'s fast paths alike.
     """
     limits = httpx.Limits(
         max_connections=max_connections,
@@ -77,8 +82,10 @@ def make_client(
 
         transport = AiohttpTransport(limits=limits, client=session)
     client = httpx.AsyncClient(
-        transport=transport, limits=limits, timeout=timeout, cookies=_NoCookies()
+        transport=transport, limits=limits, timeout=timeout, cookies=_NoCookies(), headers=headers
     )
+    if headers:
+        _HEADERS[client] = dict(headers)
     if transport is not None:
         _FAST[client] = (transport, timeout.as_dict())
     if H1Pool is not None:
@@ -113,6 +120,8 @@ _FAST: weakref.WeakKeyDictionary[
 # Clients made by make_client: their own HTTP/1.1 pool, for plain-HTTP nodes.
 _POOLS: weakref.WeakKeyDictionary[httpx.AsyncClient, H1Pool] = weakref.WeakKeyDictionary()
 _URLS: dict[str, httpx.URL] = {}
+# Clients made by make_client with headers for every node request (send_upstream adds them).
+_HEADERS: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, str]] = weakref.WeakKeyDictionary()
 
 Upstream = Any  # an httpx.Response, or an H1Response (the same interface, as far as used here)
 
@@ -136,7 +145,8 @@ async def send_upstream(
     gateway needs none of the client's redirect, auth and cookie handling per request. Any
     other client (a test's mock transport) goes through ``client.send``.
     """
-    headers = {"accept-encoding": "identity", **headers}  # streams are relayed raw
+    extra = _HEADERS.get(client)
+    headers = {"accept-encoding": "identity", **(extra or {}), **headers}  # relayed raw
     pool = _POOLS.get(client)
     if pool is not None and not pool.closed and not client.is_closed:
         target = pool.target(url)

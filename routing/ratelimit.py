@@ -14,12 +14,29 @@ Bucket semantics (both implementations, the same arithmetic):
   reached a node). Neither refills a bucket past its capacity.
 
 Redis (``edgecloud:v1:rl:{key_id}``, a hash with the levels and the time they were taken):
-- Every call is one EVALSHA of one Lua script, atomic, on one key (so Redis Cluster safe), timed
-  by the Redis server's clock (gateways' clocks may differ). The key expires (PEXPIRE) when both
-  buckets would be full again, which is the same as absent.
-- If Redis is unreachable, the limiter fails open to an in-process limiter (each replica then
-  enforces the limits on its own), sets ``healthy = False`` for ``/health``, retries Redis at
-  most every ``retry_interval_s`` and recovers by itself.
+- Every call is one EVALSHA of one Lua script, atomic, timed by the Redis server's clock
+  (gateways' clocks may differ). The key expires (PEXPIRE) when both buckets would be full
+  again, which is the same as absent. The script touches two keys, the bucket and the epoch
+  marker below, so it is not Redis-Cluster-safe as is (one primary, Sentinel or replicas).
+- Redis restarting empty does not refill every bucket. ``edgecloud:v1:rl-epoch`` holds the
+  time (server ms) the limiter's state began; an absent bucket holds ``capacity * min(1,
+  (now - epoch) / 60 s)``: long after the epoch, full (as before); just after an empty restart,
+  empty, refilling at the key's rate. So across a restart no key gets more than an empty bucket
+  would give it, and the token bucket's bound (capacity + rate x time, in any window) holds.
+  The marker is created by the first call that finds it missing: as "state began a minute
+  ago" (buckets full) by a gateway that never saw a marker (a new deployment), as "state
+  begins now" (buckets empty) by one that did (Redis lost it). Edge case: a gateway restarted
+  together with Redis sees a new deployment.
+- If Redis is unreachable, the limiter falls back to an in-process limiter that admits this
+  replica's *share*: each limit divided by ``replicas`` (the number of gateway replicas sharing
+  the keys, configured; default 1), at least 1. A key's fallback bucket starts from the level
+  Redis last reported to this replica for it (its share, refilled since), else from a full
+  share, less one request (and its tokens) per Redis call of this replica still in flight for
+  the key (it may have been admitted); so with ``replicas`` set right the fleet together admits at most one capacity plus the
+  rate over the outage, on top of what Redis had admitted before it (which those levels
+  reflect only for this replica's own calls). What is admitted locally is not written back to
+  Redis when it returns. The limiter sets ``healthy = False`` for ``/health``, retries Redis
+  at most every ``retry_interval_s`` and recovers by itself.
 
 This module also holds :class:`RedisKeyStore`, the small Redis lookup of API keys by hash
 (``edgecloud:v1:apikey:{key_hash}``), so that keys can be added without a gateway restart.
@@ -28,6 +45,7 @@ This module also holds :class:`RedisKeyStore`, the small Redis lookup of API key
 from __future__ import annotations
 
 import abc
+import itertools
 import logging
 import math
 import threading
@@ -167,6 +185,23 @@ class InProcessRateLimiter(RateLimiter):
                 if k != key_id and now - old.at_ms >= WINDOW_MS:
                     del self._buckets[k]
 
+    def seed(
+        self,
+        key_id: str,
+        requests: float | None,
+        tokens: float | None,
+        at_s: float,
+        *,
+        only_if_absent: bool = False,
+    ) -> None:
+        """Start ``key_id``'s bucket at these levels as of ``at_s`` (this limiter's clock),
+        unless it holds a newer one, or any one with ``only_if_absent`` (the Redis limiter
+        seeds its fallback this way)."""
+        with self._lock:
+            b = self._buckets.get(key_id)
+            if b is None or (not only_if_absent and b.at_ms < at_s * 1000.0):
+                self._buckets[key_id] = _Bucket(requests, tokens, at_s * 1000.0)
+
     def acquire_now(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
         """The synchronous core of :meth:`acquire`."""
         tokens = max(0, int(tokens))
@@ -234,7 +269,8 @@ class InProcessRateLimiter(RateLimiter):
 
 
 # ---- Redis ---------------------------------------------------------------------------------------
-# KEYS[1]: the bucket hash. ARGV: rpm, tpm (0 = unlimited), then the script's own arguments.
+# KEYS[1]: the bucket hash, KEYS[2]: the epoch marker. ARGV: rpm, tpm (0 = unlimited), the epoch
+# this gateway last saw ('' = none), then the script's own arguments.
 # Fields: r (requests level), t (tokens level), ts (ms, Redis server time).
 _PRELUDE = """
 local key = KEYS[1]
@@ -242,6 +278,14 @@ local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local epoch = redis.call('GET', KEYS[2])
+if not epoch then
+  if ARGV[3] == '' then epoch = string.format('%d', now - 60000)
+  else epoch = string.format('%d', now) end
+  redis.call('SET', KEYS[2], epoch)
+end
+local fresh = (now - tonumber(epoch)) / 60000
+if fresh > 1 then fresh = 1 elseif fresh < 0 then fresh = 0 end
 local s = redis.call('HMGET', key, 'r', 't', 'ts')
 local ts = tonumber(s[3]) or now
 local dt = now - ts
@@ -250,11 +294,11 @@ local r = nil
 local t = nil
 if rpm > 0 then
   r = tonumber(s[1])
-  if r == nil then r = rpm else r = math.min(rpm, r + dt * rpm / 60000) end
+  if r == nil then r = rpm * fresh else r = math.min(rpm, r + dt * rpm / 60000) end
 end
 if tpm > 0 then
   t = tonumber(s[2])
-  if t == nil then t = tpm else t = math.min(tpm, t + dt * tpm / 60000) end
+  if t == nil then t = tpm * fresh else t = math.min(tpm, t + dt * tpm / 60000) end
 end
 """
 
@@ -273,11 +317,12 @@ redis.call('HSET', key, 'ts', now)
 redis.call('PEXPIRE', key, math.ceil(ttl) + 1000)
 """
 
-# ARGV[3]: tokens to charge. Returns {allowed, retry_after_ms, code, requests level, tokens level}.
+# ARGV[4]: tokens to charge.
+# Returns {allowed, retry_after_ms, code, requests level, tokens level, epoch}.
 ACQUIRE_SCRIPT = (
     _PRELUDE
     + """
-local cost = tonumber(ARGV[3])
+local cost = tonumber(ARGV[4])
 local code = 0
 local wait_r = 0
 local wait_t = 0
@@ -298,22 +343,23 @@ end
     + _SAVE
     + """
 return {code == 0 and 1 or 0, math.ceil(math.max(wait_r, wait_t)), code,
-        tostring(r or ''), tostring(t or '')}
+        tostring(r or ''), tostring(t or ''), epoch}
 """
 )
 
-# ARGV[3]: requests to give back, ARGV[4]: tokens to give back (negative: charge more).
+# ARGV[4]: requests to give back, ARGV[5]: tokens to give back (negative: charge more).
+# Returns the epoch.
 ADJUST_SCRIPT = (
     _PRELUDE
     + """
-local dr = tonumber(ARGV[3])
-local dtk = tonumber(ARGV[4])
+local dr = tonumber(ARGV[4])
+local dtk = tonumber(ARGV[5])
 if r ~= nil then r = math.min(rpm, r + dr) end
 if t ~= nil then t = math.min(tpm, t + dtk) end
 """
     + _SAVE
     + """
-return 1
+return epoch
 """
 )
 
@@ -322,10 +368,24 @@ def _level(raw: Any) -> float | None:
     return float(raw) if raw not in (None, "") else None
 
 
+def share_of(limits: Limits, replicas: int) -> Limits:
+    """One replica's share of ``limits`` among ``replicas`` gateways (each at least 1)."""
+    if replicas <= 1:
+        return limits
+
+    def part(v: int | None) -> int | None:
+        return None if v is None else max(1, v // replicas)
+
+    return Limits(part(limits.rpm), part(limits.tpm))
+
+
 class RedisRateLimiter(OverRedisLink, RateLimiter):
     """Buckets in Redis, shared by every gateway replica (see the module invariants).
 
-    ``on_error`` is called with each Redis failure (for a metrics counter).
+    ``replicas``: how many gateway replicas share these keys; while Redis is unreachable this
+    one admits ``limits / replicas`` (:func:`share_of`). ``on_error`` is called with each Redis
+    failure (for a metrics counter). ``client``: a shared client (see
+    :func:`routing.redis_link.redis_client`); else one of ``max_connections`` is made.
     """
 
     def __init__(
@@ -335,31 +395,79 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
         namespace: str = KEY_PREFIX,
         timeout_s: float = 0.25,
         retry_interval_s: float = 1.0,
+        replicas: int = 1,
+        max_connections: int = 64,
         fallback: InProcessRateLimiter | None = None,
         client: Redis | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        max_seen: int = 100_000,
     ) -> None:
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
         self.ns = namespace
         self.retry_interval_s = retry_interval_s
+        self.replicas = replicas
         self.fallback = fallback or InProcessRateLimiter()
-        self.redis: Redis = client or redis_client(url, timeout_s=timeout_s)
+        self.redis: Redis = client or redis_client(
+            url, timeout_s=timeout_s, max_connections=max_connections
+        )
         self.link = RedisLink(
             self.redis,
             what="rate limiter",
-            fallback="limiting in-process",
+            fallback=f"limiting in-process to 1/{replicas} of each limit",
             retry_interval_s=retry_interval_s,
             on_error=on_error,
         )
         self._acquire = self.redis.register_script(ACQUIRE_SCRIPT)
         self._adjust = self.redis.register_script(ADJUST_SCRIPT)
+        self.epoch_key = f"{self.ns}rl-epoch"
+        self.epoch: str = ""  # the limiter epoch last seen in Redis ('' = none yet)
+        self.epochs_seen = 0  # how many different epochs this limiter has seen
+        # key_id -> (fallback clock s, requests level, tokens level): what Redis last reported
+        self._seen: dict[str, tuple[float, float | None, float | None]] = {}
+        self.max_seen = max_seen
+        self._pending: dict[str, int] = {}  # key_id -> this replica's Redis calls in flight
         self.fallback_decisions = 0
 
     def key(self, key_id: str) -> str:
         return f"{self.ns}rl:{key_id}"
 
+    def _learn_epoch(self, raw: Any) -> None:
+        epoch = str(raw) if raw not in (None, "") else ""
+        if epoch and epoch != self.epoch:
+            if self.epoch:
+                log.warning("rate limiter: Redis lost its state; buckets restart empty")
+            self.epoch = epoch
+            self.epochs_seen += 1
+
+    def _remember(self, key_id: str, r: float | None, t: float | None) -> None:
+        seen = self._seen
+        seen.pop(key_id, None)  # re-insert: the dict stays in order of last sight
+        seen[key_id] = (self.fallback.clock(), r, t)
+        if len(seen) > self.max_seen:  # drop the tenth seen longest ago
+            for k in list(itertools.islice(seen, len(seen) // 10 or 1)):
+                del seen[k]
+
     async def _local(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
+        """This replica's share, from the level Redis last reported for the key (if any), less
+        what this replica's Redis calls still in flight for it may have taken."""
         self.fallback_decisions += 1
-        d = self.fallback.acquire_now(key_id, limits, tokens)
+        share = share_of(limits, self.replicas)
+        seen = self._seen.get(key_id)
+        pending = self._pending.get(key_id, 0)
+        if seen is not None or pending:
+            at, r, t = seen if seen is not None else (self.fallback.clock(), None, None)
+            n = self.replicas
+            r0 = t0 = None
+            if share.rpm is not None:
+                r0 = (share.rpm if r is None else min(float(share.rpm), r / n)) - pending
+            if share.tpm is not None:
+                t0 = (share.tpm if t is None else min(float(share.tpm), t / n)) - pending * tokens
+            self.fallback.seed(key_id, r0, t0, at, only_if_absent=seen is None)
+        d = self.fallback.acquire_now(key_id, share, tokens)
+        if d.limited_by == "too_large" and (limits.tpm is None or tokens <= limits.tpm):
+            # too large for this replica's share only: not the client's fault, retry later
+            d = replace(d, limited_by="tokens", retry_after_s=max(1.0, self.retry_interval_s))
         return replace(d, degraded=True)
 
     async def acquire(self, key_id: str, limits: Limits, tokens: int) -> RateDecision:
@@ -368,15 +476,30 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
             return _unlimited(key_id, limits, tokens)
         if self.link.should_skip():
             return await self._local(key_id, limits, tokens)
+        pending = self._pending
+        pending[key_id] = pending.get(key_id, 0) + 1
+        failed: BaseException | None = None
         try:
             raw = await self._acquire(
-                keys=[self.key(key_id)], args=[limits.rpm or 0, limits.tpm or 0, tokens]
+                keys=[self.key(key_id), self.epoch_key],
+                args=[limits.rpm or 0, limits.tpm or 0, self.epoch, tokens],
             )
         except REDIS_ERRORS as exc:
-            self.link.fail(exc)
+            failed = exc
+        finally:
+            left = pending[key_id] - 1
+            if left:
+                pending[key_id] = left
+            else:
+                del pending[key_id]
+        if failed is not None:
+            self.link.fail(failed)
             return await self._local(key_id, limits, tokens)
         self.link.ok()
         allowed, wait_ms, code = int(raw[0]), int(raw[1]), int(raw[2])
+        self._learn_epoch(raw[5] if len(raw) > 5 else None)
+        remaining_r, remaining_t = _level(raw[3]), _level(raw[4])
+        self._remember(key_id, remaining_r, remaining_t)
         limited_by = _CODES.get(code)
         wait_s = _TOO_LARGE_RETRY_S if code == 3 else max(wait_ms, 1) / 1000.0
         return RateDecision(
@@ -386,8 +509,8 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
             charged_tokens=tokens if allowed else 0,
             retry_after_s=0.0 if allowed else wait_s,
             limited_by=limited_by,
-            remaining_requests=_level(raw[3]),
-            remaining_tokens=_level(raw[4]),
+            remaining_requests=remaining_r,
+            remaining_tokens=remaining_t,
             backend="redis",
         )
 
@@ -395,14 +518,15 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
         if requests == 0 and tokens == 0:
             return
         try:
-            await self._adjust(
-                keys=[self.key(d.key_id)],
-                args=[d.limits.rpm or 0, d.limits.tpm or 0, requests, tokens],
+            epoch = await self._adjust(
+                keys=[self.key(d.key_id), self.epoch_key],
+                args=[d.limits.rpm or 0, d.limits.tpm or 0, self.epoch, requests, tokens],
             )
         except REDIS_ERRORS as exc:  # the charge stands: conservative, never a client error
             self.link.fail(exc)
             return
         self.link.ok()
+        self._learn_epoch(epoch)
 
     async def settle(self, decision: RateDecision, actual_tokens: int) -> None:
         if not decision.allowed:
@@ -429,6 +553,8 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
             "last_error": self.last_error,
             "errors_total": self.errors_total,
             "fallback_decisions": self.fallback_decisions,
+            "fallback_share": f"1/{self.replicas}",
+            "epochs_seen": self.epochs_seen,
         }
 
     async def close(self) -> None:

@@ -10,17 +10,28 @@ in-process bucket). They share the same rules, held here once:
   healthy again by itself;
 - every failure is counted (``errors_total``), the last one is kept as text, and the first one
   after a healthy spell (and the recovery) is logged once, not per request.
+
+Connections (:func:`redis_client`): one ``BlockingConnectionPool`` per client, of
+``max_connections``; a command that finds every connection busy waits up to ``pool_timeout_s``
+for one instead of failing at once (redis-py's default pool raised "Too many connections" at
+100, and every overflowing request fell back to the in-process limiter). A gateway builds one
+client and shares it between its rate limiter, key store and fleet store, sized from its
+``max_in_flight`` (:func:`pool_size_for`). URLs may be ``redis://`` or ``rediss://`` (TLS,
+certificates verified against the system CAs, or ``EDGECLOUD_REDIS_CA_CERTS``); a password
+comes from the URL or, better (URLs end up in shell history and process lists), from
+``EDGECLOUD_REDIS_PASSWORD`` (with ``EDGECLOUD_REDIS_USERNAME`` for a Redis 6 ACL user).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -30,19 +41,59 @@ log = logging.getLogger(__name__)
 REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
 
 
+PASSWORD_ENV = "EDGECLOUD_REDIS_PASSWORD"
+USERNAME_ENV = "EDGECLOUD_REDIS_USERNAME"
+CA_CERTS_ENV = "EDGECLOUD_REDIS_CA_CERTS"
+DEFAULT_MAX_CONNECTIONS = 64
+MAX_POOL_SIZE = 512  # per client: a few replicas stay far below Redis's maxclients (10,000)
+
+
+def pool_size_for(max_in_flight: int) -> int:
+    """Connections for a gateway admitting ``max_in_flight`` requests: one per request that can
+    be in a Redis call at once, capped at :data:`MAX_POOL_SIZE` (a command holds a connection for
+    a round trip, well under a millisecond on a LAN; past the cap requests wait their turn)."""
+    return max(8, min(int(max_in_flight), MAX_POOL_SIZE))
+
+
 def redis_client(
-    url: str, *, timeout_s: float = 0.25, connect_timeout_s: float | None = None
+    url: str,
+    *,
+    timeout_s: float = 0.25,
+    connect_timeout_s: float | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    pool_timeout_s: float = 1.0,
 ) -> Redis:
-    """A client that never hangs or retries: short timeouts, errors surface at once."""
-    return Redis.from_url(
+    """A client that never hangs or retries: short timeouts, errors surface at once.
+
+    Its pool is a ``BlockingConnectionPool`` of ``max_connections``: when all are busy a command
+    waits up to ``pool_timeout_s`` for one (then fails like an unreachable Redis). The password
+    (and ACL user) come from the URL, else from the environment (see the module notes);
+    ``rediss://`` URLs use TLS with certificate and host name checks.
+    """
+    kwargs: dict[str, Any] = {}
+    password, username = os.environ.get(PASSWORD_ENV), os.environ.get(USERNAME_ENV)
+    if password and "@" not in url.split("//", 1)[-1].split("/", 1)[0]:
+        kwargs["password"] = password
+        if username:
+            kwargs["username"] = username
+    if url.startswith("rediss://"):
+        kwargs["ssl_cert_reqs"] = "required"
+        ca = os.environ.get(CA_CERTS_ENV)
+        if ca:
+            kwargs["ssl_ca_certs"] = ca
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=max(1, int(max_connections)),
+        timeout=pool_timeout_s,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s if connect_timeout_s is None else connect_timeout_s,
         retry=Retry(NoBackoff(), 0),
         retry_on_timeout=False,
         decode_responses=True,
         health_check_interval=0,
+        **kwargs,
     )
+    return Redis.from_pool(pool)
 
 
 class RedisLink:

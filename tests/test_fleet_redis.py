@@ -181,12 +181,20 @@ async def test_outage_serves_last_view_then_recovers(store: RedisFleetStore, red
         redis_server.start()
 
     # Back by itself: the next view reaches Redis again (a fresh, empty one: no persistence).
+    # The nodes Redis lost are kept (stale, no credit) until they re-publish: no 503 window.
     view = await store.view(HASHES)
-    assert view.stale is False and store.healthy is True and store.last_error is None
+    assert store.healthy is True and store.last_error is None
+    assert view.stale is True and sorted(n.id for n in view.nodes) == ["c1", "e1"]
+    assert view.prefix_blocks == {}
     # Redis came back empty: put_node says the index is gone, so the node re-sends it.
     assert await store.put_node(node("c1", running=5)) is False
     view = await store.view(HASHES)
-    assert [(n.id, n.running) for n in view.nodes] == [("c1", 5)]
+    assert [(n.id, n.running) for n in view.nodes] == [("c1", 5), ("e1", 0)]
+    assert view.stale is True  # e1 is still carried
+    await store.put_node(node("e1", NodeKind.EDGE, ttl_s=30.0))
+    view = await store.view(HASHES)
+    assert sorted(n.id for n in view.nodes) == ["c1", "e1"] and view.stale is False
+    assert store.health()["recovering"] is False
 
 
 async def test_unresponsive_redis_times_out_fast():

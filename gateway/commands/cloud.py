@@ -28,10 +28,12 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
 
     from cloud_engine.engine import CloudEngine
+    from gateway.commands.node_args import node_token_from_args
     from gateway.node.server import serve_node
     from gateway.server_limits import limits_from_args
     from routing.model_store import resolve
 
+    node_token = node_token_from_args(args, "edgecloud cloud serve")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or torch.get_num_threads()))
@@ -66,5 +68,6 @@ def run_serve(args: argparse.Namespace) -> int:
         public_url=args.public_url,
         redis_url=args.redis_url,
         limits=limits_from_args(args),
+        node_token=node_token,
     )
     return 0

@@ -106,10 +106,12 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
+    from gateway.commands.node_args import node_token_from_args
     from gateway.node.server import serve_node
     from gateway.server_limits import limits_from_args
     from routing.model_store import resolve
 
+    node_token = node_token_from_args(args, "edgecloud edge serve")
     info = resolve(args.model)
     providers = tuple(p.strip() for p in args.providers.split(",")) if args.providers else None
     cfg = EdgeEngineConfig(
@@ -132,5 +134,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         public_url=args.public_url,
         redis_url=args.redis_url,
         limits=limits_from_args(args),
+        node_token=node_token,
     )
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -38,6 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g.add_argument("--config", type=Path, required=False, help="gateway YAML (default: built-in)")
     g.add_argument("--host", default=None)
     g.add_argument("--port", type=int, default=None)
+    g.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow a non-loopback host with authentication off (anyone may use it)",
+    )
     add_server_arguments(g)
     g.set_defaults(func=run_gateway)
 
@@ -61,6 +67,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=600.0,
         help="seconds to wait for the nodes (the first run exports the ONNX graph)",
     )
+    s.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="allow a non-loopback --host (serve has no API keys: anyone may use it)",
+    )
     add_server_arguments(s)
     s.set_defaults(func=run_serve)
 
@@ -79,6 +90,14 @@ def run_gateway(args: argparse.Namespace) -> int:
         print(f"edgecloud gateway: error: bad config {args.config}: {exc}", file=sys.stderr)
         return 2
     host, port = args.host or cfg.host, args.port if args.port is not None else cfg.port
+    from gateway.front.config import UnsafeExposure
+
+    try:
+        cfg.insecure_no_auth = cfg.insecure_no_auth or args.insecure_no_auth
+        cfg.check_exposure(host)
+    except UnsafeExposure as exc:
+        print(f"edgecloud gateway: error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"edgecloud gateway on http://{host}:{port} ({len(cfg.nodes)} configured nodes, "
         f"store: {'redis' if cfg.redis_url else 'in-process'})",
@@ -147,12 +166,21 @@ def run_serve(args: argparse.Namespace) -> int:
     its ``finally`` stops them, once. Returns 1 if a node died or start-up failed, else 0.
     """
     from gateway.front.app import create_gateway_app
-    from gateway.front.config import GatewayConfig
+    from gateway.front.config import GatewayConfig, UnsafeExposure
     from gateway.http_server import DrainingServer
     from gateway.supervisor import ChildSpec, Supervisor
     from routing.model_store import ModelNotFound, resolve
 
     limits = limits_from_args(args)
+    try:  # before anything starts: serve has no API keys
+        GatewayConfig(host=args.host, insecure_no_auth=args.insecure_no_auth).check_exposure()
+    except UnsafeExposure as exc:
+        print(f"edgecloud serve: error: {exc}", file=sys.stderr)
+        return 2
+    # The nodes listen on loopback, but other local users could reach them: a token per run,
+    # given to the children in their environment (not on their command line).
+    node_token = os.environ.get("EDGECLOUD_NODE_TOKEN") or secrets.token_urlsafe(32)
+    node_env = {**os.environ, "EDGECLOUD_NODE_TOKEN": node_token}
     try:
         info = resolve(args.model)
     except ModelNotFound:
@@ -181,10 +209,12 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         supervisor.start(
-            ChildSpec("edge node", _node_argv("edge", args, info.path, edge_port, edge_t))
+            ChildSpec("edge node", _node_argv("edge", args, info.path, edge_port, edge_t), node_env)
         )
         supervisor.start(
-            ChildSpec("cloud node", _node_argv("cloud", args, info.path, cloud_port, cloud_t))
+            ChildSpec(
+                "cloud node", _node_argv("cloud", args, info.path, cloud_port, cloud_t), node_env
+            )
         )
         urls = [f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{cloud_port}"]
         _wait_ready(urls, supervisor, args.ready_timeout)
@@ -194,6 +224,8 @@ def run_serve(args: argparse.Namespace) -> int:
             nodes=urls,
             policy_file=args.policy_file,
             virtual_models={"auto": info.name},
+            node_token=node_token,
+            insecure_no_auth=args.insecure_no_auth,
         )
         server = DrainingServer(
             create_gateway_app(cfg),

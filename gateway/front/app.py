@@ -8,6 +8,7 @@ the admin routes (``/admin/nodes``, ``/admin/policy``) behind the admin key.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,15 +22,24 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.auth import KeyIdentity
+from gateway.auth import KeyIdentity, enforce_rate_limit, is_local
 from gateway.body_limit import BodyLimitMiddleware
-from gateway.errors import bad_request, install_error_handlers
+from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
 from gateway.metrics import metrics_response
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
 from routing.fleet.store import FleetStore
 from routing.policies import make_policy
+
+log = logging.getLogger(__name__)
+
+# 5xx codes whose messages name nodes or upstream errors: what the client is told instead
+_GENERIC_5XX = {
+    "upstream_unavailable": "No node could serve the request right now; please retry.",
+    "tokenizer_unavailable": "The model's tokenizer cannot be fetched right now; please retry.",
+    "upstream_error": "The node failed while answering; please retry.",
+}
 
 
 def tune_gc(young_threshold: int = 10_000) -> None:
@@ -201,6 +211,17 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         max_body_bytes=config.max_body_bytes,
     )
     install_error_handlers(app)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        """5xx bodies say what failed, never where: node ids, URLs and upstream errors go to
+        the log; the client gets the code and a generic message."""
+        generic = _GENERIC_5XX.get(exc.code or "") if exc.status >= 500 else None
+        if generic is None:
+            return exc.response()
+        log.warning("%s %s %s: %s", request.method, request.url.path, exc.code, exc.message)
+        return APIError(exc.status, generic, exc.type, exc.param, exc.code, exc.headers).response()
+
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.state.gateway = gw
 
@@ -232,16 +253,45 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         app.router.routes.append(Route(path, route(endpoint), methods=["POST"]))
 
     @app.post("/v1/route")
-    async def route(request: Request, who: KeyIdentity = Depends(gw.auth)) -> dict[str, Any]:
+    async def route(request: Request) -> dict[str, Any]:
+        """Where a request would go. Node URLs only for admins (with auth off: local callers);
+        anyone else is charged one request (no tokens) against their rate limit first."""
+        who = await gw.auth.admin_or_none(request) or await gw.auth(request)
+        if not who.admin:
+            await enforce_rate_limit(gw.limiter, who, 0, gw.metrics.observe_rate_limited)
         raw = await request.body()
         is_chat = b'"messages"' in raw
         data, req = await gw.parse(request, ChatCompletionRequest if is_chat else CompletionRequest)
-        return await gw.route_only(
+        out = await gw.route_only(
             data, "chat" if is_chat else "completion", req, request, who.key_id
+        )
+        if not who.admin:
+            out.pop("url", None)
+            for c in out.get("candidates", ()):
+                c.pop("url", None)
+        return out
+
+    async def observer(request: Request) -> bool:
+        """May the caller see ``/metrics`` and ``/health``'s details (``config.observability``)?
+        Raises the 403 where the mode protects them and it may not."""
+        mode = config.observability
+        privileged = (mode != "admin" and is_local(request.scope)) or (
+            await gw.auth.admin_or_none(request) is not None
+        )
+        if privileged or mode == "open":
+            return privileged
+        raise APIError(
+            403,
+            f"{request.url.path} is served to loopback callers or admin keys only"
+            if mode == "loopback"
+            else f"{request.url.path} needs an admin key",
+            type_="permission_error",
+            code="forbidden",
         )
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
+        await observer(request)
         return metrics_response(gw.metrics, request)
 
     @app.get("/v1/models")
@@ -249,8 +299,9 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         return {"object": "list", "data": [model_card(m) for m in await gw.models()]}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return gw.health()
+    async def health(request: Request) -> dict[str, Any]:
+        h = gw.health()
+        return h if await observer(request) else {"status": h["status"]}
 
     @app.get("/admin/nodes")
     async def admin_nodes(_: KeyIdentity = Depends(gw.auth.require_admin)) -> dict[str, Any]:

@@ -1,15 +1,57 @@
-"""The front gateway's configuration (one YAML file; the routing policy has its own)."""
+"""The front gateway's configuration (one YAML file; the routing policy has its own).
+
+Safe defaults (each refused or narrowed unless the operator says otherwise):
+- A gateway that binds a non-loopback address with authentication off refuses to start
+  (:meth:`GatewayConfig.check_exposure`) unless ``insecure_no_auth`` (``--insecure-no-auth``).
+- The node token (``node_token``, default ``$EDGECLOUD_NODE_TOKEN``) is sent to every node on
+  every request (:meth:`GatewayConfig.node_headers`); nodes started with the same token refuse
+  requests without it. It is a secret: never logged, hidden in reprs.
+- ``observability`` says who may read ``/health`` and ``/metrics``: ``open`` (anyone; the
+  details of ``/health`` only to loopback or admin callers), ``loopback`` (loopback callers or
+  an admin key), ``admin`` (an admin key; loopback callers only while auth is off).
+- Redis: ``redis://`` or ``rediss://`` (TLS) URLs; the password from the URL or, better,
+  ``$EDGECLOUD_REDIS_PASSWORD`` (see :mod:`routing.redis_link`). One connection pool is shared
+  by the rate limiter, the key store and the fleet store, of ``redis_max_connections``
+  (default: from ``max_in_flight``, :func:`routing.redis_link.pool_size_for`).
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from gateway.auth import AuthConfig
+from gateway.auth import NODE_TOKEN_ENV, NODE_TOKEN_HEADER, AuthConfig, check_node_token
 from gateway.geo import GeoConfig
 from routing.fleet.memory_store import OpenAINodeConfig
+from routing.redis_link import pool_size_for, redis_client
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+
+class UnsafeExposure(ValueError):
+    """The configuration would expose the gateway without authentication."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, ``localhost``)."""
+    h = host.strip().strip("[]").lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def _env_node_token() -> SecretStr | None:
+    token = os.environ.get(NODE_TOKEN_ENV)
+    return SecretStr(token) if token else None
 
 
 class GatewayConfig(BaseModel):
@@ -17,12 +59,15 @@ class GatewayConfig(BaseModel):
 
     host: 0.0.0.0
     port: 8000
-    redis_url: redis://127.0.0.1:6379/0      # omit for the in-process fleet store
+    redis_url: rediss://redis.internal:6380/0 # omit for the in-process fleet store
     nodes: [http://10.0.0.5:8001]            # polled over /load (in-process store only)
     openai_nodes: [{id: vllm-1, url: http://10.0.0.9:8000, region: eu-west, models: [m]}]
     policy_file: policy.yaml                 # routing knobs, hot-reloaded
     virtual_models: {auto: smollm2-135m-instruct}
     geo: {database: GeoLite2-City.mmdb, default_region: eu-west, countries: {FR: eu-west}}
+    auth: {salt: "...", keys: [...], admin_keys: [...]}
+    gateway_replicas: 3                      # replicas sharing Redis (rate-limit fallback share)
+    observability: loopback                  # /health and /metrics
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -48,6 +93,64 @@ class GatewayConfig(BaseModel):
     tune_gc: bool = Field(
         default=True, description="freeze start-up objects and collect garbage less often"
     )
+    node_token: SecretStr | None = Field(
+        default_factory=_env_node_token,
+        description=f"sent to nodes in {NODE_TOKEN_HEADER} (default ${NODE_TOKEN_ENV})",
+    )
+    redis_max_connections: int | None = Field(
+        default=None, ge=1, description="the shared Redis pool (default: from max_in_flight)"
+    )
+    redis_pool_timeout_s: float = Field(
+        default=1.0, gt=0, description="how long a command waits for a free pooled connection"
+    )
+    gateway_replicas: int = Field(
+        default=1, ge=1, description="replicas sharing Redis: each admits 1/n while it is down"
+    )
+    observability: Literal["open", "loopback", "admin"] = "open"
+    insecure_no_auth: bool = Field(
+        default=False, description="allow a non-loopback host with authentication off"
+    )
+
+    @field_validator("node_token")
+    @classmethod
+    def _strong_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            check_node_token(v.get_secret_value())
+        return v
+
+    @property
+    def redis_pool_size(self) -> int:
+        """Connections of the one Redis pool (see :func:`routing.redis_link.pool_size_for`)."""
+        return self.redis_max_connections or pool_size_for(self.max_in_flight)
+
+    def redis_client(self) -> Redis | None:
+        """A new client on the one pool this gateway's Redis users share (None: no Redis)."""
+        if not self.redis_url:
+            return None
+        return redis_client(
+            self.redis_url,
+            max_connections=self.redis_pool_size,
+            pool_timeout_s=self.redis_pool_timeout_s,
+        )
+
+    def node_headers(self) -> dict[str, str]:
+        """Headers every request to a node carries (the node token, when one is set)."""
+        if self.node_token is None:
+            return {}
+        return {NODE_TOKEN_HEADER: self.node_token.get_secret_value()}
+
+    def check_exposure(self, host: str | None = None) -> None:
+        """Raise :class:`UnsafeExposure` if serving on ``host`` (default: ``self.host``) would
+        expose an unauthenticated gateway beyond this machine without ``insecure_no_auth``."""
+        host = self.host if host is None else host
+        if self.auth.is_enabled or self.insecure_no_auth or is_loopback_host(host):
+            return
+        raise UnsafeExposure(
+            f"refusing to serve on {host} with authentication off: anyone who can reach it "
+            "could run generations. Configure auth (auth.salt and auth.keys, hashed with "
+            "gateway.auth.hash_key) or bind 127.0.0.1; to run open anyway, pass "
+            "--insecure-no-auth (config: insecure_no_auth: true)."
+        )
 
 
 def load_gateway_config(path: str | Path) -> GatewayConfig:

@@ -94,7 +94,10 @@ def _prompt_chars(body: dict[str, Any]) -> int:
 class Gateway:
     def __init__(self, config: GatewayConfig, store: FleetStore | None = None) -> None:
         self.config = config
-        self.client = make_client(config.connect_timeout_s, config.read_timeout_s)
+        self.client = make_client(
+            config.connect_timeout_s, config.read_timeout_s, headers=config.node_headers()
+        )
+        self.redis = config.redis_client()  # one pool: the fleet store, limiter and key store
         self.trackers = {c.id: OpenAINodeTracker(c) for c in config.openai_nodes}
         self.store = store or self._make_store()
         self.policy_source = (
@@ -124,7 +127,7 @@ class Gateway:
         if self.config.redis_url:
             from routing.fleet.redis_store import RedisFleetStore
 
-            return RedisFleetStore(self.config.redis_url, openai_nodes=trackers)
+            return RedisFleetStore(self.config.redis_url, openai_nodes=trackers, client=self.redis)
         return InProcessFleetStore(
             self.config.nodes,
             fetch_state=self._fetch_state,
@@ -138,7 +141,10 @@ class Gateway:
             from routing.ratelimit import RedisRateLimiter
 
             return RedisRateLimiter(
-                self.config.redis_url, on_error=lambda _e: self.metrics.redis_error("ratelimit")
+                self.config.redis_url,
+                client=self.redis,
+                replicas=self.config.gateway_replicas,
+                on_error=lambda _e: self.metrics.redis_error("ratelimit"),
             )
         return InProcessRateLimiter()
 
@@ -147,7 +153,7 @@ class Gateway:
         if self.config.redis_url and self.config.auth.redis_keys:
             from routing.ratelimit import RedisKeyStore
 
-            store = RedisKeyStore(self.config.redis_url)
+            store = RedisKeyStore(self.config.redis_url, client=self.redis)
         return Authenticator(self.config.auth, key_store=store)
 
     async def _fetch_state(self, url: str) -> NodeState:

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
@@ -70,7 +71,11 @@ def _chunk(
     }
 
 
-def create_node_app(service: NodeService, store: FleetStore | None = None) -> FastAPI:
+def create_node_app(
+    service: NodeService, store: FleetStore | None = None, node_token: str | None = None
+) -> FastAPI:
+    """The Node API over ``service``; with ``node_token``, every route but ``GET /health``
+    answers 401 without it (:class:`gateway.auth.NodeTokenMiddleware`)."""
     publisher: StatePublisher | None = None
     feed: BlockFeed | None = None
 
@@ -94,6 +99,8 @@ def create_node_app(service: NodeService, store: FleetStore | None = None) -> Fa
     app = FastAPI(title="edgecloud node", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=service.config.max_body_bytes)
+    if node_token:  # added last: the outermost layer, before any body is read
+        app.add_middleware(NodeTokenMiddleware, token=node_token)
     app.state.service = service
 
     def headers(

@@ -71,11 +71,12 @@ def serve_node(
     redis_url: str | None = None,
     log_level: str = "warning",
     limits: ServerLimits | None = None,
+    node_token: str | None = None,
 ) -> ServeResult:
     service = build_service(
         engine, model, region=region, host=host, port=port, node_id=node_id, public_url=public_url
     )
-    app = create_node_app(service, make_store(redis_url))
+    app = create_node_app(service, make_store(redis_url), node_token=node_token)
     log.info(
         "node %s (%s) serving %s on %s",
         service.config.node_id,

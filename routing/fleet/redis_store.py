@@ -17,6 +17,14 @@ Invariants:
 - ``put_node`` tells the node whether the store still holds its prefix index (the
   ``events:{id}`` stream exists): after Redis restarts empty, the node re-sends its whole index
   with ``replace_blocks``.
+- The fleet has an *epoch* (``epoch``: a random id the first ``put_node`` into an empty Redis
+  creates, SET NX). A view that finds the epoch changed or gone (Redis restarted empty), or the
+  first view after an outage (nodes could not publish meanwhile), starts a *recovery*: nodes of
+  the last good view missing from Redis are kept in the view, without prefix credit and with
+  ``stale=True``, until they re-publish or their last state's TTL passes (counted from when this
+  gateway first saw that state; after an outage, from the recovery). So a Redis restart is no
+  503 window. Outside a recovery a node missing from Redis is gone at once (a node that stops
+  removes itself, and gateways stop routing to it).
 - Writes (``put_node``, ``record_blocks``, ``remove_node``) are one pipelined round trip each
   and raise :class:`FleetStoreUnavailable` when Redis is down.
 - The NodeState objects a view returns are shared with later views until the node pushes a
@@ -28,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,7 +54,7 @@ log = logging.getLogger(__name__)
 VIEW_SCRIPT = """
 local ns = ARGV[1]
 local ids = redis.call('ZRANGE', ns .. 'nodes', 0, -1)
-local out = {}
+local out = {redis.call('GET', ns .. 'epoch') or ''}
 for _, id in ipairs(ids) do
   local state = redis.call('GET', ns .. 'node:' .. id)
   if state then
@@ -105,9 +114,16 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         )
         self._view_script = self.redis.register_script(VIEW_SCRIPT)
         self._last_nodes: list[NodeState] = []
-        self._parsed: dict[str, NodeState] = {}  # raw JSON -> state, for the last view's nodes
+        # raw JSON -> (state, when this gateway first saw it), for the last view's nodes
+        self._parsed: dict[str, tuple[NodeState, float]] = {}
+        # node id -> (its last state from Redis, trusted until): what a recovery may keep
+        self._seen: dict[str, tuple[NodeState, float]] = {}
+        self._epoch: str | None = None  # the fleet epoch of the last good view
+        self._recovering = False
+        self._outage = False  # a view failed since the last good one
         self.views_total = 0
         self.stale_views_total = 0
+        self.carried_views_total = 0  # views that kept nodes Redis had lost (recoveries)
 
     # ---- keys --------------------------------------------------------------------------------
     def _key(self, kind: str, node_id: str | None = None) -> str:
@@ -120,6 +136,8 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             **self.link.health(),
             "views_total": self.views_total,
             "stale_views_total": self.stale_views_total,
+            "recovering": self._recovering,
+            "carried_views_total": self.carried_views_total,
         }
 
     # ---- writes ------------------------------------------------------------------------------
@@ -140,6 +158,7 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         now = self.clock()
 
         def build(p: Any) -> None:
+            p.set(self._key("epoch"), secrets.token_hex(8), nx=True)
             p.set(self._key("node", state.id), payload, px=ttl_ms)
             p.zadd(self._key("nodes"), {state.id: now})
             p.zremrangebyscore(self._key("nodes"), "-inf", now - self.prune_after_s)
@@ -218,32 +237,71 @@ class RedisFleetStore(OverRedisLink, FleetStore):
     async def view(self, block_hashes: Sequence[int]) -> FleetView:
         self.views_total += 1
         if self.link.should_skip():
+            self._outage = True
             return self._stale_view()
         try:
             raw = await self._view_script(args=[self.ns, *(hex_hash(h) for h in block_hashes)])
         except REDIS_ERRORS as exc:
             self.link.fail(exc)
+            self._outage = True
             return self._stale_view()
         self.link.ok()
+        now = self.clock()
         nodes: list[NodeState] = []
         prefix: dict[str, int] = {}
-        parsed: dict[str, NodeState] = {}
-        for i in range(0, len(raw), 2):
-            node = self._parsed.get(raw[i])  # states change once a second; views run per request
-            if node is None:
+        parsed: dict[str, tuple[NodeState, float]] = {}
+        for i in range(1, len(raw), 2):
+            got = self._parsed.get(raw[i])  # states change once a second; views run per request
+            if got is None:
                 try:
-                    node = NodeState.model_validate_json(raw[i])
+                    got = (NodeState.model_validate_json(raw[i]), now)
                 except ValidationError as exc:
                     log.warning("fleet store: ignoring an unreadable node state: %s", exc)
                     continue
-            parsed[raw[i]] = node
+            parsed[raw[i]] = got
+            node = got[0]
             nodes.append(node)
             count = int(raw[i + 1])
             if count:
                 prefix[node.id] = count
         self._parsed = parsed
+        carried = self._recover(str(raw[0]) if raw and raw[0] else None, parsed, now)
+        if carried:
+            self.carried_views_total += 1
+            nodes = [*nodes, *carried]
         self._last_nodes = nodes
-        return FleetView(nodes=self._with_local(nodes), prefix_blocks=prefix, stale=False)
+        return FleetView(nodes=self._with_local(nodes), prefix_blocks=prefix, stale=bool(carried))
+
+    def _recover(
+        self, epoch: str | None, parsed: dict[str, tuple[NodeState, float]], now: float
+    ) -> list[NodeState]:
+        """The nodes Redis lost that this view keeps (see the module invariants)."""
+        if self._outage:
+            self._outage = False
+            self._recovering = bool(self._seen)
+            # nodes could not publish during the outage: one TTL from now to do it
+            self._seen = {k: (st, max(t, now + st.ttl_s)) for k, (st, t) in self._seen.items()}
+        if self._epoch is not None and epoch != self._epoch and self._seen:
+            if not self._recovering:
+                log.warning(
+                    "fleet store: Redis lost the fleet's state; keeping the last view's nodes "
+                    "until they re-publish"
+                )
+            self._recovering = True
+        if epoch is not None:
+            self._epoch = epoch
+        live = {st.id: (st, first + st.ttl_s) for st, first in parsed.values()}
+        carried: list[NodeState] = []
+        if self._recovering:
+            for node_id, (st, until) in self._seen.items():
+                if node_id not in live and until > now:
+                    carried.append(st)
+                    live[node_id] = (st, until)
+            if not carried:
+                self._recovering = False
+                log.info("fleet store: every node is back in Redis (or expired)")
+        self._seen = live
+        return carried
 
     async def close(self) -> None:
         await self.redis.aclose()
