@@ -117,14 +117,17 @@ class Scheduler:
         self.add(seq)
 
     # -- planning --------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_seqs: int | None = None) -> ScheduledBatch:
+        """``max_seqs``: at most this many sequences in the batch (pipeline parallelism splits
+        the running set into one batch per stage)."""
         cfg = self.config
+        cap = max_seqs if max_seqs is not None else cfg.max_running
         batch = ScheduledBatch()
         budget = cfg.max_tokens_per_step
         # A sequence in a batch still in the pipe is neither planned again nor preempted.
         queue = sorted((s for s in self.running if not s.in_flight), key=lambda s: s.sort_key)
         i = 0
-        while i < len(queue) and budget > 0:
+        while i < len(queue) and budget > 0 and len(batch.items) < cap:
             seq = queue[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             need = self._blocks_needed(seq, n)
@@ -145,7 +148,7 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch
-        while budget > 0 and len(self.running) < cfg.max_running:
+        while budget > 0 and len(self.running) < cfg.max_running and len(batch.items) < cap:
             seq = self._peek_waiting()
             if seq is None or not self._admit(seq, budget, batch):
                 break

@@ -2,7 +2,8 @@
 
 :class:`PipelineCore` is :class:`cloud_engine.core.EngineCore` whose ``step`` first fills the
 queue (plans and launches batches while fewer than ``depth`` are in flight and the scheduler
-has something that is not in flight), then collects the oldest batch. So while stage 1 runs
+has something that is not in flight), then collects the oldest batch. Each batch takes at most ``ceil((running + waiting) / depth)``
+sequences, so the running set splits into one batch per stage. So while stage 1 runs
 batch A, the driver plans batch B and runs its stage 0: every stage works at once once the
 load fills two batches.
 
@@ -41,7 +42,9 @@ class PipelineCore(EngineCore):
         if self.config.debug_checks:
             self.blocks.check_integrity()
         while len(self._queue) < self.depth:
-            batch = self.scheduler.schedule()
+            sched = self.scheduler
+            share = -(-(sched.num_running + sched.num_waiting) // self.depth)
+            batch = sched.schedule(max_seqs=max(1, share))
             for seq in batch.preempted:
                 self.runner.release(seq)
                 self.counters.preemptions += 1

@@ -188,6 +188,7 @@ class DistRunner:
         self.exec = StageExecutor(model, pool, rank)
         self._step = 0
         self.control_s = 0.0  # packing + posting the metadata, summed over steps
+        self.pack_s = 0.0  # of which flattening the batch and packing it
         self.steps = 0
         self.stopped = False
         self.last_send = time.monotonic()
@@ -224,6 +225,8 @@ class DistRunner:
         )
         head, payload = meta.pack()
         meta = unpack(head, payload)  # run exactly what the workers run
+        t1 = time.perf_counter()
+        self.pack_s += t1 - t0
         self._post(head, payload)
         pend = _Pending(meta, seqs)
         r = self.rank
