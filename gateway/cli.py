@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "gateway.commands.sim",
     "gateway.commands.profile",
     "gateway.commands.tune",
+    "gateway.commands.replay",
 ]
 
 

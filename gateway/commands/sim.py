@@ -13,11 +13,12 @@ import json
 from typing import Any
 
 
-def add_trace_args(p: argparse.ArgumentParser) -> None:
+def add_trace_args(p: argparse.ArgumentParser, fleet: bool = True) -> None:
     p.add_argument(
         "--trace", required=True, help="trace file (JSONL, Azure CSV, Mooncake) or morning-peak"
     )
-    p.add_argument("--fleet", required=True, help="fleet YAML")
+    if fleet:
+        p.add_argument("--fleet", required=True, help="fleet YAML")
     p.add_argument("--policy-file", default=None, help="base policy YAML (default: built-in knobs)")
     p.add_argument("--regions", nargs="*", default=None, help="client regions for imported traces")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times")

@@ -200,6 +200,7 @@ class Simulator:
             self._node_by_id[nid] = i
             if spec.prefix_cache:
                 self.prefix_nodes.append(nid)
+        self._templates = [self._template(i) for i in range(len(self.nodes))]
         self.states = [self._state(i, 0.0) for i in range(len(self.nodes))]
         self.gateways: list[SimGateway] = []
         for g in fleet.gateways:
@@ -227,11 +228,9 @@ class Simulator:
 
         return sink
 
-    def _state(self, i: int, t: float) -> NodeState:
+    def _template(self, i: int) -> NodeState:
         n = self.nodes[i]
-        used, total = n.kv()
-        hit = n.cached_tokens / n.prompt_tokens if n.prompt_tokens else 0.0
-        return NodeState.model_construct(
+        return NodeState(
             id=n.id,
             kind=NodeKind.EDGE if n.kind == "edge" else NodeKind.CLOUD,
             region=self.node_region[i],
@@ -241,17 +240,26 @@ class Simulator:
             max_context=n.max_context,  # type: ignore[attr-defined]
             device=n.device,  # type: ignore[attr-defined]
             max_batch=n.slots,
-            running=n.running,
-            waiting=len(n.waiting),
-            kv_blocks_used=used,
-            kv_blocks_total=total,
-            prefill_tokens_per_s=n.prefill_tps,
-            decode_ms_per_token=n.decode_ms,
-            prefix_hit_rate=hit,
             prefix_cache=n.id in self.prefix_nodes,
-            timestamp=t,
-            ttl_s=5.0,
-            version=1,
+            timestamp=0.0,
+        )
+
+    def _state(self, i: int, t: float) -> NodeState:
+        """The node's state now (a copy of its template: no validation on the hot path)."""
+        n = self.nodes[i]
+        used, total = n.kv()
+        hit = n.cached_tokens / n.prompt_tokens if n.prompt_tokens else 0.0
+        return self._templates[i].model_copy(
+            update={
+                "running": n.running,
+                "waiting": len(n.waiting),
+                "kv_blocks_used": used,
+                "kv_blocks_total": total,
+                "prefill_tokens_per_s": n.prefill_tps,
+                "decode_ms_per_token": n.decode_ms,
+                "prefix_hit_rate": hit,
+                "timestamp": t,
+            }
         )
 
     def _gateway_for(self, region: str) -> SimGateway:

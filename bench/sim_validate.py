@@ -1,0 +1,159 @@
+"""The simulator against live replays on this machine: the same small traces sent open-loop
+through the real embedded default (``edgecloud serve``: gateway, edge node, cloud node on
+loopback) and run in the simulator on ``embedded_fleet.yaml`` (the profiles measured here),
+per policy; mean and p90 TTFT and end-to-end error (sim - live) / live.
+
+Each live run starts a fresh ``serve`` (nothing learned carries over, as in the simulator). The
+simulator gets each request's *actual* completion tokens from the live run (the model may stop
+before ``max_tokens``).
+
+    python bench/sim_validate.py --policies latency least_loaded round_robin
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import RESULTS, machine, recorded_command, write_results
+from bench._serve import embedded_default
+from gateway.commands.replay import replay
+from routing.policy_config import PolicyConfig
+from routing.sim.fleet import load_fleet
+from routing.sim.importers import import_azure, import_mooncake
+from routing.sim.simulator import simulate
+from routing.sim.trace import TraceRequest, rescale_length, rescale_time
+
+ROOT = Path(__file__).resolve().parent.parent
+FLEET = ROOT / "routing" / "sim" / "fleets" / "embedded_fleet.yaml"
+TRACES = Path("/work/shared/data/traces")
+
+
+def traces(n: int, rate: float) -> dict[str, list[TraceRequest]]:
+    def fit(tr: list[TraceRequest], pf: float) -> list[TraceRequest]:
+        tr = rescale_length(tr[:n], pf, 0.25, max_prompt=600, max_output=16)
+        tr = [r.model_copy(update={"region": "local"}) for r in tr]
+        span = max(1e-3, tr[-1].arrival_s - tr[0].arrival_s)
+        return rescale_time(tr, (n / rate) / span)
+
+    return {
+        "azure_conv": fit(import_azure(TRACES / "AzureLLMInferenceTrace_conv.csv"), 0.25),
+        "mooncake": fit(import_mooncake(TRACES / "mooncake_conversation_trace.jsonl"), 0.05),
+    }
+
+
+def _stats(x: list[float]) -> tuple[float, float]:
+    a = np.asarray([v for v in x if v is not None and math.isfinite(v)])
+    return (float(a.mean()), float(np.percentile(a, 90))) if a.size else (math.nan, math.nan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policies", nargs="+", default=["latency", "least_loaded", "round_robin"])
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--rate", type=float, default=0.25, help="requests per second")
+    ap.add_argument("--fleet", default=str(FLEET))
+    args = ap.parse_args(argv)
+    fleet = load_fleet(args.fleet)
+    out_dir = RESULTS / "sim_validate"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for tname, trace in traces(args.requests, args.rate).items():
+        for pol in args.policies:
+            policy = out_dir / "policy.yaml"
+            policy.write_text(f"policy: {pol}\n")
+            with embedded_default(
+                ["--policy-file", str(policy)], log_path=out_dir / "serve.log"
+            ) as url:
+                live = asyncio.run(replay(url, trace))
+            (out_dir / f"{tname}_{pol}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in live)
+            )
+            ok = [i for i, r in enumerate(live) if "error" not in r]
+            sim_trace = [
+                trace[i].model_copy(
+                    update={
+                        "output_tokens": max(
+                            1, live[i].get("completion_tokens") or trace[i].output_tokens
+                        )
+                    }
+                )
+                if "error" not in live[i]
+                else trace[i]
+                for i in range(len(trace))
+            ]
+            sim_trace = [r.model_copy(update={"max_tokens": None}) for r in sim_trace]
+            res = simulate(sim_trace, fleet, PolicyConfig(policy=pol))
+            lt, lp = _stats([live[i]["ttft_s"] for i in ok])
+            le, lq = _stats([live[i]["e2e_s"] for i in ok])
+            st, sp = _stats([res.ttft_s[i] for i in ok])
+            se, sq = _stats([res.e2e_s[i] for i in ok])
+            live_cloud = np.mean([live[i]["tier"] == "cloud" for i in ok]) if ok else math.nan
+            sim_cloud = np.mean(
+                [res.node_kinds[res.node[i]] == "cloud" for i in ok if res.node[i] >= 0]
+            )
+            row = {
+                "trace": tname,
+                "policy": pol,
+                "requests": len(trace),
+                "live_failed": len(trace) - len(ok),
+                "live_mean_ttft_s": lt,
+                "sim_mean_ttft_s": st,
+                "err_mean_ttft": st / lt - 1,
+                "live_p90_ttft_s": lp,
+                "sim_p90_ttft_s": sp,
+                "err_p90_ttft": sp / lp - 1,
+                "live_mean_e2e_s": le,
+                "sim_mean_e2e_s": se,
+                "err_mean_e2e": se / le - 1,
+                "live_p90_e2e_s": lq,
+                "sim_p90_e2e_s": sq,
+                "err_p90_e2e": sq / lq - 1,
+                "live_cloud_share": float(live_cloud),
+                "sim_cloud_share": float(sim_cloud),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    cols = [
+        "trace",
+        "policy",
+        "live_mean_ttft_s",
+        "sim_mean_ttft_s",
+        "err_mean_ttft",
+        "err_p90_ttft",
+        "live_mean_e2e_s",
+        "sim_mean_e2e_s",
+        "err_mean_e2e",
+        "err_p90_e2e",
+        "live_cloud_share",
+        "sim_cloud_share",
+    ]
+    lines = [
+        "# Simulator vs live (embedded default on this machine)",
+        "",
+        f"`{recorded_command('bench/sim_validate.py', sys.argv[1:], ('--fleet',))}`",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|---" * len(cols) + "|",
+    ]
+    for r in rows:
+        lines.append(
+            "| "
+            + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+            + " |"
+        )
+    write_results("sim_validate", {"machine": machine(), "rows": rows}, "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""The tuner: it improves its objective over the default knobs on a small trace, its YAML
+loads back into the same config, and a live gateway hot-reloads it and decides differently
+(checked through ``/v1/route``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from routing.policy_config import PolicyConfig, load_config
+from routing.sim.fleet import load_fleet
+from routing.sim.importers import import_azure
+from routing.sim.trace import window
+from routing.sim.tuner import policy_yaml, tune
+
+FLEETS = Path(__file__).resolve().parent.parent / "routing" / "sim" / "fleets"
+CONV = Path("/work/shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+
+
+@pytest.mark.skipif(not CONV.exists(), reason="shared traces not mounted")
+def test_tuner_improves_over_the_default_knobs(tmp_path: Path) -> None:
+    trace = window(import_azure(CONV, regions=["eu-west"]), 0.0, 60.0)
+    fleet = load_fleet(FLEETS / "test_fleet.yaml")
+    res = tune(trace, fleet, PolicyConfig(), objective="p99_ttft", budget=8, seed=1)
+    assert res.trials[0].value == res.default_value  # trial 0 is the base config
+    assert res.best_value < res.default_value
+    path = tmp_path / "tuned.yaml"
+    path.write_text(policy_yaml(res.best))
+    assert load_config(path) == res.best
+
+
+def test_policy_yaml_is_minimal_and_loads() -> None:
+    cfg = PolicyConfig.model_validate({"policy": "threshold", "threshold": {"prompt_tokens": 99}})
+    text = policy_yaml(cfg)
+    assert "latency" not in text and "prompt_tokens: 99" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CONV.exists(), reason="shared traces not mounted")
+def test_tuned_file_hot_reloads_into_a_live_gateway(
+    tmp_path: Path, default_model_path: Path
+) -> None:
+    from bench._serve import embedded_default
+
+    trace = window(import_azure(CONV, regions=["local"]), 0.0, 30.0)
+    fleet = load_fleet(FLEETS / "embedded_fleet.yaml")
+    res = tune(
+        trace, fleet, PolicyConfig(), objective="mean_e2e", budget=4, seed=0, policies=["threshold"]
+    )
+    assert res.best.policy == "threshold"
+    tuned = res.best.model_copy(
+        update={"threshold": res.best.threshold.model_copy(update={"prompt_tokens": 0})}
+    )
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("policy: latency\n")
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with embedded_default(["--policy-file", str(policy)], log_path=tmp_path / "serve.log") as url:
+        models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+        body["model"] = models[0]["id"]
+        before = httpx.post(url + "/v1/route", json=body, timeout=30).json()
+        assert before["policy"] == "latency"
+        policy.write_text(policy_yaml(tuned))  # the tuner's file, as a user would deploy it
+        deadline = time.monotonic() + 15
+        while True:
+            after = httpx.post(url + "/v1/route", json=body, timeout=30).json()
+            if after["policy"] == "threshold" or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert after["policy"] == "threshold"
+    # threshold 0: every prompt is "long", so it goes to the cloud whatever latency said
+    assert after["reason"] == "threshold_long" and after["tier"] == "cloud"
