@@ -5,7 +5,8 @@ same load sent to it (a) directly, (b) through our gateway (one uvicorn worker w
 httptools, in-process fleet store polling the upstream's ``/load``, routing fully on: the prompt
 is rendered, tokenized and block-hashed, the fleet read, a decision made) and (c) through the
 LiteLLM proxy (installed by this script in its own virtualenv under ``.cache/``, one worker).
-Loads: concurrency 1, 16 and 64, non-streaming and streaming (64 chunks). Reported per scenario:
+Also our gateway with a bare aiohttp ``ClientSession`` as its upstream client instead of its own
+HTTP/1.1 client (``gateway-aiohttp``; ``--no-aiohttp`` skips it). Loads: concurrency 1, 16 and 64, non-streaming and streaming (64 chunks). Reported per scenario:
 p50/p99 latency, the p50/p99 added over direct, requests/s, and the CPU time the server under
 test spent per request. Every request carries one API key (LiteLLM needs a master key; our
 gateway is given the same key, so both authenticate).
@@ -447,9 +448,9 @@ def gateway_cli(argv: list[str]) -> None:
     )
     config = GatewayConfig(host="127.0.0.1", port=a.port, nodes=[a.upstream], auth=auth)
     if a.inline_tokenize:  # for comparison only: tokenize every prompt on the event loop
-        import gateway.front.gateway as gw_module
+        import gateway.front.request_path as path_module
 
-        gw_module._OFFLOAD_CHARS = 1 << 62
+        path_module._OFFLOAD_CHARS = 1 << 62
     uvicorn.run(
         create_gateway_app(config),
         host="127.0.0.1",
@@ -721,12 +722,21 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 def start_gateway(
-    up_url: str, cores: Cores, tmp: Path, name: str, loop: str, *extra: str
+    up_url: str,
+    cores: Cores,
+    tmp: Path,
+    name: str,
+    loop: str,
+    *extra: str,
+    upstream_client: str = "h1",
 ) -> Target:
     """Our gateway in its own process; its tokenizer cache in a fresh home (fetched from the
-    upstream on the first request, as in production)."""
+    upstream on the first request, as in production). ``upstream_client``: ``h1`` (the
+    gateway's own HTTP/1.1 client, as it ships) or ``aiohttp`` (a bare aiohttp
+    ``ClientSession``, for comparison)."""
     port = free_port()
     env = {**os.environ, "EDGECLOUD_HOME": str(tmp / f"{name}-home")}
+    env["EDGECLOUD_UPSTREAM_CLIENT"] = upstream_client
     cmd = [sys.executable, str(Path(__file__).resolve()), "_gateway", "--upstream", up_url]
     cmd += ["--loop", loop]
     proc = Proc(name, [*cmd, "--port", str(port), *extra], cores.server, tmp, env=env)
@@ -782,6 +792,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunks", type=int, default=64, help="chunks per streamed reply")
     ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM proxy")
     ap.add_argument("--no-long", action="store_true", help="skip the long-prompt scenario")
+    ap.add_argument(
+        "--name", default="gateway_overhead", help="results file name (partial runs: another)"
+    )
+    ap.add_argument(
+        "--no-aiohttp",
+        action="store_true",
+        help="skip the gateway whose upstream client is a bare aiohttp ClientSession",
+    )
     ap.add_argument("--long-tokens", type=int, default=5000)
     ap.add_argument("--long-conc", type=int, default=1, help="clients sending long prompts")
     ap.add_argument("--loadgen", choices=["auto", "wrk", "python"], default="auto")
@@ -833,6 +851,19 @@ def main(argv: list[str] | None = None) -> None:
                         "profile_ms_per_long_prompt": profile_cost_ms(text),
                         "offloaded": long_prompt_scenario(t, args, cores, load, text),
                     }
+            if not args.no_aiohttp:
+                print("through our gateway with a bare aiohttp ClientSession to the upstream")
+                with started(
+                    start_gateway(
+                        up_url,
+                        cores,
+                        tmp,
+                        "gateway-aiohttp",
+                        args.gateway_loop,
+                        upstream_client="aiohttp",
+                    )
+                ) as t:
+                    rows += measure(t, concs, args, cores, load)
             if args.compare_loop:
                 other = "asyncio" if args.gateway_loop == "uvloop" else "uvloop"
                 print(f"through our gateway on the {other} event loop, for comparison")
@@ -876,13 +907,14 @@ def main(argv: list[str] | None = None) -> None:
         "long_prompt": long_result,
         "targets": checks,
     }
-    write_results("gateway_overhead", payload, render(payload))
+    write_results(args.name, payload, render(payload))
 
 
 def render(p: dict) -> str:
     cols = ["mode", "c", "target", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms"]
     cols += ["rps", "cpu_us_per_req", "errors"]
-    order = ["direct", "gateway", "gateway-asyncio", "gateway-uvloop", "litellm"]
+    order = ["direct", "gateway", "gateway-aiohttp", "gateway-asyncio", "gateway-uvloop"]
+    order.append("litellm")
     rows = sorted(
         (r for r in p["rows"] if "p50_ms" in r),
         key=lambda r: (r["mode"], r["c"], order.index(r["target"])),

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ from routing.engine import (
     TokenEvent,
 )
 from routing.handoff import Handoff
+from routing.token_stream import relay_events
 
 log = logging.getLogger(__name__)
 
@@ -165,18 +167,14 @@ class CloudEngine:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), queue)
         self._submit("add", request)
-        finished = False
-        try:
-            while True:
-                ev = await queue.get()
-                finished = ev.finished
+        events = relay_events(
+            queue,
+            on_abandon=lambda: self._submit("abort", rid),
+            on_exit=lambda: self._streams.pop(rid, None),
+        )
+        async with contextlib.aclosing(events):  # leaving early ends it at once
+            async for ev in events:
                 yield ev
-                if finished:
-                    return
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self._submit("abort", rid)
 
     async def abort(self, request_id: str) -> None:
         self._submit("abort", request_id)

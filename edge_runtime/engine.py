@@ -16,6 +16,7 @@ or from an exported graph folder, ours or one exported elsewhere in the same lay
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -46,6 +47,7 @@ from routing.engine import (
     TokenEvent,
 )
 from routing.handoff import Handoff
+from routing.token_stream import relay_events
 
 log = logging.getLogger(__name__)
 
@@ -252,17 +254,12 @@ class EdgeEngine:
         n = len(request.prompt_token_ids)
         budget = min(request.sampling.max_tokens, self.max_context - n)
         scheduler.submit(SlotRequest(request, emit, budget))
-        finished = False
-        try:
-            while True:
-                event = await queue.get()
-                finished = event.finished
+        events = relay_events(
+            queue, on_abandon=lambda: scheduler.cancel(request.request_id, notify=False)
+        )
+        async with contextlib.aclosing(events):  # leaving early ends it at once
+            async for event in events:
                 yield event
-                if finished:
-                    return
-        finally:
-            if not finished:
-                scheduler.cancel(request.request_id, notify=False)
 
     async def abort(self, request_id: str) -> None:
         if self._scheduler is not None:

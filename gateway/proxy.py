@@ -1,14 +1,14 @@
-"""Forwarding one request to nodes: retry before the first byte, relay SSE event by event.
+"""Sending one request to nodes: retry before the first byte; reading SSE event by event.
 
 Invariants:
 - A connect error, a timeout, a 5xx or a 429 *before the first byte* is retried on the next
   candidate (bounded, with jittered backoff); a 4xx other than 429 is the client's and is passed
   through unchanged.
-- Once the first byte has gone to the client, nothing is retried: if the upstream breaks, the
-  client gets an SSE error event and ``[DONE]``, never a silent truncation.
-- Each SSE event is forwarded as soon as it is complete (no buffering beyond one event).
-- Closing the client side (disconnect) closes the upstream response, which cancels the request
-  on the node.
+- A stream is opened only once its first event arrived (``Opened.first_event``); after that
+  the relay (``gateway.front.relay``) owns it: it resumes a broken stream or ends it with an
+  SSE error event and ``[DONE]``, never a silent truncation.
+- An open that is cancelled (the client left) closes the upstream response it had, which
+  cancels the request on the node.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import asyncio
 import functools
 import http.cookiejar
 import json
+import os
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -88,7 +89,11 @@ def make_client(
         _HEADERS[client] = dict(headers)
     if transport is not None:
         _FAST[client] = (transport, timeout.as_dict())
-    if H1Pool is not None:
+    if os.environ.get("EDGECLOUD_UPSTREAM_CLIENT") == "aiohttp" and AiohttpTransport is not None:
+        from gateway.front.aiohttp_upstream import AiohttpSender
+
+        _SENDERS[client] = AiohttpSender(connect_timeout_s, read_timeout_s, max_connections)
+    elif H1Pool is not None:
         _POOLS[client] = H1Pool(
             connect_timeout_s, read_timeout_s, max_connections, limits.keepalive_expiry or 30.0
         )
@@ -100,6 +105,9 @@ async def close_client(client: httpx.AsyncClient) -> None:
     pool = _POOLS.pop(client, None)
     if pool is not None:
         await pool.aclose()
+    sender = _SENDERS.pop(client, None)
+    if sender is not None:
+        await sender.aclose()
     await client.aclose()
 
 
@@ -119,6 +127,8 @@ _FAST: weakref.WeakKeyDictionary[
 ] = weakref.WeakKeyDictionary()
 # Clients made by make_client: their own HTTP/1.1 pool, for plain-HTTP nodes.
 _POOLS: weakref.WeakKeyDictionary[httpx.AsyncClient, H1Pool] = weakref.WeakKeyDictionary()
+# Clients made by make_client with EDGECLOUD_UPSTREAM_CLIENT=aiohttp: a bare aiohttp session.
+_SENDERS: weakref.WeakKeyDictionary[httpx.AsyncClient, Any] = weakref.WeakKeyDictionary()
 _URLS: dict[str, httpx.URL] = {}
 # Clients made by make_client with headers for every node request (send_upstream adds them).
 _HEADERS: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, str]] = weakref.WeakKeyDictionary()
@@ -147,6 +157,9 @@ async def send_upstream(
     """
     extra = _HEADERS.get(client)
     headers = {"accept-encoding": "identity", **(extra or {}), **headers}  # relayed raw
+    sender = _SENDERS.get(client)
+    if sender is not None and url.startswith("http://") and not client.is_closed:
+        return await sender.post(url, body, headers)
     pool = _POOLS.get(client)
     if pool is not None and not pool.closed and not client.is_closed:
         target = pool.target(url)
@@ -194,27 +207,14 @@ class Exhausted(Exception):
     retry_after: str | None = None
 
 
-@dataclass
-class StreamTotals:
-    """Filled in while relaying a stream: what the upstream reported and when."""
-
-    first_event_at: float | None = None
-    usage: dict[str, Any] | None = None
-    events: int = 0
-    broken: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class SSEReader:
     """Complete SSE events (each ending in a blank line) from a response's body, read by read.
 
     :meth:`next_events` returns what one read completed: the complete events as one piece of
     bytes and how many they are (never none), so that a relay can forward together what arrived
     together (no event waits for a later one); at the end, a last incomplete event (if the body
-    ended with a non-blank one) counts as one, then None. :meth:`next_batch` gives the same
-    events one by one. The same splitting as :func:`sse_batches` (a blank line ends an event,
-    scanning left to right), as one object rather than stacked generators, and without
-    splitting what only has to be forwarded.
+    ended with a non-blank one) counts as one, then None. A blank line ends an event (scanning
+    left to right); what only has to be forwarded is not split (:func:`split_events` does).
     """
 
     __slots__ = ("_buf", "_read")
@@ -243,43 +243,12 @@ class SSEReader:
             self._buf = rest
             return (buf[: len(buf) - len(rest)] if rest else buf), len(parts) - 1
 
-    async def next_batch(self) -> list[bytes] | None:
-        got = await self.next_events()
-        return None if got is None else split_events(got[0])
-
 
 def split_events(data: bytes) -> list[bytes]:
     """The events of what :meth:`SSEReader.next_events` returned."""
     if not data.endswith(b"\n\n"):  # the last, incomplete event
         return [data]
     return [p + b"\n\n" for p in data.split(b"\n\n")[:-1]]
-
-
-async def sse_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
-    """Split a byte stream into complete SSE events (each ending in a blank line).
-
-    Yields, per chunk read, the events it completed (never an empty list), so that a relay can
-    forward together what arrived together: no event waits for a later one.
-    """
-    buf = b""
-    async for chunk in chunks:
-        buf = buf + chunk if buf else chunk
-        events, start = [], 0
-        while (i := buf.find(b"\n\n", start)) >= 0:
-            events.append(buf[start : i + 2])
-            start = i + 2
-        if events:
-            buf = buf[start:]
-            yield events
-    if buf.strip():
-        yield [buf]
-
-
-async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Split a byte stream into complete SSE events (each ending in a blank line)."""
-    async for batch in sse_batches(chunks):
-        for event in batch:
-            yield event
 
 
 def usage_of(event: bytes) -> dict[str, Any] | None:
@@ -354,6 +323,9 @@ async def open_first(
             await resp.aclose()
             on_failure(node_id)
             continue
+        except BaseException:  # cancelled (the client left): the node cancels the request
+            await resp.aclose()
+            raise
         resp.extensions["edgecloud_batches"] = reader
         resp.extensions["edgecloud_first_batch"] = first
         return Opened(node_id, index, resp, split_events(first[0])[0], attempts, sent_at)
@@ -367,57 +339,6 @@ async def _read_quietly(resp: Upstream) -> bytes:
         return b""
     finally:
         await resp.aclose()
-
-
-async def relay_stream(
-    opened: Opened,
-    totals: StreamTotals,
-    forward_usage: bool,
-    on_close: Callable[[], Awaitable[None]] | None = None,
-) -> AsyncIterator[bytes]:
-    """Relay the upstream SSE events; a usage chunk is kept out when the client did not ask.
-
-    What one upstream read completed goes out as one piece (one write, not one per event).
-    ``on_close`` is awaited last, however the relay ends (finished, broken, or closed early
-    because the client went away), after the upstream response is closed.
-    """
-    resp = opened.response
-    try:
-        reader: SSEReader = resp.extensions["edgecloud_batches"]
-        got: tuple[bytes, int] | None = resp.extensions["edgecloud_first_batch"]
-        totals.first_event_at = time.perf_counter()
-        done = False
-        while got is not None:
-            data, n = got
-            totals.events += n
-            # Only an event with [DONE] or a usage object needs a look: the rest goes as it came.
-            if b"[DONE]" in data or b'"usage"' in data:
-                out = []
-                for ev in split_events(data):
-                    u = usage_of(ev)
-                    if u is not None:
-                        totals.usage = u
-                        if not forward_usage:
-                            continue
-                    if ev.startswith(b"data: [DONE]"):
-                        done = True
-                    out.append(ev)
-                data = b"".join(out)
-            if data:
-                yield data
-            got = await reader.next_events()
-        if not done:
-            totals.broken = "upstream closed the stream before [DONE]"
-            yield sse_error("the node closed the stream before it finished")
-    except (httpx.TransportError, OSError) as exc:
-        totals.broken = f"{type(exc).__name__}: {exc}"
-        yield sse_error(f"the node failed mid-stream ({type(exc).__name__})")
-    finally:
-        try:
-            await resp.aclose()
-        finally:
-            if on_close is not None:
-                await on_close()
 
 
 def passthrough_headers(resp: Upstream) -> dict[str, str]:

@@ -30,6 +30,11 @@ class TextStreamer:
         self._decoder = DecodeStream(skip_special_tokens=self.skip_special_tokens)
         self.stop = tuple(s for s in self.stop if s)
 
+    @property
+    def holding(self) -> bool:
+        """Whether text decoded so far is held back (it may start a stop string)."""
+        return bool(self._pending)
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Feed new token ids; return the text now safe to emit ('' if none)."""
         if self.stopped:

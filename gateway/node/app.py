@@ -25,6 +25,7 @@ from gateway.json_limits import validated_body
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
+from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
 from routing.engine import PrefixCacheEngine
 from routing.fleet.block_feed import BlockFeed
 from routing.fleet.store import FleetStore
@@ -122,29 +123,60 @@ def create_node_app(
 
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
         t0 = time.perf_counter()
-        deltas = service.run(prep)
+        with_ids = stream and request.headers.get(TOKEN_IDS_HEADER) == "1"
+        deltas = service.run(prep, with_ids=with_ids)
         if stream:
-            return await stream_response(prep, deltas, t0)
+            return await stream_response(prep, deltas, request, t0, with_ids)
         return await full_response(prep, deltas, request, t0)
 
-    async def stream_response(prep: Prepared, deltas: AsyncIterator[Delta], t0: float) -> Response:
+    async def until_first(deltas: AsyncIterator[Delta], request: Request) -> Delta | None:
+        """The first delta, or None when the client left first (a request still queued is
+        then given up at once: the engine frees it when ``deltas`` is closed)."""
+        task = asyncio.ensure_future(anext(deltas))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await task
+
+    async def stream_response(
+        prep: Prepared,
+        deltas: AsyncIterator[Delta],
+        request: Request,
+        t0: float,
+        with_ids: bool = False,
+    ) -> Response:
         # Wait for the first delta so that queue and engine errors still get a 4xx status.
         try:
-            first = await anext(deltas)
+            first = await until_first(deltas, request)
         except StopAsyncIteration:
             raise APIError(500, "engine produced no output", type_="server_error") from None
+        if first is None:
+            await deltas.aclose()  # type: ignore[attr-defined]
+            return Response(status_code=499)
+
+        def content(d: Delta) -> bytes:
+            ev = _sse(_chunk(prep, d.text, None))
+            return ids_line(d.token_ids, d.clean) + ev if with_ids else ev
 
         async def body() -> AsyncIterator[bytes]:
             last = first
             try:
                 yield _sse(_chunk(prep, "", None, role=True))
                 if first.text:
-                    yield _sse(_chunk(prep, first.text, None))
+                    yield content(first)
                 if first.finish_reason is None:
                     async for d in deltas:
                         last = d
                         if d.text:
-                            yield _sse(_chunk(prep, d.text, None))
+                            yield content(d)
                         if d.finish_reason is not None:
                             break
                 yield _sse(_chunk(prep, None, last.finish_reason or "stop"))
@@ -162,11 +194,10 @@ def create_node_app(
             finally:
                 await deltas.aclose()  # type: ignore[attr-defined]
 
-        return StreamingResponse(
-            body(),
-            media_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers(prep, first, t0, time.perf_counter())},
-        )
+        hdrs = {**SSE_HEADERS, **headers(prep, first, t0, time.perf_counter())}
+        if with_ids:
+            hdrs[TOKEN_IDS_HEADER] = "1"
+        return StreamingResponse(body(), media_type="text/event-stream", headers=hdrs)
 
     async def full_response(
         prep: Prepared, deltas: AsyncIterator[Delta], request: Request, t0: float

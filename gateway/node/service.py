@@ -71,6 +71,10 @@ class Delta:
     text: str
     event: TokenEvent
     finish_reason: str | None  # OpenAI finish reason once finished
+    # with ``run(..., with_ids=True)``: the ids whose text this delta completes, and whether
+    # the streamer holds back no text after it (see gateway.token_ids)
+    token_ids: list[int] = field(default_factory=list)
+    clean: bool = True
 
 
 class NodeService:
@@ -172,24 +176,38 @@ class NodeService:
         return Prepared(gen, req.stop_list, req.model, req.include_usage, kind)
 
     # ---- running -----------------------------------------------------------------------------
-    async def run(self, prep: Prepared) -> AsyncIterator[Delta]:
+    async def run(self, prep: Prepared, with_ids: bool = False) -> AsyncIterator[Delta]:
         """Text deltas of one request; the last one carries the OpenAI finish reason.
 
-        Leaving this iterator early releases the engine request at once.
+        ``with_ids``: each delta says which token ids its text completes (``Delta.token_ids``,
+        ``Delta.clean``; see :mod:`gateway.token_ids`). Leaving this iterator early releases
+        the engine request at once.
         """
         streamer = TextStreamer(self.formatter.tokenizer, prep.stop)
         stops = set(prep.gen.sampling.stop_token_ids)
         agen = self.engine.generate(prep.gen)
         finished = False
+        waiting: list[int] = []  # ids whose text has not gone out yet (with_ids)
         try:
             async for ev in agen:
                 ids = ev.token_ids
                 if ev.finish_reason is FinishReason.STOP and ids and ids[-1] in stops:
                     ids = ids[:-1]
-                text = streamer.push(ids)
+                done_ids: list[int] = []
+                if with_ids:
+                    text = ""
+                    for tid in ids:
+                        waiting.append(tid)
+                        piece = streamer.push((tid,))
+                        if piece:
+                            text += piece
+                            done_ids += waiting
+                            waiting.clear()
+                else:
+                    text = streamer.push(ids)
                 if streamer.stopped:
                     finished = True
-                    yield Delta(text, ev, "stop")
+                    yield Delta(text, ev, "stop", done_ids, False)
                     return
                 if ev.finish_reason is not None:
                     finished = True
@@ -199,10 +217,10 @@ class NodeService:
                         raise APIError(
                             503, "the request was aborted by the node", type_="server_error"
                         )
-                    yield Delta(text, ev, reason)
+                    yield Delta(text, ev, reason, done_ids, False)
                     return
                 if text:
-                    yield Delta(text, ev, None)
+                    yield Delta(text, ev, None, done_ids, not streamer.holding)
         except QueueFull as exc:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
         except RequestTooLong as exc:

@@ -1,0 +1,78 @@
+"""The ``x-edgecloud-*`` headers a gateway reply carries: the decision, and what was measured.
+
+Invariants:
+- A reply from a node other than the decision's choice (failover) names the node that
+  answered, its tier and its own estimates, with reason ``failover``.
+- ``x-edgecloud-cached-tokens`` is what the answering node reported when it did, else what the
+  router credited; ``x-edgecloud-credited-tokens`` is always what the router credited.
+- A reply sent whole reports the time to first token its client would have seen streamed
+  (:func:`ttft_of_whole_reply`), or none when the node sent no timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from routing.policies import Candidate, Decision
+
+
+def decision_headers(
+    decision: Decision,
+    cand: Candidate,
+    node_headers: Mapping[str, str],
+    attempts: int,
+    request_id: str,
+    t_start: float,
+) -> dict[str, str]:
+    """The headers of a reply from ``cand`` after ``attempts`` tries, measured from
+    ``t_start`` (``time.perf_counter``) to now (the first byte)."""
+    h = decision.headers()
+    if cand.node.id != decision.node_id:
+        est = cand.estimate
+        h.update(
+            {
+                "x-edgecloud-node": cand.node.id,
+                "x-edgecloud-tier": cand.node.kind.value,
+                "x-edgecloud-reason": "failover",
+                "x-edgecloud-predicted-ttft-ms": f"{est.ttft_ms:.1f}",
+                "x-edgecloud-predicted-e2e-ms": f"{est.e2e_ms:.1f}",
+                "x-edgecloud-cached-tokens": str(est.cached_tokens),
+                "x-edgecloud-credited-tokens": str(est.cached_tokens),
+            }
+        )
+    node_cached = node_headers.get("x-edgecloud-cached-tokens")
+    if node_cached is not None:
+        h["x-edgecloud-cached-tokens"] = node_cached
+    h["x-edgecloud-measured-ttft-ms"] = f"{(time.perf_counter() - t_start) * 1000:.1f}"
+    h["x-edgecloud-attempts"] = str(attempts)
+    h["x-request-id"] = request_id
+    return h
+
+
+def ttft_of_whole_reply(node_headers: Mapping[str, str], e2e_ms: float) -> float | None:
+    """The time to first token of a reply sent whole, as the gateway's client would have seen
+    it streamed: the gateway's end-to-end time less the node's time from first to last token
+    (both node figures come from the node's headers; None when it sent neither)."""
+    try:
+        node_ttft = float(node_headers["x-edgecloud-measured-ttft-ms"])
+        node_e2e = float(node_headers["x-edgecloud-node-e2e-ms"])
+    except (KeyError, ValueError):
+        return None
+    decode = node_e2e - node_ttft
+    if not (0.0 <= decode <= e2e_ms):
+        return None
+    return e2e_ms - decode
+
+
+def set_whole_reply_timings(
+    hdrs: dict[str, str], node_headers: Mapping[str, str], e2e_ms: float
+) -> float | None:
+    """Put a whole reply's measured e2e and TTFT in ``hdrs``; return the TTFT (or None)."""
+    ttft = ttft_of_whole_reply(node_headers, e2e_ms)
+    hdrs["x-edgecloud-measured-e2e-ms"] = f"{e2e_ms:.1f}"
+    if ttft is None:
+        hdrs.pop("x-edgecloud-measured-ttft-ms", None)
+    else:
+        hdrs["x-edgecloud-measured-ttft-ms"] = f"{ttft:.1f}"
+    return ttft
