@@ -290,3 +290,23 @@ def test_every_other_public_route_answers_without_a_5xx(fleet) -> None:
         assert status < 500, (method, path, status, data[:200])
         stats[status] += 1
     assert stats[200] >= 3
+
+
+def test_the_leak_attack_gives_every_slot_back(fleet) -> None:
+    """Streamed requests the node refuses (a token id past the vocabulary) from one client:
+    each is a 4xx, and afterwards every concurrency slot and in-flight count is back, so the
+    next request of anyone is served (before the fix, 4,083 of them locked every key out)."""
+    client = Client(fleet["served"]["gw"].url)
+    body = {"model": fleet["model"], "prompt": [1, 2, 10**6], "max_tokens": 2, "stream": True}
+    raw = json.dumps(body).encode()
+    gw = fleet["gateway"]
+    for _ in range(gw.config.max_in_flight + 50):
+        status, data = client.send("POST", "/v1/completions", raw, "application/json")
+        assert status == 400, (status, data[:200])
+        assert json.loads(data)["error"]["param"] == "prompt"
+    _assert_nothing_leaked(fleet)
+    ok = {"model": fleet["model"], "prompt": "Hello", "max_tokens": 2, "stream": True}
+    status, data = client.send(
+        "POST", "/v1/completions", json.dumps(ok).encode(), "application/json"
+    )
+    assert status == 200 and data.rstrip().endswith(b"data: [DONE]")
