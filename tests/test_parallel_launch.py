@@ -97,3 +97,33 @@ def test_serve_parallel_answers_like_one_process(
     assert ask(par, model) == want
     assert par.stop(signal.SIGTERM) == 0, par.tail()  # SIGTERM stops every rank, cleanly
     wait_gone(ranks, timeout=10.0)
+
+
+@pytest.mark.slow  # two tiny nodes and torchrun's own start-up: about 40 s on the shared machine
+def test_torchrun_world_serves_like_one_process(tiny_model_path: Path, tmp_path: Path) -> None:
+    """The same ``edgecloud cloud serve --tp 2`` command under ``torchrun`` on one host: rank 0
+    serves the Node API, rank 1 runs the worker loop; SIGTERM to torchrun stops both."""
+    import shutil
+    import sys
+
+    model = str(tiny_model_path)
+    one = node(model, tmp_path, "one")
+    try:
+        want = ask(one, tiny_model_path.name)
+    finally:
+        one.stop(signal.SIGTERM)
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    port = free_port()
+    args = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "gateway.cli"]
+    args += ["cloud", "serve", "--model", model, "--port", str(port), "--device", "cpu"]
+    args += ["--threads", "1", "--kv-budget-mb", "32", "--tp", "2"]
+    p = Proc(args, port, tmp_path / "torchrun.log").wait_ready()
+    try:
+        ranks = children(p.proc.pid)
+        assert len(ranks) == 2
+        state = httpx.get(p.url + "/load").json()
+        assert (state["tp"], state["pp"]) == (2, 1)
+        assert ask(p, tiny_model_path.name) == want
+    finally:
+        p.stop(signal.SIGTERM, timeout=30.0)
+    wait_gone(ranks, timeout=10.0)

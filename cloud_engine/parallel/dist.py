@@ -59,10 +59,9 @@ class Rank:
     rank: int
     tp_group: object | None  # None when tp == 1
     device: torch.device
-    # Metadata (int64 CPU tensors) travels over gloo: the default group on CPU, a gloo copy of
-    # the world and of the TP group when the data plane is NCCL.
+    # Metadata (int64 CPU tensors) travels point to point over gloo: the default group on
+    # CPU, a gloo copy of the world when the data plane is NCCL.
     ctrl_group: object | None = None  # None: the default group
-    ctrl_tp_group: object | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -151,15 +150,14 @@ def init_world(
         )
     nccl = backend_for(dev) == "nccl"
     ctrl = dist.new_group(backend="gloo", timeout=timeout) if nccl else None
-    tp_group = ctrl_tp = None
+    tp_group = None
     if config.tp > 1:
         for s in range(config.pp):
             ranks = list(range(s * config.tp, (s + 1) * config.tp))
             g = dist.new_group(ranks, timeout=timeout)
-            gc = dist.new_group(ranks, timeout=timeout, backend="gloo") if nccl else g
             if rank in ranks:
-                tp_group, ctrl_tp = g, gc
-    return Rank(config, rank, tp_group, dev, ctrl, ctrl_tp)
+                tp_group = g
+    return Rank(config, rank, tp_group, dev, ctrl)
 
 
 def min_over_world(value: int, device: torch.device) -> int:

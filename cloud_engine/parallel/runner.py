@@ -1,7 +1,7 @@
 """The driver's runner and the workers' loop: every rank runs the same step, in the same order.
 
-The driver (rank 0) plans a batch, packs its metadata (``protocol``), broadcasts it to the
-other TP ranks of stage 0 and runs stage 0; each stage sends ``(header, payload, hidden)`` to
+The driver (rank 0) plans a batch, packs its metadata (``protocol``), sends it to the other
+TP ranks of stage 0 (non-blocking point-to-point sends) and runs stage 0; each stage sends ``(header, payload, hidden)`` to
 the same TP rank of the next stage with a non-blocking send; TP rank 0 of the last stage sends
 the step's result (greedy token ids, or the whole vocabulary's logits when some row samples)
 back to the driver, which samples. The driver does not wait for a step's result before it
@@ -151,15 +151,15 @@ class _Pending:
     meta: StepMeta
     seqs: list[Sequence]
     local: torch.Tensor | None = None  # the result when the driver is also the last stage
-    work: object | None = None  # the posted receive of the result
+    recv_from: int | None = None  # the rank the result comes from (None: computed here)
     buf: torch.Tensor | None = None
     tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     def read(self) -> list[int]:
         if self.meta.num_samples == 0:
             return []
-        if self.work is not None:
-            self.work.wait()  # type: ignore[attr-defined]
+        if self.recv_from is not None:  # posted only now: the driver has nothing else to do
+            dist.recv(self.buf, self.recv_from)  # type: ignore[arg-type]
             res = self.buf
         else:
             res = self.local
@@ -197,11 +197,12 @@ class DistRunner:
         seq.row = -1
 
     def _post(self, head: torch.Tensor, payload: torch.Tensor | None) -> None:
+        """The metadata to stage 0's other TP ranks: non-blocking sends (a gloo broadcast
+        waits for every peer to wake up: about 1 ms on a busy host)."""
         r = self.rank
-        if r.tp_group is not None:
-            dist.broadcast(head, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
-            if payload is not None:
-                dist.broadcast(payload, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
+        extra = [payload] if payload is not None else []
+        for peer in range(1, r.config.tp):
+            self.exec.send(peer, head, *extra, group=r.ctrl_group)
         self.last_send = time.monotonic()
 
     @torch.inference_mode()
@@ -236,7 +237,7 @@ class DistRunner:
                 pend.buf = torch.empty(m, dtype=torch.int64, device=self.device)
             else:
                 pend.buf = torch.empty(m, self.model.vocab, dtype=torch.float32, device=self.device)
-            pend.work = dist.irecv(pend.buf, r.last_root)
+            pend.recv_from = r.last_root
         self.control_s += time.perf_counter() - t0
         self.steps += 1
         hidden = self.exec.run(meta, None)
@@ -279,10 +280,8 @@ def worker_loop(model: ShardedLlama, pool: KVPool, rank: Rank) -> None:
     with torch.inference_mode():
         while True:
             head = torch.empty(HEADER, dtype=torch.int64)
-            if r.first_stage:
-                dist.broadcast(head, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
-            else:
-                dist.recv(head, r.prev_rank, group=r.ctrl_group)
+            src = 0 if r.first_stage else r.prev_rank  # the driver, or the previous stage
+            dist.recv(head, src, group=r.ctrl_group)  # type: ignore[arg-type]
             cmd = Cmd(int(head[0]))
             if cmd is not Cmd.STEP:
                 ex.forward_next(head, None, None)
@@ -291,10 +290,8 @@ def worker_loop(model: ShardedLlama, pool: KVPool, rank: Rank) -> None:
                 continue
             payload = torch.empty(payload_size(head), dtype=torch.int64)
             hidden = None
-            if r.first_stage:
-                dist.broadcast(payload, src=0, group=r.ctrl_tp_group)  # type: ignore[arg-type]
-            else:
-                dist.recv(payload, r.prev_rank, group=r.ctrl_group)
+            dist.recv(payload, src, group=r.ctrl_group)  # type: ignore[arg-type]
+            if not r.first_stage:
                 n = int(head[1])
                 hidden = torch.empty(
                     1, n, model.config.hidden_size, dtype=ex.dtype, device=ex.device
