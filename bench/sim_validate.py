@@ -51,6 +51,59 @@ def traces(n: int, rate: float) -> dict[str, list[TraceRequest]]:
     }
 
 
+NODE_TOKEN = "simvalidate-0123456789abcdef0123456789abcdef"
+
+
+async def _calibrate(url: str, prof: Any, n: int, seed: int) -> tuple[float, float]:
+    """Scale factors (prefill, decode) of a node now against its profile: a lone prompt of
+    ``n`` tokens (twice, the faster counts) and one stream's decode steps."""
+    import random
+
+    import httpx
+
+    from gateway.commands.profile import _ids, _stream
+
+    cost = prof.cost_model()
+    rng = random.Random(seed)
+    headers = {"x-edgecloud-node-token": NODE_TOKEN}
+    async with httpx.AsyncClient(timeout=300.0, headers=headers) as client:
+        model = (await client.get(url + "/load")).json()["models"][0]
+        t = min([(await _stream(client, url, model, _ids(rng, n), 1, 0))[0] for _ in range(2)])
+        times: list[float] = []
+        await _stream(client, url, model, _ids(rng, 64), 24, 1, times)
+    want_p = prof.request_overhead_ms / 1000 + cost.prefill_ms(n) / 1000
+    step = (times[-1] - times[1]) * 1000 / max(1, len(times) - 2) if len(times) > 3 else math.nan
+    return t / want_p, (step / cost.decode_ms(1, 80) if math.isfinite(step) else 1.0)
+
+
+def _scaled(fleet_path: Path, out: Path, factors: dict[str, tuple[float, float]]) -> Path:
+    """A copy of the fleet whose profiles are scaled by ``factors[node kind]``."""
+    import yaml
+
+    from routing.sim.profiles import save_profile
+
+    spec = load_fleet(fleet_path)
+    data = yaml.safe_load(fleet_path.read_text())
+    for node, raw in zip(spec.nodes, data["nodes"], strict=True):
+        prof = spec.profile(node)
+        fp, fd = factors[node.kind]
+        prof = prof.model_copy(
+            update={
+                "request_overhead_ms": prof.request_overhead_ms * fp,
+                "prefill": [q.model_copy(update={"ms": q.ms * fp}) for q in prof.prefill],
+                "decode": [
+                    q.model_copy(update={"ms_per_step": q.ms_per_step * fd}) for q in prof.decode
+                ],
+            }
+        )
+        path = out / f"calibrated_{node.kind}.json"
+        save_profile(prof, path)
+        raw["profile"] = str(path)
+    path = out / "calibrated_fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def _stats(x: list[float]) -> tuple[float, float]:
     a = np.asarray([v for v in x if v is not None and math.isfinite(v)])
     return (float(a.mean()), float(np.percentile(a, 90))) if a.size else (math.nan, math.nan)
@@ -62,19 +115,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--rate", type=float, default=0.25, help="requests per second")
     ap.add_argument("--fleet", default=str(FLEET))
+    ap.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="before each replay, time one prompt and one decode on each node and scale the "
+        "profiles by what it measured (this machine's load changes from minute to minute)",
+    )
+    ap.add_argument("--name", default="sim_validate")
     args = ap.parse_args(argv)
+    import os
+
+    os.environ["EDGECLOUD_NODE_TOKEN"] = NODE_TOKEN
     fleet = load_fleet(args.fleet)
-    out_dir = RESULTS / "sim_validate"
+    out_dir = RESULTS / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for tname, trace in traces(args.requests, args.rate).items():
         for pol in args.policies:
             policy = out_dir / "policy.yaml"
             policy.write_text(f"policy: {pol}\n")
+            fleet_path = Path(args.fleet)
             with embedded_default(
                 ["--policy-file", str(policy)], log_path=out_dir / "serve.log"
             ) as url:
+                factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
+                if args.calibrate:
+                    port = int(url.rsplit(":", 1)[1])
+                    for kind, off, n in (("edge", 1, 256), ("cloud", 2, 64)):
+                        node = next(nd for nd in fleet.nodes if nd.kind == kind)
+                        factors[kind] = asyncio.run(
+                            _calibrate(f"http://127.0.0.1:{port + off}", fleet.profile(node), n, 7)
+                        )
+                    print(f"calibration factors (prefill, decode): {factors}", flush=True)
                 live = asyncio.run(replay(url, trace))
+            if args.calibrate:
+                fleet_path = _scaled(Path(args.fleet), out_dir, factors)
             (out_dir / f"{tname}_{pol}.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in live)
             )
@@ -92,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(len(trace))
             ]
             sim_trace = [r.model_copy(update={"max_tokens": None}) for r in sim_trace]
-            res = simulate(sim_trace, fleet, PolicyConfig(policy=pol))
+            res = simulate(sim_trace, load_fleet(fleet_path), PolicyConfig(policy=pol))
             lt, lp = _stats([live[i]["ttft_s"] for i in ok])
             le, lq = _stats([live[i]["e2e_s"] for i in ok])
             st, sp = _stats([res.ttft_s[i] for i in ok])
@@ -120,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 "err_p90_e2e": sq / lq - 1,
                 "live_cloud_share": float(live_cloud),
                 "sim_cloud_share": float(sim_cloud),
+                "calibration": factors,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -151,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
             + " |"
         )
-    write_results("sim_validate", {"machine": machine(), "rows": rows}, "\n".join(lines))
+    write_results(args.name, {"machine": machine(), "rows": rows}, "\n".join(lines))
     return 0
 
 

@@ -118,3 +118,28 @@ def test_deterministic_for_a_seed() -> None:
     assert not any(math.isnan(x) for x in a.e2e_s)
     s = summarize(a)
     assert s["failed"] == 0 and s["prefix_hit_rate"] > 0.2
+
+
+def test_counting_in_flight_dispatches_stops_herding(tmp_path: Path) -> None:
+    fleet = FleetSpec.model_validate(
+        {
+            "push_interval_s": 5.0,
+            "regions": {"intra_region_ms": 1e-6},
+            "gateways": [{"region": "local", "overhead_ms": 0.0}],
+            "nodes": [
+                {
+                    "id": "e",
+                    "kind": "edge",
+                    "region": "local",
+                    "count": 2,
+                    "profile": _profile(tmp_path, "edge", slots=4),
+                }
+            ],
+        }
+    )
+    burst = [_req(1.0 + 0.001 * i, 200, 50) for i in range(8)]
+    counted = simulate(burst, fleet, PolicyConfig(), push_interval_s=5.0)
+    blind = simulate(burst, fleet, PolicyConfig(), push_interval_s=5.0, count_in_flight=False)
+    assert sorted(counted.node.count(i) for i in (0, 1)) == [4, 4]
+    assert sorted(blind.node.count(i) for i in (0, 1)) == [0, 8]  # all on the node that looked idle
+    assert max(counted.ttft_s) < max(blind.ttft_s)

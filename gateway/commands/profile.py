@@ -88,6 +88,31 @@ async def _stream(
     return first - t0, t1 - t0, tokens, last - t0
 
 
+def fit_prefill(ttfts: dict[int, float]) -> tuple[float, list[dict[str, float]]]:
+    """``ttft(n) = overhead + a n + b n^2`` by non-negative least squares on relative error
+    (a loaded machine makes single points noisy; the curve must rise, and long prompts must
+    not drown the short ones). Returns (overhead_s, points in ms)."""
+    import numpy as np
+
+    ns = np.asarray(sorted(ttfts), dtype=float)
+    ys = np.asarray([ttfts[int(n)] for n in ns])
+    best: tuple[float, np.ndarray] | None = None
+    for cols in ((0, 1, 2), (0, 1), (1, 2), (1,)):
+        a = np.stack([ns**c for c in cols], axis=1)
+        coef, *_ = np.linalg.lstsq(a / ys[:, None], np.ones_like(ys), rcond=None)
+        if (coef < 0).any():
+            continue
+        err = float((((a @ coef) / ys - 1.0) ** 2).sum())
+        full = np.zeros(3)
+        full[list(cols)] = coef
+        if best is None or err < best[0]:
+            best = (err, full)
+    assert best is not None
+    c0, c1, c2 = best[1]
+    pts = [{"tokens": int(n), "ms": max(0.05, 1000.0 * float(c1 * n + c2 * n * n))} for n in ns]
+    return float(c0), pts
+
+
 def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(200, 20000) for _ in range(n)]
 
