@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from gateway.commands.argtypes import nonneg_int, positive_int, probability, temperature
+
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("chat", help="answer one prompt with the torch reference model, streaming")
@@ -16,14 +18,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--model", default=None, help="store name or HF folder (default: the default model)"
     )
     p.add_argument("--system", default=None, help="optional system message")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens to generate")
+    p.add_argument(
+        "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
+    )
+    p.add_argument(
+        "--top-p", type=probability, default=1.0, help="nucleus sampling: keep this much mass"
+    )
+    p.add_argument(
+        "--top-k", type=nonneg_int, default=0, help="keep the k likeliest tokens (0: all)"
+    )
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: all cores, at most 8)"
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads (default: all cores, at most 8)",
     )
     p.add_argument(
         "--json", action="store_true", help="print one JSON object (text, token ids) instead"

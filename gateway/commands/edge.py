@@ -62,13 +62,9 @@ def add_export(esub: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from edge_runtime.export import ensure_export
-    from routing.model_store import ModelNotFound
 
-    try:
-        graph = ensure_export(args.model, args.variant, args.attention, force=args.force)
-    except ModelNotFound as e:
-        print(f"edgecloud edge export: error: {e}", file=sys.stderr)
-        return 1
+    # an unknown model: gateway.cli turns ModelNotFound into one line naming what exists
+    graph = ensure_export(args.model, args.variant, args.attention, force=args.force)
     print(graph.folder)
     return 0
 
@@ -76,7 +72,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def add_serve(esub: argparse._SubParsersAction) -> None:
     s = esub.add_parser("serve", help="serve a model with the ONNX Runtime edge engine")
     add_node_arguments(s, default_port=8001)
-    s.add_argument("--variant", "-p", choices=VARIANTS, default="int8")
+    s.add_argument(
+        "--variant", "-p", choices=VARIANTS, default="int8", help="which export to serve"
+    )
     s.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     s.add_argument("--slots", type=int, default=4, help="concurrent sequences batched per step")
     s.add_argument("--max-waiting", type=int, default=16, help="waiting queue size (then 429)")

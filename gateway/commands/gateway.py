@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from gateway.commands.argtypes import port
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
@@ -36,9 +37,17 @@ CHILD_STOP_TIMEOUT_S = 10.0
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g = sub.add_parser("gateway", help="run the front gateway from a config file")
-    g.add_argument("--config", type=Path, required=False, help="gateway YAML (default: built-in)")
-    g.add_argument("--host", default=None)
-    g.add_argument("--port", type=int, default=None)
+    g.add_argument(
+        "--config",
+        type=Path,
+        required=False,
+        help="gateway YAML naming the nodes or the Redis fleet store (see examples/gateway.yaml, "
+        "docs/configuration.md); without it the gateway has no node and refuses to start",
+    )
+    g.add_argument("--host", default=None, help="address to listen on (default: the config's host)")
+    g.add_argument(
+        "--port", type=port, default=None, help="port to listen on (default: the config's port)"
+    )
     g.add_argument(
         "--insecure-no-auth",
         action="store_true",
@@ -49,12 +58,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     s = sub.add_parser("serve", help="edge node + cloud node + gateway on one machine (embedded)")
     s.add_argument("--model", default="smollm2-135m-instruct", help="store name or HF folder")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000, help="the gateway's port")
-    s.add_argument("--edge-port", type=int, default=None, help="default: port + 1")
-    s.add_argument("--cloud-port", type=int, default=None, help="default: port + 2")
-    s.add_argument("--region", default="local")
-    s.add_argument("--edge-variant", default="int8", choices=["fp32", "int8", "int4"])
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the gateway's address (non-loopback: see --insecure-no-auth)",
+    )
+    s.add_argument("--port", type=port, default=8000, help="the gateway's port")
+    s.add_argument("--edge-port", type=port, default=None, help="default: port + 1")
+    s.add_argument("--cloud-port", type=port, default=None, help="default: port + 2")
+    s.add_argument("--region", default="local", help="the region the nodes report")
+    s.add_argument(
+        "--edge-variant",
+        default="int8",
+        choices=["fp32", "int8", "int4"],
+        help="the edge node's ONNX weights",
+    )
     s.add_argument("--edge-threads", type=int, default=None, help="default: half the cores")
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(
@@ -98,6 +116,22 @@ def run_gateway(args: argparse.Namespace) -> int:
     except UnsafeExposure as exc:
         print(f"edgecloud gateway: error: {exc}", file=sys.stderr)
         return 2
+    from gateway.cli import CLIError, check_port_free
+
+    if args.config is None:
+        raise CLIError(
+            "no nodes to route to: pass --config FILE, a gateway YAML that lists the nodes "
+            "(nodes:, openai_nodes:) or the Redis fleet store they register in (redis_url:); "
+            "see examples/gateway.yaml. To run everything on this machine: edgecloud serve",
+            code=2,
+        )
+    if not (cfg.nodes or cfg.openai_nodes or cfg.redis_url):
+        print(
+            f"edgecloud gateway: warning: {args.config} names no nodes and no redis_url: every "
+            "request will be answered 503 (no node configured)",
+            file=sys.stderr,
+        )
+    check_port_free(host, port)
     print(
         f"edgecloud gateway on http://{host}:{port} ({len(cfg.nodes)} configured nodes, "
         f"store: {'redis' if cfg.redis_url else 'in-process'})",
@@ -191,6 +225,11 @@ def run_serve(args: argparse.Namespace) -> int:
     edge_t, cloud_t = args.edge_threads or edge_t, args.cloud_threads or cloud_t
     edge_port = args.edge_port or args.port + 1
     cloud_port = args.cloud_port or args.port + 2
+    from gateway.cli import check_port_free
+
+    check_port_free(args.host, args.port)
+    check_port_free("127.0.0.1", edge_port)
+    check_port_free("127.0.0.1", cloud_port)
     servers: list[DrainingServer] = []
 
     def node_died(ended: ChildExit) -> None:  # the supervisor's watcher thread

@@ -7,6 +7,7 @@ import ipaddress
 import os
 import sys
 
+from gateway.commands.argtypes import port
 from gateway.server_limits import add_server_arguments
 
 NODE_TOKEN_ENV = "EDGECLOUD_NODE_TOKEN"  # = gateway.auth.NODE_TOKEN_ENV (not imported: light)
@@ -14,11 +15,21 @@ NODE_TOKEN_ENV = "EDGECLOUD_NODE_TOKEN"  # = gateway.auth.NODE_TOKEN_ENV (not im
 
 def add_node_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
     """The flags every ``... serve`` node command shares (model, place, fleet store, limits)."""
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="store name or HF folder")
-    parser.add_argument("--region", default="local")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=default_port)
-    parser.add_argument("--node-id", default=None)
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="store name (see: edgecloud models list) or Hugging Face folder path",
+    )
+    parser.add_argument(
+        "--region", default="local", help="the region this node is in (routing prefers near nodes)"
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (non-loopback needs a node token)"
+    )
+    parser.add_argument("--port", type=port, default=default_port, help="port to listen on")
+    parser.add_argument(
+        "--node-id", default=None, help="the id gateways know it by (default: kind-host-port)"
+    )
     parser.add_argument(
         "--public-url", default=None, help="URL gateways use (default: http://host:port)"
     )

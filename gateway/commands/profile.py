@@ -30,14 +30,16 @@ def register(sub: Any) -> None:
     p = sub.add_parser("profile", help="measure a live node into a simulator profile JSON")
     p.add_argument("--node", required=True, help="the node's base URL, e.g. http://127.0.0.1:8001")
     p.add_argument("--out", required=True, help="where to write the profile JSON")
-    p.add_argument("--name", default=None)
+    p.add_argument("--name", default=None, help="profile name (default: from the node)")
     p.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths")
-    p.add_argument("--batches", type=int, nargs="*", default=None)
-    p.add_argument("--contexts", type=int, nargs="*", default=[128, 1024])
-    p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--notes", default="")
+    p.add_argument("--batches", type=int, nargs="*", default=None, help="decode batch sizes")
+    p.add_argument(
+        "--contexts", type=int, nargs="*", default=[128, 1024], help="decode context lengths"
+    )
+    p.add_argument("--decode-tokens", type=int, default=48, help="tokens per decode run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per point (median kept)")
+    p.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    p.add_argument("--notes", default="", help="free text stored in the profile")
     p.add_argument(
         "--node-token", default=None, help="the node's token (default: $EDGECLOUD_NODE_TOKEN)"
     )

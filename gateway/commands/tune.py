@@ -15,7 +15,12 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("tune", help="tune the routing policy on a trace with the simulator")
     add_trace_args(p)
-    p.add_argument("--objective", choices=["mean_e2e", "p99_ttft", "goodput"], default="mean_e2e")
+    p.add_argument(
+        "--objective",
+        choices=["mean_e2e", "p99_ttft", "goodput"],
+        default="mean_e2e",
+        help="what the search optimizes",
+    )
     p.add_argument("--budget", type=int, default=50, help="trials")
     p.add_argument("--policies", nargs="+", default=["latency"], help="policies to search over")
     p.add_argument("--out", default="tuned_policy.yaml", help="the best policy YAML")

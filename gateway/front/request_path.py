@@ -150,6 +150,14 @@ class RequestPath:
         if ident is None:
             if any(model in n.models for n in view.nodes):
                 return model, view  # a node with no identity (openai kind): name is the identity
+            if not view.nodes:  # not the model's fault: nothing is registered at all
+                raise APIError(
+                    503,
+                    "No node is registered with this gateway, so no model can be served; the "
+                    "operator must configure nodes (nodes, openai_nodes or a redis_url fleet).",
+                    type_="server_error",
+                    code="no_nodes",
+                )
             raise not_found_model(model)
         return ident, view
 

@@ -1,0 +1,31 @@
+"""argparse ``type=`` checkers: a bad value is one usage line (exit 2) naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def _bounded(
+    kind: Callable[[str], float], low: float | None, high: float | None, what: str
+) -> Callable[[str], float]:
+    def check(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    check.__name__ = what  # argparse names the type in its messages
+    return check
+
+
+positive_int = _bounded(int, 1, None, "a whole number of at least 1")
+nonneg_int = _bounded(int, 0, None, "a whole number of at least 0")
+port = _bounded(int, 0, 65535, "a port number (0-65535)")
+positive_float = _bounded(float, 1e-9, None, "a number above 0")
+nonneg_float = _bounded(float, 0, None, "a number of at least 0")
+temperature = _bounded(float, 0, 2, "a temperature in [0, 2]")
+probability = _bounded(float, 1e-9, 1, "a probability in (0, 1]")
