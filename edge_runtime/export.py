@@ -26,6 +26,7 @@ from filelock import FileLock
 
 from edge_runtime.graph_info import GRAPH_FILE, META_FORMAT, ExportMeta
 from routing.model_store import ModelInfo, home_dir, resolve
+from routing.progress import step
 from routing.prompt import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
@@ -108,16 +109,18 @@ def ensure_export(
         try:
             t0 = time.perf_counter()
             if source is None:
-                _export_fp32(info, tmp / GRAPH_FILE, attention)
+                with step(f"exporting {info.name} to ONNX (fp32, {attention} attention)"):
+                    _export_fp32(info, tmp / GRAPH_FILE, attention)
             else:
                 from edge_runtime.quantize import quantize
 
-                quantize(variant, source, tmp / GRAPH_FILE)
+                with step(f"quantizing {info.name} to {variant}"):
+                    quantize(variant, source, tmp / GRAPH_FILE)
             meta = _write_meta(info, tmp, variant, attention, time.perf_counter() - t0)
             _replace(tmp, folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        log.info(
+        log.debug(
             "exported %s %s (%s) in %.1f s", info.name, variant, attention, meta.export_seconds
         )
         return ExportedGraph(folder, meta)

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source .venv/bin/activate
-edgecloud edge export smollm2-135m-instruct --variant int8 >/dev/null  # once; cached
+edgecloud edge export smollm2-135m-instruct --variant int8  # once, cached: progress on stderr
 exec edgecloud serve "$@"
