@@ -27,6 +27,18 @@ from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, bad_request, install_error_handlers
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
+from gateway.front.openapi import (
+    ADMIN_ERRORS,
+    HEALTH_RESPONSES,
+    METRICS_RESPONSES,
+    MODELS_RESPONSES,
+    ROUTE_BODY,
+    ROUTE_RESPONSES,
+    NodesView,
+    PolicyChange,
+    PolicyView,
+    install_docs,
+)
 from gateway.metrics import metrics_response
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
 from routing.fleet.store import FleetStore
@@ -211,6 +223,7 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         max_body_bytes=config.max_body_bytes,
     )
     install_error_handlers(app)
+    install_docs(app)  # /docs, /redoc, /openapi.json (hot routes included), /
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
@@ -252,7 +265,7 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         app.hot_routes[path] = endpoint
         app.router.routes.append(Route(path, route(endpoint), methods=["POST"]))
 
-    @app.post("/v1/route")
+    @app.post("/v1/route", tags=["Gateway"], responses=ROUTE_RESPONSES, openapi_extra=ROUTE_BODY)
     async def route(request: Request) -> dict[str, Any]:
         """Where a request would go. Node URLs only for admins (with auth off: local callers);
         anyone else is charged one request (no tokens) against their rate limit first."""
@@ -289,21 +302,21 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
             code="forbidden",
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", tags=["Gateway"], responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
         await observer(request)
         return metrics_response(gw.metrics, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", tags=["OpenAI"], responses=MODELS_RESPONSES)
     async def models(_: KeyIdentity = Depends(gw.auth)) -> dict[str, Any]:
         return {"object": "list", "data": [model_card(m) for m in await gw.models()]}
 
-    @app.get("/health")
+    @app.get("/health", tags=["Gateway"], responses=HEALTH_RESPONSES)
     async def health(request: Request) -> dict[str, Any]:
         h = gw.health()
         return h if await observer(request) else {"status": h["status"]}
 
-    @app.get("/admin/nodes")
+    @app.get("/admin/nodes", tags=["Admin"], responses={200: {"model": NodesView}, **ADMIN_ERRORS})
     async def admin_nodes(_: KeyIdentity = Depends(gw.auth.require_admin)) -> dict[str, Any]:
         view = await gw.store.view([])
         model = gw.router.model
@@ -315,14 +328,26 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
             "prediction_errors": model.errors.snapshot(),
         }
 
-    @app.get("/admin/policy")
+    @app.get(
+        "/admin/policy", tags=["Admin"], responses={200: {"model": PolicyView}, **ADMIN_ERRORS}
+    )
     async def admin_policy(_: KeyIdentity = Depends(gw.auth.require_admin)) -> dict[str, Any]:
         return {
             "active": gw.policy_override or gw.router.config.policy,
             "config": gw.router.config.model_dump(mode="json"),
         }
 
-    @app.post("/admin/policy")
+    @app.post(
+        "/admin/policy",
+        tags=["Admin"],
+        responses={200: {"model": PolicyView}, **ADMIN_ERRORS},
+        openapi_extra={
+            "requestBody": {
+                "content": {"application/json": {"schema": PolicyChange.model_json_schema()}},
+                "required": True,
+            }
+        },
+    )
     async def admin_set_policy(
         body: dict[str, Any], _: KeyIdentity = Depends(gw.auth.require_admin)
     ) -> dict[str, Any]:
