@@ -44,11 +44,21 @@ def _spread(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.02)
 
 
-def _write(folder: Path, config, cls) -> Path:  # type: ignore[no-untyped-def]
+def _write(folder: Path, config, cls, packed: bool = False) -> Path:  # type: ignore[no-untyped-def]
+    """``save_pretrained`` writes the per-expert layout; ``packed`` writes the in-memory state
+    dict as is (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I])."""
     torch.manual_seed(11)
     model = cls(config).eval()
     _spread(model)
     model.save_pretrained(folder)
+    if packed:
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        assert any(k.endswith("experts.gate_up_proj") for k in state)
+        for f in folder.glob("*.safetensors"):
+            f.unlink()
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 
@@ -71,6 +81,20 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 mlp_only_layers=[1],
             ),
             tf.Qwen3MoeForCausalLM,
+        ),
+        "qwen3_moe_packed": _write(
+            root / "qwen3moe-packed",
+            tf.Qwen3MoeConfig(
+                **COMMON,
+                head_dim=16,
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+            ),
+            tf.Qwen3MoeForCausalLM,
+            packed=True,
         ),
         "qwen2_moe": _write(
             root / "qwen2moe",
@@ -116,7 +140,7 @@ def model_layers(folder: Path) -> int:
     return read_config(str(folder))[0].num_hidden_layers
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_packed", "qwen2_moe", "mixtral"])
 def test_logits_match_transformers(moe_models: dict[str, Path], name: str) -> None:
     import transformers as tf
 
@@ -137,6 +161,8 @@ def test_tp2_expert_parallel_matches_one_process(moe_models: dict[str, Path]) ->
     refs, jobs = [], []
     with torch.inference_mode():
         for name, folder in moe_models.items():
+            if name.endswith("packed"):
+                continue
             core = driver_core(folder, "moe", ONE, cfg)
             refs.append((name, drive(core, reqs, arrivals)))
             jobs.append(Job(str(folder), 2, 1, reqs, arrivals, cfg))
