@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     md = [
         "# Office morning peak (simulated)",
         "",
-        f"`{recorded_command('bench/morning_peak.py', sys.argv[1:], ('--fleet',))}`",
+        f"`{recorded_command('morning_peak.py', sys.argv[1:], ('--fleet',))}`",
         "",
         f"{args.people} people in {', '.join(OFFICES)}; {len(trace)} requests 08:00-10:00; "
         f"fleet `{Path(args.fleet).name}` (edge: measured CPU profile; cloud: H200 profile, "

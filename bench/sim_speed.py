@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             "# Simulator speed",
             "",
-            f"`{recorded_command('bench/sim_speed.py', sys.argv[1:], ('--fleet',))}`",
+            f"`{recorded_command('sim_speed.py', sys.argv[1:], ('--fleet',))}`",
             "",
             f"One-hour morning-peak trace ({int(s['requests'])} requests, {s['span_s']:.0f} s), "
             f"fleet `{Path(args.fleet).name}` ({len(fleet.expanded())} nodes, "

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Simulator vs live (embedded default on this machine)",
         "",
-        f"`{recorded_command('bench/sim_validate.py', sys.argv[1:], ('--fleet',))}`",
+        f"`{recorded_command('sim_validate.py', sys.argv[1:], ('--fleet',))}`",
         "",
         "| " + " | ".join(cols) + " |",
         "|---" * len(cols) + "|",
