@@ -139,9 +139,12 @@ class CloudEngine:
         sup = getattr(local, "supervisor", None)
         if sup is not None:
             sup.expect_exits()
+        drain = getattr(self.core, "drain", None)  # pipeline batches still in flight
         stop = getattr(runner, "stop", None)
         if stop is not None:
             try:
+                if drain is not None:
+                    drain()
                 stop()
             except Exception:
                 log.exception("stopping the other ranks failed")

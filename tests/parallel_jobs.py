@@ -21,6 +21,7 @@ class Job:
     requests: list[GenerationRequest]
     arrivals: list[int]
     config: EngineConfig = field(default_factory=EngineConfig)
+    abandon_after: int | None = None  # stop the world after this many steps, batches in flight
 
 
 def drive(
@@ -76,6 +77,16 @@ def jobs_rank(rank_idx: int, world: int, init: str, jobs: list[Job]) -> list[dic
             )
             if rank.is_driver:
                 core = driver_core(job.folder, "parity", rank, job.config)
+                if job.abandon_after is not None:
+                    for r in job.requests:
+                        core.add(r)
+                    for _ in range(job.abandon_after):
+                        core.step()
+                    in_flight = getattr(core, "in_flight", 0)
+                    core.drain()  # type: ignore[attr-defined]
+                    stats = core.runner.stop()  # type: ignore[attr-defined]
+                    results.append(dict(in_flight_at_stop=in_flight, stats=stats))
+                    continue
                 tokens = drive(core, job.requests, job.arrivals)
                 c = core.counters
                 stats = core.runner.stop()  # type: ignore[attr-defined]

@@ -79,7 +79,10 @@ def test_tp2_and_pp2_match_one_process(models: dict[str, Path]) -> None:
         for label, name, tp, pp, cfg in plan:
             refs.append((label, reference(models[name], cfg, reqs, arrivals)))
             jobs.append(Job(str(models[name]), tp, pp, reqs, arrivals, cfg))
+    jobs.append(Job(str(models["llama"]), 1, 2, reqs, arrivals, LARGE, abandon_after=3))
     results = run_world(jobs_rank, 2, jobs, timeout_s=240)
+    abandoned = results.pop()  # stopped with batches in flight: drained, then a clean stop
+    assert abandoned["in_flight_at_stop"] >= 1 and len(abandoned["stats"]) == 2
     check(results, refs)
     assert all(r["preemptions"] > 0 for r in results[:4])  # the small pool preempts
     assert all(r["cached"] > 0 for r in results)  # prefix hits

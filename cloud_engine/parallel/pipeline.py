@@ -70,3 +70,12 @@ class PipelineCore(EngineCore):
         if self.config.debug_checks:
             self.blocks.check_integrity()
         return outputs
+
+    def drain(self) -> None:
+        """Read every in-flight batch's result and drop it (before stopping the ranks: no
+        result may still be on its way to the driver when the stop messages are exchanged)."""
+        while self._queue:
+            cur = self._queue.popleft()
+            cur.launched.read()
+            for it in cur.batch.items:
+                it.seq.in_flight = False
