@@ -151,3 +151,13 @@ def one_torch_thread() -> Iterator[None]:
     is faster, and far faster on a busy 2-core machine."""
     with torch_threads(1):
         yield
+
+
+@pytest.fixture(scope="module")
+def edge_home(tiny_home: dict[str, str]) -> Iterator[None]:
+    """The tiny model's ONNX export goes to the session's edgecloud home (for edge engines a
+    test builds in this process), not to the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in tiny_home.items():
+            mp.setenv(k, v)
+        yield

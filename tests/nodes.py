@@ -19,6 +19,7 @@ from tests.conftest import free_port
 if TYPE_CHECKING:
     from cloud_engine.engine import CloudEngine
     from edge_runtime.engine import EdgeEngine
+    from routing.fleet.store import FleetStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,3 +120,23 @@ def tiny_edge_engine(model: Path, **config: Any) -> EdgeEngine:
 
     cfg = EdgeEngineConfig(**{"slots": 4, "threads": 1, "huge_pages": False, **config})
     return EdgeEngine.from_model(model, "fp32", config=cfg)
+
+
+def serve_node(
+    engine: Any,
+    model: Path,
+    node_id: str,
+    *,
+    store: FleetStore | None = None,
+    node_token: str | None = None,
+) -> Served:
+    """The real node app over ``engine`` (serving ``model``), under uvicorn on a free port."""
+    from gateway.node.app import create_node_app
+    from gateway.node.server import build_service
+    from routing.model_store import resolve
+
+    port = free_port()
+    service = build_service(
+        engine, resolve(model), region="test", host="127.0.0.1", port=port, node_id=node_id
+    )
+    return Served(create_node_app(service, store, node_token=node_token), port)

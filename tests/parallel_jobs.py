@@ -73,7 +73,11 @@ def jobs_rank(rank_idx: int, world: int, init: str, jobs: list[Job]) -> list[dic
     try:
         for job in jobs:
             rank = init_world(
-                ParallelConfig(job.tp, job.pp), rank_idx, init_method=init, timeout_s=60
+                ParallelConfig(job.tp, job.pp),
+                rank_idx,
+                init_method=init,
+                device=job.config.device,
+                timeout_s=60,
             )
             if rank.is_driver:
                 core = driver_core(job.folder, "parity", rank, job.config)

@@ -18,17 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.nodes import Served, tiny_edge_engine
+from tests.nodes import Served, serve_node, tiny_edge_engine
 
 LONG = 1500  # tokens: seconds of generation on the tiny model
-
-
-@pytest.fixture(scope="module")
-def edge_home(tiny_home: dict[str, str]) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in tiny_home.items():
-            mp.setenv(k, v)
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +29,7 @@ def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Ite
     from cloud_engine.engine import CloudEngine
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.model_store import resolve
-    from tests.conftest import free_port
 
     info = resolve(tiny_model_path)
     engines = {
@@ -55,11 +44,7 @@ def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Ite
     out: dict[str, Any] = {"model": info.name}
     try:
         for name, engine in engines.items():
-            port = free_port()
-            service = build_service(
-                engine, info, region="test", host="127.0.0.1", port=port, node_id=name
-            )
-            node = Served(create_node_app(service), port)
+            node = serve_node(engine, tiny_model_path, name)
             served.append(node)
             gw = Served(create_gateway_app(GatewayConfig(nodes=[node.url], poll_interval_s=0.5)))
             served.append(gw)

@@ -20,29 +20,17 @@ from typing import Any
 import pytest
 
 from tests.inproc import FlakyNode, assert_idle, eventually, started_gateway
-from tests.nodes import Served, tiny_cloud_engine
+from tests.nodes import Served, serve_node, tiny_cloud_engine
 
 
 @pytest.fixture(scope="module")
 def fleet(
     tiny_model_path: Path, tiny_home: dict[str, str], one_torch_thread: None
 ) -> Iterator[dict]:
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.model_store import resolve
-    from tests.conftest import free_port
 
     info = resolve(tiny_model_path)
-    port = free_port()
-    service = build_service(
-        tiny_cloud_engine(tiny_model_path),
-        info,
-        region="test",
-        host="127.0.0.1",
-        port=port,
-        node_id="b-cloud",
-    )
-    cloud = Served(create_node_app(service), port)
+    cloud = serve_node(tiny_cloud_engine(tiny_model_path), tiny_model_path, "b-cloud")
     flaky = FlakyNode()
     bad = Served(flaky.app)
     try:
@@ -62,7 +50,7 @@ async def gw(fleet: dict) -> AsyncIterator[tuple[Any, Any]]:
         id="a-flaky", url=fleet["bad"].url, region="test", models=[fleet["model"]]
     )
     config = GatewayConfig(
-        nodes=[fleet["cloud"].url], openai_nodes=[flaky], poll_interval_s=0.5, max_in_flight=8
+        nodes=[fleet["cloud"].url], openai_nodes=[flaky], poll_interval_s=2.0, max_in_flight=8
     )
     app, gateway, client = await started_gateway(config, nodes=2)
     gateway.test_app = app

@@ -28,27 +28,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import free_port
-from tests.nodes import Served, tiny_cloud_engine, tiny_edge_engine
+from tests.nodes import Served, serve_node, tiny_cloud_engine, tiny_edge_engine
 
 CASES = int(os.environ.get("EDGECLOUD_FUZZ_CASES", "2000"))
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/route")
 
 
 @pytest.fixture(scope="module")
-def edge_home(tiny_home: dict[str, str]) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in tiny_home.items():
-            mp.setenv(k, v)
-        yield
-
-
-@pytest.fixture(scope="module")
 def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Iterator[dict]:
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.model_store import resolve
 
     info = resolve(tiny_model_path)
@@ -58,11 +47,7 @@ def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Ite
             ("cloud", tiny_cloud_engine(tiny_model_path)),
             ("edge", tiny_edge_engine(tiny_model_path)),
         ):
-            port = free_port()
-            service = build_service(
-                engine, info, region="test", host="127.0.0.1", port=port, node_id=f"{kind}-f"
-            )
-            served[kind] = Served(create_node_app(service), port)
+            served[kind] = serve_node(engine, tiny_model_path, f"{kind}-f")
         nodes = [s.url for s in served.values()]
         app = create_gateway_app(GatewayConfig(nodes=nodes, max_in_flight=64))
         served["gw"] = Served(app)

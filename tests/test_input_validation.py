@@ -25,8 +25,7 @@ import pytest
 
 from routing.engine import FinishReason, GenerationRequest, SamplingParams
 from routing.sampling_limits import InvalidSampling
-from tests.conftest import free_port
-from tests.nodes import Served, tiny_cloud_engine, tiny_edge_engine
+from tests.nodes import Served, serve_node, tiny_cloud_engine, tiny_edge_engine
 
 VOCAB = 49152  # the tiny model's vocabulary (tests/conftest.py)
 
@@ -66,22 +65,10 @@ class Conn:
 
 
 @pytest.fixture(scope="module")
-def edge_home(tiny_home: dict[str, str]) -> Iterator[None]:
-    """The tiny model's ONNX export goes to the session's edgecloud home (as for the nodes
-    tests/test_node_api.py starts), not to the user's cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in tiny_home.items():
-            mp.setenv(k, v)
-        yield
-
-
-@pytest.fixture(scope="module")
 def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Iterator[dict]:
     """A cloud node, an edge node and a gateway in front of both."""
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.model_store import resolve
 
     info = resolve(tiny_model_path)
@@ -91,11 +78,7 @@ def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Ite
             ("cloud", tiny_cloud_engine(tiny_model_path)),
             ("edge", tiny_edge_engine(tiny_model_path)),
         ):
-            port = free_port()
-            service = build_service(
-                engine, info, region="test", host="127.0.0.1", port=port, node_id=f"{kind}-v"
-            )
-            served[kind] = Served(create_node_app(service), port)
+            served[kind] = serve_node(engine, tiny_model_path, f"{kind}-v")
         gw_cfg = GatewayConfig(nodes=[served["edge"].url, served["cloud"].url], poll_interval_s=1.0)
         served["gw"] = Served(create_gateway_app(gw_cfg))
         deadline = time.monotonic() + 30

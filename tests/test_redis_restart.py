@@ -22,7 +22,7 @@ import pytest
 from redis.asyncio import Redis
 
 from routing.ratelimit import Limits, RedisRateLimiter
-from tests.nodes import Served, tiny_cloud_engine
+from tests.nodes import Served, serve_node, tiny_cloud_engine
 
 
 def _ns() -> str:
@@ -143,26 +143,17 @@ def fleet(
     """A real gateway and a real tiny cloud node (prefix cache on), both on Redis."""
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.fleet.redis_store import RedisFleetStore
     from routing.model_store import resolve
-    from tests.conftest import free_port
 
     info = resolve(tiny_model_path)
     ns = _ns()
     served: list[Served] = []
     try:
-        port = free_port()
-        service = build_service(
-            tiny_cloud_engine(tiny_model_path),
-            info,
-            region="test",
-            host="127.0.0.1",
-            port=port,
-            node_id="rc-cloud",
+        store = RedisFleetStore(redis_url, namespace=ns)
+        node = serve_node(
+            tiny_cloud_engine(tiny_model_path), tiny_model_path, "rc-cloud", store=store
         )
-        node = Served(create_node_app(service, RedisFleetStore(redis_url, namespace=ns)), port)
         served.append(node)
         gw = Served(
             create_gateway_app(

@@ -22,26 +22,15 @@ import httpx
 import pytest
 
 from routing.blocks import BLOCK_SIZE
-from tests.nodes import Served, tiny_cloud_engine, tiny_edge_engine
+from tests.nodes import Served, serve_node, tiny_cloud_engine, tiny_edge_engine
 
 LONG = " ".join(f"Clause {i}: the tenant keeps the premises clean and tidy." for i in range(30))
 
 
 @pytest.fixture(scope="module")
-def edge_home(tiny_home: dict[str, str]) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in tiny_home.items():
-            mp.setenv(k, v)
-        yield
-
-
-@pytest.fixture(scope="module")
 def nodes(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Iterator[dict]:
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.model_store import resolve
 
-    info = resolve(tiny_model_path)
     served: dict[str, Served] = {}
     try:
         engines = {
@@ -50,14 +39,8 @@ def nodes(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Ite
             "plain": tiny_edge_engine(tiny_model_path, prefix_reuse=False),
         }
         for name, engine in engines.items():
-            from tests.conftest import free_port
-
-            port = free_port()
-            service = build_service(
-                engine, info, region="test", host="127.0.0.1", port=port, node_id=name
-            )
-            served[name] = Served(create_node_app(service), port)
-        yield {"served": served, "model": info.name}
+            served[name] = serve_node(engine, tiny_model_path, name)
+        yield {"served": served, "model": resolve(tiny_model_path).name}
     finally:
         for s in served.values():
             s.stop()
@@ -114,11 +97,8 @@ def test_repeated_prompt_is_credited_as_the_node_reports_with_redis(
     prefix index from Redis only."""
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.fleet.redis_store import RedisFleetStore
     from routing.model_store import resolve
-    from tests.conftest import free_port
 
     info = resolve(tiny_model_path)
     namespace = f"edgecloud:test-truth-{time.monotonic_ns()}:"
@@ -128,12 +108,8 @@ def test_repeated_prompt_is_credited_as_the_node_reports_with_redis(
             ("r-cloud", tiny_cloud_engine(tiny_model_path)),
             ("r-plain", tiny_edge_engine(tiny_model_path, prefix_reuse=False)),
         ):
-            port = free_port()
-            service = build_service(
-                engine, info, region="test", host="127.0.0.1", port=port, node_id=name
-            )
             store = RedisFleetStore(redis_url, namespace=namespace)
-            served.append(Served(create_node_app(service, store), port))
+            served.append(serve_node(engine, tiny_model_path, name, store=store))
         cfg = GatewayConfig(redis_url=redis_url)
         gw_app = create_gateway_app(cfg, RedisFleetStore(redis_url, namespace=namespace))
         gw = Served(gw_app)

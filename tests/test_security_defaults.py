@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from gateway.auth import AuthConfig, generate_key, hash_key
-from tests.nodes import REPO, Served, cli, tiny_cloud_engine
+from tests.nodes import REPO, Served, cli, serve_node, tiny_cloud_engine
 
 TOKEN = secrets.token_urlsafe(24)
 SALT = secrets.token_urlsafe(24)
@@ -32,22 +32,11 @@ USER, ADMIN = generate_key(), generate_key()
 
 @pytest.fixture(scope="module")
 def node(tiny_model_path: Path, one_torch_thread: None) -> Iterator[dict[str, Any]]:
-    from gateway.node.app import create_node_app
-    from gateway.node.server import build_service
     from routing.model_store import resolve
-    from tests.conftest import free_port
 
     info = resolve(tiny_model_path)
-    port = free_port()
-    service = build_service(
-        tiny_cloud_engine(tiny_model_path),
-        info,
-        region="test",
-        host="127.0.0.1",
-        port=port,
-        node_id="sec-cloud",
-    )
-    served = Served(create_node_app(service, node_token=TOKEN), port)
+    engine = tiny_cloud_engine(tiny_model_path)
+    served = serve_node(engine, tiny_model_path, "sec-cloud", node_token=TOKEN)
     try:
         yield {"url": served.url, "model": info.name}
     finally:

@@ -191,7 +191,7 @@ class InProcessFleetStore(FleetStore):
         fetch_blocks: FetchBlocks | None = None,
         openai_nodes: Sequence[OpenAINodeTracker] = (),
         poll_interval_s: float = 1.0,
-        fetch_timeout_s: float = 0.5,
+        fetch_timeout_s: float = 1.0,
         stale_after_s: float | None = None,
         sync_wait_s: float = 0.05,
         max_blocks_per_node: int = 1 << 20,
@@ -205,7 +205,10 @@ class InProcessFleetStore(FleetStore):
         self.openai_nodes = {t.id: t for t in openai_nodes}
         self.poll_interval_s = poll_interval_s
         self.fetch_timeout_s = fetch_timeout_s
-        self.stale_after_s = stale_after_s if stale_after_s is not None else 3 * poll_interval_s
+        # a node busy generating may answer /load late: three missed polls, and never under 5 s
+        self.stale_after_s = (
+            stale_after_s if stale_after_s is not None else max(3 * poll_interval_s, 5.0)
+        )
         self.sync_wait_s = sync_wait_s
         self.clock = clock
         self.index = PrefixIndex(max_blocks_per_node)
