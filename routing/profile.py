@@ -48,19 +48,19 @@ class OutputKnobs(BaseModel):
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens per (API key, route, max_tokens) and per (API key, route),
-    LRU-bounded; a default until learned.
+    """EWMA of completion tokens per (API key, route, max_tokens, first prompt block), per
+    (API key, route, max_tokens) and per (API key, route), LRU-bounded; a default until learned.
 
-    Apps send one ``max_tokens`` per feature (a one-line answer, a summary, code), so requests
-    with the same cap are the best guide to each other; a cap never seen falls back to the
-    key's and route's mean over every cap.
+    Apps send one ``max_tokens`` per feature (a one-line answer, a summary, code) and one
+    system prompt per feature, whose first block hash names it; requests alike in both are the
+    best guide to each other. The most specific statistic with enough samples answers.
     """
 
-    _ANY = -1  # the max_tokens slot of the per-(key, route) statistics
+    _ANY = -1  # the max_tokens or prefix slot of a coarser statistic
 
     def __init__(self, knobs: OutputKnobs | None = None) -> None:
         self.knobs = knobs or OutputKnobs()
-        self._stats: OrderedDict[tuple[str, str, int], tuple[float, int]] = OrderedDict()
+        self._stats: OrderedDict[tuple[str, str, int, int], tuple[float, int]] = OrderedDict()
 
     def configure(self, knobs: OutputKnobs) -> None:
         self.knobs = knobs
@@ -70,15 +70,31 @@ class OutputLengthEstimator:
         while len(self._stats) > self.knobs.max_keys:
             self._stats.popitem(last=False)
 
-    @staticmethod
-    def _cap(max_tokens: int | None) -> int:
-        return max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else -1
+    @classmethod
+    def _keys(
+        cls, api_key: str | None, route: str, max_tokens: int | None, prefix: int | None
+    ) -> list[tuple[str, str, int, int]]:
+        """The statistics a request belongs to, most specific first."""
+        key, any_ = api_key or "", cls._ANY
+        cap = max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else any_
+        out = []
+        if cap != any_ and prefix is not None:
+            out.append((key, route, cap, prefix))
+        if cap != any_:
+            out.append((key, route, cap, any_))
+        out.append((key, route, any_, any_))
+        return out
 
-    def expected(self, api_key: str | None, route: str, max_tokens: int | None = None) -> float:
+    def expected(
+        self,
+        api_key: str | None,
+        route: str,
+        max_tokens: int | None = None,
+        prefix: int | None = None,
+    ) -> float:
         value = self.knobs.default_tokens
-        key, cap = api_key or "", self._cap(max_tokens)
-        for slot in (cap, self._ANY) if cap != self._ANY else (self._ANY,):
-            stat = self._stats.get((key, route, slot))
+        for k in self._keys(api_key, route, max_tokens, prefix):
+            stat = self._stats.get(k)
             if stat is not None and stat[1] >= self.knobs.min_samples:
                 value = stat[0]
                 break
@@ -92,11 +108,10 @@ class OutputLengthEstimator:
         route: str,
         completion_tokens: int,
         max_tokens: int | None = None,
+        prefix: int | None = None,
     ) -> None:
         x = float(completion_tokens)
-        cap = self._cap(max_tokens)
-        for slot in (cap, self._ANY) if cap != self._ANY else (self._ANY,):
-            k = (api_key or "", route, slot)
+        for k in self._keys(api_key, route, max_tokens, prefix):
             prev = self._stats.pop(k, None)
             if prev is None:
                 self._stats[k] = (x, 1)
@@ -232,14 +247,16 @@ def build_profile(
     ids = prompt_token_ids(body, formatter, route)
     max_tokens = requested_max_tokens(body)
     estimator = outputs if outputs is not None else OutputLengthEstimator()
+    hashes = block_hashes(ids, _seed(model_identity))
+    first = hashes[0] if hashes else None
     return RequestProfile(
         model=model,
         model_identity=model_identity,
         route=route,
         prompt_token_ids=ids,
-        block_hashes=block_hashes(ids, _seed(model_identity)),
+        block_hashes=hashes,
         max_tokens=max_tokens,
-        expected_output_tokens=estimator.expected(api_key, route, max_tokens),
+        expected_output_tokens=estimator.expected(api_key, route, max_tokens, first),
         stream=bool(_get(body, "stream", False)),
         client_region=client_region,
         api_key=api_key,

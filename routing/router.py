@@ -321,7 +321,10 @@ class Router:
         )
         if ticket.profile is not None:
             p = ticket.profile
-            self.outputs.observe(p.api_key, p.route, measured.completion_tokens, p.max_tokens)
+            first = p.block_hashes[0] if p.block_hashes else None
+            self.outputs.observe(
+                p.api_key, p.route, measured.completion_tokens, p.max_tokens, first
+            )
         return errors
 
     def in_flight(self, node_id: str) -> int:

@@ -172,3 +172,12 @@ def test_output_length_is_learned_per_max_tokens_then_per_key():
     assert est.expected("a", "chat", 300) == 250  # a cap never seen: the key's latest overall
     assert est.expected("a", "chat", None) == 250
     assert est.expected("a", "chat", 4) == 4  # never above the cap
+
+
+def test_output_length_is_learned_per_first_prompt_block():
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0))
+    est.observe("a", "chat", 5, max_tokens=64, prefix=111)  # an app answering in a word
+    est.observe("a", "chat", 60, max_tokens=64, prefix=222)  # one writing paragraphs
+    assert est.expected("a", "chat", 64, prefix=111) == 5
+    assert est.expected("a", "chat", 64, prefix=222) == 60
+    assert est.expected("a", "chat", 64, prefix=333) == 60  # unseen app: the cap's latest
