@@ -64,19 +64,19 @@ def test_logits_equal_transformers(ours, hf, fmt: PromptFormatter) -> None:
 
 
 def test_greedy_tokens_equal_transformers(ours, hf, fmt: PromptFormatter) -> None:
+    """Our incremental greedy decode (KV cache, one token a step) is transformers' greedy
+    answer. Checked by teacher forcing: one transformers forward over prompt + our tokens must
+    put its argmax, at every position, on the token we produced next. By induction that is
+    exactly "transformers' greedy decode yields our tokens" (each step's prefix is the same),
+    for one forward per prompt instead of 24 ``generate`` steps (this test took ~198 s)."""
     for prompt in PROMPTS:
         ids = fmt.encode_chat([{"role": "user", "content": prompt}])
         mine = generate(ours, ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert len(mine.token_ids) == 24
         with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert mine.token_ids == out[0, len(ids) :].tolist(), prompt
+            logits = hf(torch.tensor([ids + mine.token_ids[:-1]])).logits[0]
+        theirs = logits[len(ids) - 1 :].argmax(-1).tolist()
+        assert mine.token_ids == theirs, prompt
 
 
 def test_greedy_answer_names_paris(ours, fmt: PromptFormatter) -> None:

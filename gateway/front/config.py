@@ -72,24 +72,38 @@ class GatewayConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    redis_url: str | None = None
-    nodes: list[str] = Field(default_factory=list)
-    openai_nodes: list[OpenAINodeConfig] = Field(default_factory=list)
-    policy_file: Path | None = None
-    virtual_models: dict[str, str] = Field(
-        default_factory=lambda: {"auto": "smollm2-135m-instruct"}
+    host: str = Field(default="127.0.0.1", description="address to listen on (--host overrides)")
+    port: int = Field(default=8000, ge=0, le=65535, description="port (--port overrides)")
+    redis_url: str | None = Field(
+        default=None,
+        description="the fleet store nodes register in (redis:// or rediss://); none: in-process",
     )
-    geo: GeoConfig = Field(default_factory=GeoConfig)
-    auth: AuthConfig = Field(default_factory=AuthConfig)
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    nodes: list[str] = Field(
+        default_factory=list, description="node base URLs, polled over /load (in-process store)"
+    )
+    openai_nodes: list[OpenAINodeConfig] = Field(
+        default_factory=list, description="other OpenAI-compatible servers (vLLM, ...) to route to"
+    )
+    policy_file: Path | None = Field(
+        default=None, description="the routing policy YAML (hot-reloaded); none: the defaults"
+    )
+    virtual_models: dict[str, str] = Field(
+        default_factory=lambda: {"auto": "smollm2-135m-instruct"},
+        description="model names clients may use for a concrete model",
+    )
+    geo: GeoConfig = Field(default_factory=GeoConfig, description="client IP -> region")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and limits")
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, gt=0, description="larger request bodies get 413"
+    )
     max_in_flight: int = Field(default=4096, gt=0, description="over this: 429 with Retry-After")
     max_attempts: int = Field(default=3, ge=1, description="nodes tried before the first byte")
-    connect_timeout_s: float = Field(default=2.0, gt=0)
-    read_timeout_s: float = Field(default=600.0, gt=0)
-    poll_interval_s: float = Field(default=1.0, gt=0)
-    log_prompts: bool = False
+    connect_timeout_s: float = Field(default=2.0, gt=0, description="to a node")
+    read_timeout_s: float = Field(default=600.0, gt=0, description="between two reads from a node")
+    poll_interval_s: float = Field(
+        default=1.0, gt=0, description="how often the in-process store polls nodes' /load"
+    )
+    log_prompts: bool = Field(default=False, description="log request bodies (privacy!)")
     tune_gc: bool = Field(
         default=True, description="freeze start-up objects and collect garbage less often"
     )
@@ -106,7 +120,9 @@ class GatewayConfig(BaseModel):
     gateway_replicas: int = Field(
         default=1, ge=1, description="replicas sharing Redis: each admits 1/n while it is down"
     )
-    observability: Literal["open", "loopback", "admin"] = "open"
+    observability: Literal["open", "loopback", "admin"] = Field(
+        default="open", description="who may read /health details and /metrics (see above)"
+    )
     insecure_no_auth: bool = Field(
         default=False, description="allow a non-loopback host with authentication off"
     )
