@@ -62,9 +62,15 @@ def add_export(esub: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from edge_runtime.export import ensure_export
+    from gateway.cli import describe_error
+    from routing.model_store import ModelNotFound
 
-    # an unknown model: gateway.cli turns ModelNotFound into one line naming what exists
-    graph = ensure_export(args.model, args.variant, args.attention, force=args.force)
+    try:
+        graph = ensure_export(args.model, args.variant, args.attention, force=args.force)
+    except ModelNotFound as e:  # one line naming what is stored and what can be pulled
+        message = describe_error(e)
+        print(f"edgecloud edge export: error: {message[0] if message else e}", file=sys.stderr)
+        return 1
     print(graph.folder)
     return 0
 
