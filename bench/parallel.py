@@ -139,12 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--output", type=int, default=32)
     p.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2"], help="TPxPP")
+    p.add_argument("--model", default=None, help="a model folder (default: the default model)")
+    p.add_argument("--results", default="parallel.json", help="file name under bench/results")
     args = p.parse_args(argv)
 
     from cloud_engine.parallel.local import run_world
-    from routing.model_store import DEFAULT_MODEL, resolve
 
-    folder = str(resolve(DEFAULT_MODEL).path)
+    if args.model:  # routing.model_store needs the gateway's packages: not on every machine
+        folder, model_name = args.model, Path(args.model).name
+    else:
+        from routing.model_store import DEFAULT_MODEL, resolve
+
+        folder, model_name = str(resolve(DEFAULT_MODEL).path), DEFAULT_MODEL
     rows = []
     for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split("x"))
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         load = None
     result = dict(
         machine=machine(),
-        model=DEFAULT_MODEL,
+        model=model_name,
         prompt=args.prompt,
         output=args.output,
         threads_per_rank=1,
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         rows=rows,
     )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "parallel.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / args.results).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -1,0 +1,28 @@
+"""Write a random-weight model of the default model's shape (SmolLM2-135M: 30 layers, 576
+hidden, 9 heads, 3 KV heads, 49152 vocabulary, tied head) for machines without the store."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cloud_engine.model.loader import save_random_model, tiny_config  # noqa: E402
+
+if __name__ == "__main__":
+    cfg = tiny_config(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+    )
+    print(save_random_model(sys.argv[1], cfg, seed=0))
