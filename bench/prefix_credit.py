@@ -3,8 +3,9 @@
 The gateway credits a node with the leading prefix blocks its index says the node holds
 (``x-edgecloud-credited-tokens``); the node then reports the prompt tokens it really served
 from its cache (``usage.prompt_tokens_details.cached_tokens``). This replays the first
-``--requests`` requests of ``shared/data/traces/mooncake_conversation_trace.jsonl`` in arrival
-order through the embedded default (``edgecloud serve``, in-process fleet store): each of the
+``--requests`` conversation requests of ``shared/data/traces/mooncake_conversation_trace.jsonl`` in arrival
+order through the embedded default (``edgecloud serve``, in-process fleet store), keeping the
+requests that continue an earlier one and those they continue (``conversation_requests``): each of the
 trace's 512-token prefix blocks becomes ``--tokens-per-block`` token ids derived from its id (so
 equal ids give equal prefixes), plus a few tokens unique to the request; prompts are sent as
 token ids to ``/v1/completions``, streamed, ``max_tokens`` 2, at ``--concurrency``.
@@ -44,17 +45,33 @@ def block_tokens(hash_id: int, n: int) -> list[int]:
     return [rng.randrange(100, VOCAB) for _ in range(n)]
 
 
-def prompts(path: Path, count: int, tokens_per_block: int, max_blocks: int) -> list[list[int]]:
-    out = []
+def conversation_requests(path: Path, count: int, window: int = 4000) -> list[list[int]]:
+    """The trace's requests that continue an earlier one (equal leading blocks past the first,
+    which every request shares) and the requests they continue, in arrival order, up to
+    ``count``: consecutive requests of the trace rarely share more than its first block, its
+    conversations span minutes."""
+    rows = []
     with path.open() as f:
         for i, line in enumerate(f):
-            if i >= count:
+            if i >= window:
                 break
-            ids = json.loads(line)["hash_ids"][:max_blocks]
-            toks = [t for h in ids for t in block_tokens(h, tokens_per_block)]
-            tail = random.Random(i).randrange(3, 12)  # unique tail: never ends on a block edge
-            toks += block_tokens(10_000_000 + i, tail)
-            out.append(toks)
+            rows.append(json.loads(line)["hash_ids"])
+    groups: dict[int, list[int]] = {}
+    for i, ids in enumerate(rows):
+        if len(ids) > 1:
+            groups.setdefault(ids[1], []).append(i)
+    keep = sorted(i for g in groups.values() if len(g) > 1 for i in g)
+    return [rows[i] for i in keep[:count]]
+
+
+def prompts(path: Path, count: int, tokens_per_block: int, max_blocks: int) -> list[list[int]]:
+    out = []
+    for i, hash_ids in enumerate(conversation_requests(path, count)):
+        ids = hash_ids[:max_blocks]
+        toks = [t for h in ids for t in block_tokens(h, tokens_per_block)]
+        tail = random.Random(i).randrange(3, 12)  # unique tail: never ends on a block edge
+        toks += block_tokens(10_000_000 + i, tail)
+        out.append(toks)
     return out
 
 
