@@ -76,6 +76,58 @@ async def _calibrate(url: str, prof: Any, n: int, seed: int) -> tuple[float, flo
     return t / want_p, (step / cost.decode_ms(1, 80) if math.isfinite(step) else 1.0)
 
 
+async def _replay_sampled(
+    url: str, trace: list[TraceRequest], nodes: dict[str, tuple[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, tuple[float, float]]]:
+    """Replay while polling each node's ``/load`` every 0.5 s; the scale factors (prefill,
+    decode) are the medians, over samples taken while the node had work, of what its own
+    EWMAs report against what its profile says for the same work."""
+    import httpx
+
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in nodes}
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        headers = {"x-edgecloud-node-token": NODE_TOKEN}
+        async with httpx.AsyncClient(timeout=10.0, headers=headers) as client:
+            while not done.is_set():
+                for kind, (nurl, prof) in nodes.items():
+                    try:
+                        st = (await client.get(nurl + "/load")).json()
+                    except httpx.HTTPError:
+                        continue
+                    cost = prof.cost_model()
+                    busy = st["running"] + st["waiting"]
+                    if busy and st["prefill_tokens_per_s"] > 0 and st["decode_ms_per_token"] > 0:
+                        chunk = 256 if kind == "edge" else 64
+                        want_tps = 1000.0 * chunk / cost.chunk_ms(0, chunk)
+                        want_dec = cost.decode_ms(max(1, st["running"]), 300)
+                        samples[kind].append(
+                            (
+                                want_tps / st["prefill_tokens_per_s"],
+                                st["decode_ms_per_token"] / want_dec,
+                            )
+                        )
+                await asyncio.sleep(0.5)
+
+    task = asyncio.create_task(sample())
+    try:
+        live = await replay(url, trace)
+    finally:
+        done.set()
+        await task
+    factors = {}
+    for kind, xs in samples.items():
+        if xs:
+            factors[kind] = (
+                float(np.median([x[0] for x in xs])),
+                float(np.median([x[1] for x in xs])),
+            )
+        else:
+            factors[kind] = (1.0, 1.0)
+    return live, factors
+
+
 def _scaled(fleet_path: Path, out: Path, factors: dict[str, tuple[float, float]]) -> Path:
     """A copy of the fleet whose profiles are scaled by ``factors[node kind]``."""
     import yaml
@@ -117,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fleet", default=str(FLEET))
     ap.add_argument(
         "--calibrate",
-        action="store_true",
-        help="before each replay, time one prompt and one decode on each node and scale the "
-        "profiles by what it measured (this machine's load changes from minute to minute)",
+        choices=["none", "probe", "during"],
+        default="none",
+        help="scale the profiles by this machine's speed now (its load changes from minute to "
+        "minute): probe = one prompt and one decode on each node before the replay; during = "
+        "the nodes' own EWMAs, polled while the replay runs",
     )
     ap.add_argument("--name", default="sim_validate")
     args = ap.parse_args(argv)
@@ -139,16 +193,27 @@ def main(argv: list[str] | None = None) -> int:
                 ["--policy-file", str(policy)], log_path=out_dir / "serve.log"
             ) as url:
                 factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
-                if args.calibrate:
-                    port = int(url.rsplit(":", 1)[1])
+                port = int(url.rsplit(":", 1)[1])
+                if args.calibrate == "probe":
                     for kind, off, n in (("edge", 1, 256), ("cloud", 2, 64)):
                         node = next(nd for nd in fleet.nodes if nd.kind == kind)
                         factors[kind] = asyncio.run(
                             _calibrate(f"http://127.0.0.1:{port + off}", fleet.profile(node), n, 7)
                         )
                     print(f"calibration factors (prefill, decode): {factors}", flush=True)
-                live = asyncio.run(replay(url, trace))
-            if args.calibrate:
+                if args.calibrate == "during":
+                    nodes = {
+                        kind: (
+                            f"http://127.0.0.1:{port + off}",
+                            fleet.profile(next(nd for nd in fleet.nodes if nd.kind == kind)),
+                        )
+                        for kind, off in (("edge", 1), ("cloud", 2))
+                    }
+                    live, factors = asyncio.run(_replay_sampled(url, trace, nodes))
+                    print(f"calibration factors (prefill, decode): {factors}", flush=True)
+                else:
+                    live = asyncio.run(replay(url, trace))
+            if args.calibrate != "none":
                 fleet_path = _scaled(Path(args.fleet), out_dir, factors)
             (out_dir / f"{tname}_{pol}.jsonl").write_text(
                 "".join(json.dumps(r) + "\n" for r in live)
