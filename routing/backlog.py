@@ -9,7 +9,8 @@ and when its last does.
 
 Invariants:
 - Time only moves forward; each loop costs ``chunk tokens * prefill_ms_per_token`` plus one
-  decode step ``decode_step_ms(rows)`` when any request decodes.
+  decode step ``decode_step_ms(rows)`` when any request decodes; a prompt's first chunk also
+  costs ``prefill_fixed_ms`` (its admission: rendering, tokenizing, the first step's setup).
 - A request's first token comes out when its last prefill chunk is done; it then needs
   ``decode_steps`` more steps (its expected output minus that first token).
 - Runs of identical decode steps are jumped over in one move (to the next finish), so the cost
@@ -29,6 +30,7 @@ class Work:
 
     prefill_tokens: float
     decode_steps: float
+    started: bool = False  # its prefill is under way (its fixed cost is paid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class EngineShape:
     prefill_ms_per_token: float
     decode_step_ms_b1: float  # one decode step with one row
     batch_slope: float  # a step of b rows takes decode_step_ms_b1 * (1 + slope * (b - 1))
+    prefill_fixed_ms: float = 0.0  # once per prompt, with its first chunk
 
     def decode_step_ms(self, rows: int) -> float:
         return self.decode_step_ms_b1 * (1.0 + self.batch_slope * max(0, rows - 1))
@@ -60,11 +63,15 @@ class _Req:
     prefill: float
     steps: float
     new: bool = False
+    started: bool = False  # its first prefill chunk has run (the fixed cost is paid)
 
 
 def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int = 4096) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order) and then ``new``."""
-    waiting = [_Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps)) for w in ahead]
+    # requests in hand whose prefill is under way have paid their fixed cost
+    waiting = [
+        _Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps), started=w.started) for w in ahead
+    ]
     target = _Req(max(1.0, new.prefill_tokens), max(0.0, new.decode_steps), new=True)
     waiting.append(target)
     waiting.reverse()  # pop() takes the oldest
@@ -83,6 +90,9 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
         if pre is not None:
             c = min(float(chunk), pre.prefill)
             t += c * shape.prefill_ms_per_token
+            if not pre.started:
+                pre.started = True
+                t += shape.prefill_fixed_ms
             pre.prefill -= c
             if pre.prefill <= 0 and pre.new:
                 first = t
@@ -113,6 +123,6 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
         running = [r for r in running if r.prefill > 0 or r.steps > 0]
     # Out of loops (a pathological backlog): finish the target alone from here.
     if first < 0:
-        first = t + target.prefill * shape.prefill_ms_per_token
+        first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
     last = first + target.steps * shape.decode_step_ms(len(running) or 1)
     return Replayed(max(queue_ms, 0.0), first, last, float(len(running) or 1))

@@ -172,6 +172,8 @@ class NodeRates:
     decode_ms_per_token_b1: _Ewma = field(default_factory=_Ewma)
     output_tokens: _Ewma = field(default_factory=_Ewma)
     decode_fit: LineFit = field(default_factory=LineFit)  # ms/token against (batch - 1)
+    # a prompt's own time to first token against its uncached tokens: fixed cost + per token
+    prefill_fit: LineFit = field(default_factory=lambda: LineFit(min_samples=4, min_spread=24.0))
 
 
 @dataclass(slots=True)
@@ -300,15 +302,27 @@ class LatencyModel:
         span several batch sizes, else the kind's default."""
         return self._slope(node.id, node.kind)
 
+    def prefill_cost(self, node: NodeState) -> tuple[float, float]:
+        """(fixed ms, ms per uncached token) of a prompt's own time to first token: fitted on
+        this node's requests once their lengths spread, else 0 and the blended rate."""
+        rates = self.rates.get(node.id)
+        if rates is not None:
+            fit = rates.prefill_fit.solve()
+            if fit is not None and fit[1] > 0:
+                return max(0.0, fit[0]), fit[1]
+        return 0.0, 1000.0 / self.prefill_tokens_per_s(node)
+
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
         kd = self.knobs.defaults(node.kind)
+        fixed, per_token = self.prefill_cost(node)
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=kd.prefill_chunk,
-            prefill_ms_per_token=1000.0 / self.prefill_tokens_per_s(node),
+            prefill_ms_per_token=per_token,
             decode_step_ms_b1=self.decode_ms_per_token_b1(node),
             batch_slope=self.batch_slope(node),
+            prefill_fixed_ms=fixed,
         )
 
     def estimate(
@@ -354,7 +368,7 @@ class LatencyModel:
                 # no room in the KV cache: it starts when a request in hand finishes
                 shape = replace(shape, slots=min(shape.slots, len(work)))
         r = replay(shape, work, Work(float(uncached), out - 1.0))
-        own_prefill = uncached * shape.prefill_ms_per_token
+        own_prefill = shape.prefill_fixed_ms + uncached * shape.prefill_ms_per_token
         rtt = max(0.0, rtt_ms)
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
@@ -393,7 +407,7 @@ class LatencyModel:
         net = max(0.0, obs.net_rtt_ms)
 
         uncached = obs.prompt_tokens - obs.cached_tokens
-        if obs.ttft_ms is not None and uncached >= k.min_prefill_tokens:
+        if obs.ttft_ms is not None and uncached >= 1:
             server_ms = obs.ttft_ms - net
             others = 0.0
             if est is not None:
@@ -402,7 +416,9 @@ class LatencyModel:
                 others = obs.node_queue_ms
             if est is None or others <= 0.25 * max(server_ms, 1e-3):
                 prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
-                rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms, k.rate_alpha)
+                rates.prefill_fit.add(float(uncached), prefill_ms)
+                if uncached >= k.min_prefill_tokens:
+                    rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms, k.rate_alpha)
 
         ttft_at_gateway = obs.ttft_ms
         if ttft_at_gateway is None and est is not None:

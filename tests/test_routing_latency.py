@@ -221,3 +221,28 @@ def test_prediction_errors_are_recorded_per_tier():
     snap = m.errors.snapshot()
     assert snap["ttft:edge"]["count"] == 1 and "e2e:all" in snap
     assert m.snapshot({"e1": n})["e1"]["decode_samples"] == 1.0
+
+
+def test_prefill_fixed_cost_and_per_token_rate_are_fitted():
+    """A node whose prompts take 100 ms plus 2 ms a token: once prompts of several lengths
+    were measured, short prompts are no longer predicted at the long prompts' rate."""
+    m = LatencyModel()
+    n = node()
+    for uncached in (20, 300, 60, 500, 120, 40):
+        e = est(m, n, prompt=uncached, out=1)
+        m.observe(
+            Observation(
+                node_id="e1",
+                kind=NodeKind.EDGE,
+                prompt_tokens=uncached,
+                cached_tokens=0,
+                completion_tokens=1,
+                ttft_ms=5.0 + 100.0 + 2.0 * uncached,
+                e2e_ms=5.0 + 100.0 + 2.0 * uncached,
+                net_rtt_ms=5.0,
+                estimate=e,
+            )
+        )
+    fixed, per_token = m.prefill_cost(n)
+    assert fixed == pytest.approx(100.0, rel=1e-6) and per_token == pytest.approx(2.0, rel=1e-6)
+    assert est(m, n, prompt=10, out=1).ttft_ms == pytest.approx(5.0 + 100.0 + 20.0)
