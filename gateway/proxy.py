@@ -23,11 +23,12 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
 from gateway.front import fastjson
+from gateway.front.upstream import StreamedUpstream, Upstream  # the node response's interface
 
 try:  # the gateway's own HTTP/1.1 client for plain-HTTP nodes (needs httptools)
     from gateway.front.http1 import H1Pool, H1Response
@@ -133,8 +134,6 @@ _URLS: dict[str, httpx.URL] = {}
 # Clients made by make_client with headers for every node request (send_upstream adds them).
 _HEADERS: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, str]] = weakref.WeakKeyDictionary()
 
-Upstream = Any  # an httpx.Response, or an H1Response (the same interface, as far as used here)
-
 
 def _url(url: str) -> httpx.URL:
     u = _URLS.get(url)
@@ -223,7 +222,7 @@ class SSEReader:
         self._buf = b""
         read = getattr(resp, "read_chunk", None)
         if read is None:  # an httpx response
-            chunks = resp.aiter_raw()
+            chunks = cast(StreamedUpstream, resp).aiter_raw()
             read = functools.partial(anext, chunks, None)
         self._read: Callable[[], Awaitable[bytes | None]] = read
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+from multidict import CIMultiDictProxy
 
 
 class AiohttpUpstream:
@@ -22,7 +23,7 @@ class AiohttpUpstream:
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
         self.status_code = resp.status
-        self.headers: Any = resp.headers  # case-insensitive get/items, as the proxy needs
+        self.headers: CIMultiDictProxy[str] = resp.headers  # case-insensitive get/items
         self.extensions: dict[str, Any] = {}
 
     async def read_chunk(self) -> bytes | None:

@@ -12,15 +12,15 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 
+from gateway.front.upstream import UpstreamHeaders
 from routing.policies import Candidate, Decision
 
 
 def decision_headers(
     decision: Decision,
     cand: Candidate,
-    node_headers: Mapping[str, str],
+    node_headers: UpstreamHeaders,
     attempts: int,
     request_id: str,
     t_start: float,
@@ -50,7 +50,7 @@ def decision_headers(
     return h
 
 
-def ttft_of_whole_reply(node_headers: Mapping[str, str], e2e_ms: float) -> float | None:
+def ttft_of_whole_reply(node_headers: UpstreamHeaders, e2e_ms: float) -> float | None:
     """The time to first token of a reply sent whole, as the gateway's client would have seen
     it streamed: the gateway's end-to-end time less the node's time from first to last token
     (both node figures come from the node's headers; None when it sent neither)."""
@@ -66,7 +66,7 @@ def ttft_of_whole_reply(node_headers: Mapping[str, str], e2e_ms: float) -> float
 
 
 def set_whole_reply_timings(
-    hdrs: dict[str, str], node_headers: Mapping[str, str], e2e_ms: float
+    hdrs: dict[str, str], node_headers: UpstreamHeaders, e2e_ms: float
 ) -> float | None:
     """Put a whole reply's measured e2e and TTFT in ``hdrs``; return the TTFT (or None)."""
     ttft = ttft_of_whole_reply(node_headers, e2e_ms)

@@ -17,7 +17,11 @@ the httptools parser (the one uvicorn uses), and keeps the contract the gateway 
   request). A kept-alive connection the node closed is never reused; one that dies before any
   byte of the reply is retried once on a new connection.
 - At most ``max_connections`` connections are open at once (callers wait for one to free up);
-  idle ones are dropped after ``keepalive_expiry`` seconds.
+  idle ones are dropped after ``keepalive_expiry`` seconds (checked when one is taken).
+- Closing the pool aborts every connection: a request or reply still in flight fails with
+  ``ReadError``, a caller waiting for a connection (or any later one) gets ``ConnectError``.
+- ``ReadTimeout`` counts the node's silence only: not while reading is paused for a slow
+  reader (below), and afresh from when it resumes.
 - While a streamed reply is read more slowly than the node sends it, reading pauses once
   ``HIGH_WATER`` bytes are buffered (the node is back-pressured, memory stays bounded).
 
@@ -29,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import weakref
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, ItemsView, Iterator, KeysView
+from typing import Any, TypeVar, overload
 from urllib.parse import urlsplit
 
 import httptools
@@ -39,6 +43,8 @@ import httpx
 HIGH_WATER = 256 * 1024
 
 _ENCODINGS = ("ascii", "utf-8")
+
+_D = TypeVar("_D")
 
 
 class _Target:
@@ -86,6 +92,11 @@ class H1Headers:
             self._dict = d
         return d
 
+    @overload
+    def get(self, key: str, /) -> str | None: ...
+    @overload
+    def get(self, key: str, default: _D, /) -> str | _D: ...
+
     def get(self, key: str, default: Any = None) -> Any:
         return self._merged().get(key.lower(), default)
 
@@ -95,10 +106,10 @@ class H1Headers:
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and key.lower() in self._merged()
 
-    def items(self) -> Any:
+    def items(self) -> ItemsView[str, str]:
         return self._merged().items()
 
-    def keys(self) -> Any:
+    def keys(self) -> KeysView[str]:
         return self._merged().keys()
 
     def __iter__(self) -> Iterator[str]:
@@ -336,9 +347,12 @@ class _Conn(asyncio.Protocol):
         if self.closed or self._complete:
             return
         loop = self.pool.loop
+        if self.paused:  # we are the slow side: the node is not silent, it is held back
+            self._timer = loop.call_later(self.pool.read_timeout_s, self._on_timer)
+            return
         left = self._last_io + self.pool.read_timeout_s - loop.time()
-        if left > 0 or self.paused:  # data came meanwhile, or we are the slow side
-            self._timer = loop.call_later(max(left, 1.0), self._on_timer)
+        if left > 0:  # data came meanwhile (or the timer fired a little early)
+            self._timer = loop.call_later(left, self._on_timer)
             return
         self._broken(httpx.ReadTimeout("timed out waiting for the node"))
 
@@ -350,6 +364,7 @@ class _Conn(asyncio.Protocol):
     def resume(self) -> None:
         if self.paused and not self.closed:
             self.paused = False
+            self._last_io = self.pool.loop.time()  # the node's silence counts from now
             self.transport.resume_reading()  # type: ignore[union-attr]
 
     def _lost(self, exc: Exception | None) -> None:
@@ -363,7 +378,9 @@ class _Conn(asyncio.Protocol):
             resp._wake()
         else:
             why = f": {exc}" if exc else ""
-            err = httpx.RemoteProtocolError(f"the node closed the connection{why}")
+            err: httpx.TransportError = httpx.RemoteProtocolError(
+                f"the node closed the connection{why}"
+            )
             if resp is not None:
                 err = httpx.ReadError(f"the node closed the connection mid-reply{why}")
             self._fail(err)
@@ -395,6 +412,9 @@ class _Conn(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self._stop_timer()
+            # whoever still waits on this connection (its request, or a reader of its reply
+            # when the pool closes) learns now: connection_lost will find it closed already
+            self._fail(httpx.ReadError("the connection was closed by the gateway"))
             if self.transport is not None:
                 self.transport.abort()
             self.pool._forget(self)
@@ -496,20 +516,31 @@ class H1Pool:
         oldest.abort()
         return True
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
-        while len(self._open) + self._opening >= self.max_connections:
+    async def _acquire(self, key: tuple[str, int]) -> tuple[_Conn, bool]:
+        """A connection to ``key`` and whether it is a kept-alive one (else new), waiting
+        while ``max_connections`` are open and none of them is idle."""
+        while True:
+            if self.closed:
+                raise httpx.ConnectError("the client is closed")
+            conn = self._take_idle(key)
+            if conn is not None:
+                return conn, True
+            if len(self._open) + self._opening < self.max_connections:
+                return await self._connect(key), False
             if self._drop_oldest_idle():
                 continue
             w = self.loop.create_future()
             self._waiters.append(w)
             try:
                 await w
-            finally:
-                if not w.done():
+            except BaseException:
+                if w.done() and not w.cancelled():
+                    self._wake_waiter()  # woken, then cancelled: hand the wake-up on
+                else:
                     w.cancel()
-            conn = self._take_idle(key)
-            if conn is not None:
-                return conn
+                raise
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
         self._opening += 1
         try:
             conn = _Conn(self, key)
@@ -524,6 +555,9 @@ class H1Pool:
                 ) from None
             except OSError as exc:
                 raise httpx.ConnectError(str(exc)) from exc
+            if self.closed:  # closed while connecting
+                conn.abort()
+                raise httpx.ConnectError("the client is closed")
             self._open.add(conn)
             return conn
         finally:
@@ -540,10 +574,7 @@ class H1Pool:
         head.append(b"content-length: %d\r\n\r\n" % len(body))
         data = b"".join(head) + body
         for attempt in (0, 1):
-            conn = self._take_idle(target.key)
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(target.key)
+            conn, reused = await self._acquire(target.key)
             fut: asyncio.Future[H1Response] = self.loop.create_future()
             conn.start(data, fut)
             try:
@@ -564,7 +595,7 @@ class H1Pool:
         for conn in list(self._open):
             conn.abort()
         self._idle.clear()
-        for w in self._waiters:
+        for w in self._waiters:  # they wake to find the pool closed (ConnectError)
             if not w.done():
-                w.cancel()
+                w.set_result(None)
         self._waiters.clear()

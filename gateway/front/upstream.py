@@ -1,0 +1,79 @@
+"""The typed interface of a node's response, as the gateway's proxy and relay use it.
+
+Three clients produce upstream responses: the gateway's own HTTP/1.1 pool for plain-HTTP nodes
+(:class:`gateway.front.http1.H1Response`), httpx for everything else (``httpx.Response``), and,
+for measurement only, an aiohttp session (:class:`gateway.front.aiohttp_upstream.AiohttpUpstream`).
+This module names exactly the part of them that callers use, so that a type checker (and
+``tests/test_http1.py``, with ``isinstance`` on these runtime-checkable protocols) holds all
+three to it:
+
+- ``status_code``, ``headers`` (:class:`UpstreamHeaders`: case-insensitive ``get``, ``[]``,
+  ``in``, ``items``), ``extensions`` (a mutable mapping: :func:`gateway.proxy.open_first` keeps
+  the stream's SSE reader and first batch there);
+- ``aread()`` (the whole body, content-decoded) and ``aclose()`` (closing a response not read
+  to its end closes its connection, which cancels the request on the node);
+- the body read as it arrives, transfer-decoded: ``read_chunk()`` (:class:`ChunkedUpstream`:
+  the gateway's pool and the aiohttp adapter) or ``aiter_raw()`` (:class:`StreamedUpstream`:
+  httpx). :class:`gateway.proxy.SSEReader` prefers ``read_chunk`` where there is one.
+
+Failures are httpx's exception types (``httpx.TransportError`` subclasses) whatever the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, MutableMapping
+from typing import Any, Protocol, TypeAlias, overload, runtime_checkable
+
+
+@runtime_checkable
+class UpstreamHeaders(Protocol):
+    """A response's headers: names are case-insensitive; a repeated header reads as its values
+    joined with ``", "`` (httpx's semantics; aiohttp's multidict gives the first value)."""
+
+    @overload
+    def get(self, key: str, /) -> str | None: ...
+    @overload
+    def get(self, key: str, default: str, /) -> str: ...
+
+    def __getitem__(self, key: str, /) -> str: ...
+
+    def __contains__(self, key: object, /) -> bool: ...
+
+    def items(self) -> Iterable[tuple[str, str]]: ...
+
+
+@runtime_checkable
+class UpstreamResponse(Protocol):
+    """What every upstream response has (see the module's docstring)."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> UpstreamHeaders: ...
+
+    @property
+    def extensions(self) -> MutableMapping[str, Any]: ...
+
+    async def aread(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class ChunkedUpstream(UpstreamResponse, Protocol):
+    """A response whose body is read with ``read_chunk``: what arrived since the last call
+    (waiting for something), or None at the end."""
+
+    async def read_chunk(self) -> bytes | None: ...
+
+
+@runtime_checkable
+class StreamedUpstream(UpstreamResponse, Protocol):
+    """A response whose body is read with ``aiter_raw`` (httpx's)."""
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+
+Upstream: TypeAlias = ChunkedUpstream | StreamedUpstream
+"""A node's response, opened (status and headers read, body not yet)."""
