@@ -13,6 +13,11 @@ with a small batch first. On CUDA it also measures decode memory-bandwidth utili
 batch 1 and 64 (weights + KV bytes read per step over the measured copy bandwidth) and the KV
 waste at peak (slots of in-use blocks holding no token). Writes JSON and markdown to
 bench/results/.
+
+Larger shapes: ``--shapes llama-3.1-8b`` (dense), ``--shapes qwen3-30b-a3b`` (MoE: the fused
+engine has no MoE layer, so it runs through ``cloud_engine.parallel`` at tp=1, pp=1, over the
+peer's own tensors). ``--peer-requests N``: the peer runs the first N requests only, and ours runs
+them too, so the speedup is taken at the same concurrency.
 """
 
 from __future__ import annotations
@@ -56,6 +61,33 @@ SHAPES: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500_000.0, max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+}  # fmt: skip
+
+# MoE shapes: HF config dicts (run through the parallel package's layers at tp=1, pp=1: the
+# fused single-process CUDA engine has no MoE layer). "qwen3-moe-tiny" is a CPU smoke test.
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+    ),
+    "qwen3-moe-tiny": dict(
+        model_type="qwen3_moe", vocab_size=32000, hidden_size=128, intermediate_size=256,
+        moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=4096, tie_word_embeddings=False,
     ),
 }  # fmt: skip
 
@@ -297,6 +329,12 @@ def bench_model(
         sync_run.pop("first_tokens")
         out["ours_no_overlap"] = sync_run
         print(f"[{name}] ours without overlap: {sync_run['tok_s']:.0f} tok/s", flush=True)
+    n_peer = peer_count(args, len(prompts))
+    if n_peer < len(prompts):  # the peer runs fewer: ours at the same concurrency too
+        core.blocks.reset_cache()
+        sub = run_ours(core, prompts[:n_peer], outs[:n_peer], device)
+        out["ours_at_peer_requests"] = sub
+        print(f"[{name}] ours at {n_peer} requests: {sub['tok_s']:.0f} tok/s", flush=True)
     if device == "cuda" and not args.skip_bw:
         bw = copy_bandwidth()
         out["copy_bw_Bps"] = bw
@@ -317,23 +355,207 @@ def bench_model(
             hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).to(device).eval()
         else:
             hcfg = AutoConfig.for_model(**cfg.to_hf_dict())
-            hf = AutoModelForCausalLM.from_config(hcfg, dtype=dtype).to(device).eval()
+            with torch.device(device):  # built on the device: no host-side init of 8B weights
+                hf = AutoModelForCausalLM.from_config(hcfg, dtype=dtype).eval()
             assert state is not None
             hf.load_state_dict({k: v for k, v in state.items() if "rotary" not in k}, strict=False)
-        out["peer"] = peer = run_peer(hf, prompts, outs, device)
-        firsts = [
-            a == b for a, b in zip(ours["first_tokens"], peer["first_tokens"], strict=True) if b
-        ]
-        out["first_token_agreement"] = sum(firsts) / max(1, len(firsts))
-        out["speedup"] = ours["tok_s"] / peer["tok_s"]
-        print(
-            f"[{name}] peer: {peer['tok_s']:.0f} tok/s ({peer['wall_s']:.1f} s); speedup {out['speedup']:.1f}x",
-            flush=True,
-        )
+            del state
+        peer_vs(out, hf, prompts[:n_peer], outs[:n_peer], device, name)
         del hf
-    ours.pop("first_tokens")
-    if "peer" in out:
-        out["peer"].pop("first_tokens")
+    for k in ("ours", "ours_at_peer_requests", "peer"):
+        if k in out:
+            out[k].pop("first_tokens", None)
+    return out
+
+
+def peer_count(args: argparse.Namespace, n: int) -> int:
+    return min(n, args.peer_requests or n)
+
+
+def peer_vs(
+    out: dict[str, Any], hf: Any, prompts: list[list[int]], outs: list[int], device: str, name: str
+) -> None:
+    """Run the peer on ``prompts`` and compare with ours at the same request count."""
+    out["peer"] = peer = run_peer(hf, prompts, outs, device)
+    peer["requests"] = len(prompts)
+    same = out.get("ours_at_peer_requests", out["ours"])
+    firsts = [a == b for a, b in zip(same["first_tokens"], peer["first_tokens"], strict=True) if b]
+    if not out.get("shared_weights_with_peer", True):
+        firsts = []
+    out["first_token_agreement"] = sum(firsts) / len(firsts) if firsts else None
+    out["speedup"] = same["tok_s"] / peer["tok_s"]
+    print(
+        f"[{name}] peer ({len(prompts)} requests): {peer['tok_s']:.0f} tok/s ({peer['wall_s']:.1f} s); "
+        f"ours at the same requests {same['tok_s']:.0f}; speedup {out['speedup']:.1f}x",
+        flush=True,
+    )
+
+
+class MemCheckpoint:
+    """The parallel package's ``Checkpoint`` interface over in-memory tensors (the peer's
+    state dict): slices are views, so both engines share one copy of the weights."""
+
+    def __init__(self, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.state, self.dtype = state, dtype
+
+    def has(self, name: str) -> bool:
+        return name in self.state
+
+    def _out(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype).contiguous()  # no copy when already so
+
+    def full(self, name: str) -> torch.Tensor:
+        return self._out(self.state[name])
+
+    def rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        return self._out(self.state[name][a:b])
+
+    def cols(self, name: str, a: int, b: int) -> torch.Tensor:
+        return self._out(self.state[name][:, a:b])
+
+    def rows_padded(self, name: str, a: int, b: int) -> torch.Tensor:
+        t = self.state[name]
+        assert a == 0 and b == t.shape[0], "tp=1 only: no padded vocabulary"
+        return self._out(t)
+
+
+def moe_decode_step(core: EngineCore, ctx: int, moe_bytes: dict[str, int], copy_bw: float | None,
+                    steps: int = 16, rounds: int = 3) -> dict[str, Any]:  # fmt: skip
+    """Batch-1 decode step time through the engine (no overlap, no graphs: the parallel
+    runner); bytes read = non-expert weights + the top-k experts of every sparse layer + KV."""
+    rng = random.Random(1)
+    core.add(
+        GenerationRequest(
+            [rng.randrange(100, 30000) for _ in range(ctx)],
+            SamplingParams(max_tokens=rounds * steps + 8, temperature=0.0, ignore_eos=True),
+            request_id="bw1",
+        )
+    )
+    while any(s.num_output < 2 for s in core.seqs.values()):
+        core.step()
+    (seq,) = core.seqs.values()
+    c0 = seq.num_tokens
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        times.append((time.perf_counter() - t0) / steps)
+    mean_ctx = (c0 + seq.num_tokens) / 2
+    core.abort(seq.request_id)
+    step_s = statistics.median(times)
+    kv = mean_ctx * core.pool.spec.bytes_per_token
+    total = moe_bytes["active_weight_bytes"] + kv
+    r: dict[str, Any] = {"batch": 1, "ctx": round(mean_ctx), **moe_bytes, "kv_bytes": int(kv)}
+    r["engine_step_ms"] = step_s * 1e3
+    if copy_bw:
+        r["util_engine"] = total / step_s / copy_bw
+    return r
+
+
+def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """A MoE shape: the peer's random model is built first (on the device), and our engine runs
+    over the same tensors (no second copy: 61 GB fits once): ours, then the peer."""
+    from unittest import mock
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import cloud_engine.parallel.model as pmodel
+    from cloud_engine.kv_pool import budget_bytes_for
+    from cloud_engine.parallel.dist import ParallelConfig, Rank
+    from cloud_engine.parallel.moe import MoEConfig, base_config_dict
+    from cloud_engine.parallel.runner import DistRunner, make_pool
+
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    prompts, outs = workload(args)
+    out: dict[str, Any] = {
+        "model": name,
+        "requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_len": [min(outs), max(outs)],
+        "engine": "cloud_engine.parallel (tp=1, pp=1): eager torch layers, SparseMoE "
+        "(one matmul pair per expert with tokens), torch paged attention; no CUDA graphs",
+    }
+    cfg = ModelConfig.from_dict(base_config_dict(dict(d)))
+    mc = MoEConfig.from_dict(d)
+    assert mc is not None
+    torch.manual_seed(args.seed)
+    hcfg = AutoConfig.for_model(**d)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(hcfg, dtype=dtype).eval()
+    out["peer_experts_implementation"] = getattr(hf.config, "_experts_implementation", None)
+    state = dict(hf.state_dict())
+    ck = MemCheckpoint(state, dtype)
+    rank = Rank(ParallelConfig(), 0, None, torch.device(device))
+    with (
+        mock.patch.object(pmodel, "Checkpoint", lambda *a: ck),
+        mock.patch.object(pmodel, "read_config", lambda folder: (cfg, mc)),
+    ):
+        model = pmodel.ShardedLlama("<memory>", rank, range(cfg.num_hidden_layers), dtype)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    per_expert = sum(
+        nbytes(t) // mc.num_experts
+        for t in (model.blocks[0].moe.w_gate_up, model.blocks[0].moe.w_down)
+    )
+    dense = 0
+    for b in model.blocks:
+        dense += sum(nbytes(t) for t in (b.w_qkv, b.w_o, b.ln1, b.ln2) if t is not None)
+        dense += sum(nbytes(t) for t in (b.q_norm, b.k_norm) if t is not None)
+        dense += (
+            nbytes(b.moe.router) if b.moe is not None else nbytes(b.w_gate_up) + nbytes(b.w_down)
+        )
+    dense += nbytes(model.head) + nbytes(model.norm)
+    sparse_layers = sum(b.moe is not None for b in model.blocks)
+    moe_bytes = {
+        "total_weight_bytes": sum(nbytes(t) for t in state.values()),
+        "dense_weight_bytes": dense,
+        "expert_bytes": per_expert,
+        "active_weight_bytes": dense + sparse_layers * mc.top_k * per_expert,
+    }
+    out["weights"] = moe_bytes
+    print(f"[{name}] weights {moe_bytes['total_weight_bytes'] / 1e9:.1f} GB, read per batch-1 "
+          f"step {moe_bytes['active_weight_bytes'] / 1e9:.2f} GB", flush=True)  # fmt: skip
+    econf = EngineConfig(
+        device=device,
+        kv_memory_fraction=args.kv_fraction,
+        kv_memory_bytes=None if device == "cuda" else args.kv_bytes,
+        max_running=args.max_running,
+        max_tokens_per_step=args.max_tokens_per_step,
+        max_context=min(cfg.max_position_embeddings, 4096),
+        threads=args.threads,
+        overlap=False,
+    ).resolved()
+    budget = budget_bytes_for(rank.device, econf.kv_memory_fraction, econf.kv_memory_bytes)
+    pool = make_pool(model, rank, budget, econf.max_kv_blocks, econf.kv_int8)
+    core = EngineCore(model, f"bench-{name}", econf, DistRunner(model, pool, rank))  # type: ignore[arg-type]
+    print(f"[{name}] ours: {core.blocks.num_blocks} KV blocks", flush=True)
+    out["ours"] = ours = run_ours(core, prompts, outs, device)
+    print(f"[{name}] ours: {ours['tok_s']:.0f} tok/s ({ours['wall_s']:.1f} s)", flush=True)
+    n_peer = peer_count(args, len(prompts))
+    if n_peer < len(prompts):
+        core.blocks.reset_cache()
+        out["ours_at_peer_requests"] = sub = run_ours(core, prompts[:n_peer], outs[:n_peer], device)
+        print(f"[{name}] ours at {n_peer} requests: {sub['tok_s']:.0f} tok/s", flush=True)
+    if not args.skip_bw:
+        bw = copy_bandwidth() if device == "cuda" else None
+        out["copy_bw_Bps"] = bw
+        out["decode_bw_moe"] = r = moe_decode_step(core, args.bw_ctx, moe_bytes, bw)
+        print(f"[{name}] decode b=1: {r['engine_step_ms']:.3f} ms/step; "
+              f"util {r.get('util_engine', 0):.0%}", flush=True)  # fmt: skip
+    del core, pool, model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_peer:
+        peer_vs(out, hf, prompts[:n_peer], outs[:n_peer], device, name)
+    del hf, state
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    for k in ("ours", "ours_at_peer_requests", "peer"):
+        if k in out:
+            out[k].pop("first_tokens", None)
     return out
 
 
@@ -351,17 +573,37 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             for r in results
         ),
         "",
-        "| model | requests | ours tok/s | ours without overlap | peer tok/s | speedup | ours start-up s | KV waste at peak | preemptions |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | requests | ours tok/s | ours without overlap | peer requests | ours tok/s at peer's requests | peer tok/s | speedup (same requests) | ours start-up s | KV waste at peak | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         o, p = r["ours"], r.get("peer")
         sync_tok_s = f"{r['ours_no_overlap']['tok_s']:.0f}" if "ours_no_overlap" in r else "-"
-        peer = f"{p['tok_s']:.0f} | {r['speedup']:.1f}x" if p else "- | -"
+        same = r.get("ours_at_peer_requests", o)
+        peer = (
+            f"{p.get('requests', r['requests'])} | {same['tok_s']:.0f} | {p['tok_s']:.0f} | {r['speedup']:.1f}x"
+            if p
+            else "- | - | - | -"
+        )
         lines.append(
             f"| {r['model']} | {r['requests']} | {o['tok_s']:.0f} | {sync_tok_s} | {peer} | {o['startup_s']:.1f} | {o['kv_waste_at_peak']:.2%} | {o['preemptions']} |"
         )
-    if any("decode_bw" in r for r in results):
+    moe = [r for r in results if "decode_bw_moe" in r]
+    if moe:
+        lines += [
+            "",
+            "MoE batch-1 decode: bytes read per step = non-expert weights + top-k experts of every layer + KV.",
+            "",
+            "| model | engine | ctx | weights (all) | read per step | engine ms/step | util |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in moe:
+            d = r["decode_bw_moe"]
+            util = f"{d['util_engine']:.0%}" if "util_engine" in d else "-"
+            lines.append(
+                f"| {r['model']} | parallel package, tp=1 (eager, no graphs) | {d['ctx']} | {d['total_weight_bytes'] / 1e9:.1f} GB | {(d['active_weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB | {d['engine_step_ms']:.2f} | {util} |"
+            )
+    if any("decode_bw" in r for r in results):  # dense shapes
         lines += [
             "",
             "Decode memory-bandwidth utilization: (weights + KV bytes read per step) / step time / copy bandwidth.",
@@ -374,7 +616,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 lines.append(
                     f"| {r['model']} | {d['batch']} | {d['ctx']} | {(d['weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB | {d['engine_step_ms']:.3f} | {d['util_engine']:.0%} | {d['engine_step_ms_no_overlap']:.3f} | {d['util_engine_no_overlap']:.0%} | {d['graph_replay_ms']:.3f} | {d['util_graph']:.0%} |"
                 )
-        bws = {r["model"]: r["copy_bw_Bps"] for r in results if "copy_bw_Bps" in r}
+        bws = {r["model"]: r["copy_bw_Bps"] for r in results if r.get("copy_bw_Bps")}
         lines += [
             "",
             "Copy bandwidth (read + write): "
@@ -387,7 +629,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
-        "--shapes", default="qwen3-0.6b,llama-3.2-1b", help="CUDA: random models of these shapes"
+        "--shapes",
+        default=None,
+        help="random models of these shapes (CUDA default: qwen3-0.6b,llama-3.2-1b); "
+        f"dense: {','.join(SHAPES)}; MoE: {','.join(MOE_SHAPES)}",
+    )
+    ap.add_argument(
+        "--peer-requests",
+        type=int,
+        default=None,
+        help="the peer runs only the first N requests (too slow for all); ours runs them too",
     )
     ap.add_argument(
         "--model", default=None, help="CPU: model name or folder (default: the default model)"
@@ -408,6 +659,7 @@ def main() -> None:
     ap.add_argument("--skip-bw", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--device-kind", default=None, help="recorded in the JSON (e.g. nvidia-h200)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     args.requests = args.requests or (256 if cuda else 64)
@@ -421,7 +673,10 @@ def main() -> None:
         "torch": torch.__version__,
         "command": recorded_command("cloud_throughput.py", sys.argv[1:], ("--out-dir",)),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "weights": "random" if cuda or args.shapes else "real",
     }
+    if args.device_kind:
+        meta["device_kind"] = args.device_kind
     try:
         import transformers
 
@@ -441,10 +696,13 @@ def main() -> None:
         (out_dir / f"cloud_throughput_{tag}.md").write_text(md)
         return md
 
-    if cuda:
-        for name in args.shapes.split(","):
-            cfg = ModelConfig.from_dict(dict(SHAPES[name]))
-            results.append(bench_model(name, cfg, args, None))
+    if cuda or args.shapes:
+        for name in (args.shapes or "qwen3-0.6b,llama-3.2-1b").split(","):
+            if name in MOE_SHAPES:
+                results.append(bench_moe(name, MOE_SHAPES[name], args))
+            else:
+                cfg = ModelConfig.from_dict(dict(SHAPES[name]))
+                results.append(bench_model(name, cfg, args, None))
             md = save()
     else:
         from routing.model_store import DEFAULT_MODEL, resolve
