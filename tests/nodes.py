@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,3 +142,29 @@ def serve_node(
         engine, resolve(model), region="test", host="127.0.0.1", port=port, node_id=node_id
     )
     return Served(create_node_app(service, store, node_token=node_token), port)
+
+
+@contextlib.contextmanager
+def tiny_fleet(model: Path, suffix: str, **gateway_config: Any) -> Iterator[dict[str, Any]]:
+    """A tiny cloud node, a tiny edge node and a real gateway in front of both (in-process
+    store), each under uvicorn on loopback; yields ``{"served": {"cloud", "edge", "gw"},
+    "model": name, "gateway": the Gateway object}`` once the gateway sees both nodes."""
+    from gateway.front.app import create_gateway_app
+    from gateway.front.config import GatewayConfig
+    from routing.model_store import resolve
+
+    served: dict[str, Served] = {}
+    try:
+        served["cloud"] = serve_node(tiny_cloud_engine(model), model, f"cloud-{suffix}")
+        served["edge"] = serve_node(tiny_edge_engine(model), model, f"edge-{suffix}")
+        nodes = [served["edge"].url, served["cloud"].url]
+        app = create_gateway_app(GatewayConfig(nodes=nodes, **gateway_config))
+        served["gw"] = Served(app)
+        deadline = time.monotonic() + 30
+        while len(httpx.get(served["gw"].url + "/admin/nodes").json()["nodes"]) < 2:
+            assert time.monotonic() < deadline, "the gateway never saw both nodes"
+            time.sleep(0.05)
+        yield {"served": served, "model": resolve(model).name, "gateway": app.state.gateway}
+    finally:
+        for s in served.values():
+            s.stop()

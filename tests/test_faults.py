@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.nodes import Served, serve_node, tiny_cloud_engine, tiny_edge_engine
+from tests.nodes import tiny_fleet
 
 CASES = int(os.environ.get("EDGECLOUD_FUZZ_CASES", "2000"))
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/route")
@@ -36,29 +36,8 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/route")
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Iterator[dict]:
-    from gateway.front.app import create_gateway_app
-    from gateway.front.config import GatewayConfig
-    from routing.model_store import resolve
-
-    info = resolve(tiny_model_path)
-    served: dict[str, Served] = {}
-    try:
-        for kind, engine in (
-            ("cloud", tiny_cloud_engine(tiny_model_path)),
-            ("edge", tiny_edge_engine(tiny_model_path)),
-        ):
-            served[kind] = serve_node(engine, tiny_model_path, f"{kind}-f")
-        nodes = [s.url for s in served.values()]
-        app = create_gateway_app(GatewayConfig(nodes=nodes, max_in_flight=64))
-        served["gw"] = Served(app)
-        deadline = time.monotonic() + 30
-        while len(httpx.get(served["gw"].url + "/admin/nodes").json()["nodes"]) < 2:
-            assert time.monotonic() < deadline, "the gateway never saw both nodes"
-            time.sleep(0.05)
-        yield {"served": served, "model": info.name, "gateway": app.state.gateway}
-    finally:
-        for s in served.values():
-            s.stop()
+    with tiny_fleet(tiny_model_path, "f", max_in_flight=64) as f:
+        yield f
 
 
 # ---- strategies: what a client can get wrong ----------------------------------------------------

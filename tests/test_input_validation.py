@@ -15,17 +15,15 @@ import asyncio
 import http.client
 import json
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from routing.engine import FinishReason, GenerationRequest, SamplingParams
 from routing.sampling_limits import InvalidSampling
-from tests.nodes import Served, serve_node, tiny_cloud_engine, tiny_edge_engine
+from tests.nodes import tiny_cloud_engine, tiny_edge_engine, tiny_fleet
 
 VOCAB = 49152  # the tiny model's vocabulary (tests/conftest.py)
 
@@ -67,30 +65,8 @@ class Conn:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_path: Path, edge_home: None, one_torch_thread: None) -> Iterator[dict]:
     """A cloud node, an edge node and a gateway in front of both."""
-    from gateway.front.app import create_gateway_app
-    from gateway.front.config import GatewayConfig
-    from routing.model_store import resolve
-
-    info = resolve(tiny_model_path)
-    served: dict[str, Served] = {}
-    try:
-        for kind, engine in (
-            ("cloud", tiny_cloud_engine(tiny_model_path)),
-            ("edge", tiny_edge_engine(tiny_model_path)),
-        ):
-            served[kind] = serve_node(engine, tiny_model_path, f"{kind}-v")
-        gw_cfg = GatewayConfig(nodes=[served["edge"].url, served["cloud"].url], poll_interval_s=1.0)
-        served["gw"] = Served(create_gateway_app(gw_cfg))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            models = httpx.get(served["gw"].url + "/v1/models").json()["data"]
-            if any(m["id"] == info.name for m in models):
-                break
-            time.sleep(0.1)
-        yield {**served, "model": info.name}
-    finally:
-        for s in served.values():
-            s.stop()
+    with tiny_fleet(tiny_model_path, "v", poll_interval_s=1.0) as f:
+        yield {**f["served"], "model": f["model"]}
 
 
 def _chat(model: str, content: Any = "Hello there", **extra: Any) -> dict[str, Any]:
