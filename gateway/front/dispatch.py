@@ -330,15 +330,20 @@ class Dispatch:
             p.decision, cand, opened.response.headers, len(opened.attempts), p.request_id, p.t_start
         )
 
-    async def passthrough(self, opened: Opened, hdrs: dict[str, str]) -> Response:
-        """A node's non-200 answer (a 4xx it was not retried for), passed through as it came."""
+    async def _read_body(self, opened: Opened) -> bytes:
+        """The reply's whole body; a node failing meanwhile fails its leg (a 502 follows).
+        The upstream is closed either way."""
         try:
-            content = await opened.response.aread()
+            return await opened.response.aread()
         except (httpx.TransportError, OSError) as exc:
             self.fail(opened.node_id)
             raise _upstream_error(exc) from exc
         finally:
             await self.aclose_upstream()
+
+    async def passthrough(self, opened: Opened, hdrs: dict[str, str]) -> Response:
+        """A node's non-200 answer (a 4xx it was not retried for), passed through as it came."""
+        content = await self._read_body(opened)
         self.end(opened.node_id, None)
         return Response(
             content,
@@ -350,13 +355,7 @@ class Dispatch:
         """Read a reply sent whole (200), learn from it, settle the rate charge."""
         assert self.plan is not None
         plan = self.plan
-        try:
-            content = await opened.response.aread()
-        except (httpx.TransportError, OSError) as exc:
-            self.fail(opened.node_id)
-            raise _upstream_error(exc) from exc
-        finally:
-            await self.aclose_upstream()
+        content = await self._read_body(opened)
         e2e = (time.perf_counter() - plan.t_start) * 1000
         usage: dict[str, Any] = {}
         with contextlib.suppress(ValueError, AttributeError):
