@@ -6,8 +6,10 @@ renormalises), ``decoder_sparse_step``, ``mlp_only_layers``, ``shared_expert_int
 (Qwen2-MoE's shared expert, gated by ``sigmoid(shared_expert_gate(x))``).
 
 Routing as the models define it: ``softmax`` of the router logits in float32, top-k, optionally
-renormalised, cast to the activations' dtype. Experts are stacked weights; this CPU path sorts
-the (token, expert) pairs by expert and runs one gathered matmul per expert that has tokens.
+renormalised, cast to the activations' dtype. Experts are stacked weights. On CUDA (with Triton)
+``cloud_engine.kernels.moe`` runs them: routing and the sort by expert on the device, one
+grouped launch for every expert's gate_up (SwiGLU fused) and one for down, no host sync. The CPU
+path sorts the (token, expert) pairs by expert and runs one gathered matmul per expert with tokens.
 
 Expert parallelism: TP rank ``r`` of ``tp`` holds whole experts ``[r*E/tp, (r+1)*E/tp)``.
 Activations are replicated over the TP ranks (the attention's all-reduce), so dispatch is each
@@ -113,9 +115,26 @@ class SparseMoE:
                 ck.full(p + "shared_expert_gate.weight"),
             )
 
+    use_kernel: bool | None = None  # None: the Triton grouped kernel on CUDA when importable
+
+    def _kernel(self, h: torch.Tensor) -> bool:
+        if self.use_kernel is None:
+            from cloud_engine.kernels import triton_available
+
+            SparseMoE.use_kernel = triton_available()
+        return bool(self.use_kernel) and h.is_cuda
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])
+        if self._kernel(h):  # routing, sort and both GEMMs on the device: no host sync
+            from cloud_engine.kernels.moe import moe_forward
+
+            out = moe_forward(
+                h, self.router, self.w_gate_up, self.w_down, self.cfg.top_k,
+                self.cfg.norm_topk, self.e0,
+            )  # fmt: skip
+            return self._shared(h, out).reshape(shape)
         probs = torch.softmax(F.linear(h, self.router).float(), dim=-1)
         w, idx = torch.topk(probs, self.cfg.top_k, dim=-1)
         if self.cfg.norm_topk:
@@ -141,11 +160,14 @@ class SparseMoE:
                 y = F.linear(F.silu(g) * u, self.w_down[e])
                 out.index_add_(0, rows, y * wt[a : a + c])
                 a += c
+        return self._shared(h, out).reshape(shape)
+
+    def _shared(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             gu, down, gate = self.shared
             g, u = F.linear(h, gu).chunk(2, dim=-1)
             out = out + torch.sigmoid(F.linear(h, gate)) * F.linear(F.silu(g) * u, down)
-        return out.reshape(shape)
+        return out
 
 
 def read_config(folder: str) -> tuple[Any, MoEConfig | None]:
