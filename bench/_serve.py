@@ -42,6 +42,9 @@ def embedded_default(
 ) -> Iterator[str]:
     """``edgecloud serve`` on free ports; yields the gateway's base URL once both nodes are in
     its view. Stops the whole process group on exit."""
+    # A benchmark stopped by SIGTERM (``timeout``) must still stop its fleet: let the signal
+    # unwind through the ``finally`` below instead of ending the process on the spot.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     port = free_port_block()
     exe = Path(sys.executable).with_name("edgecloud")
     cmd = [str(exe), "serve", "--port", str(port), *(extra or [])]
@@ -72,3 +75,4 @@ def embedded_default(
             proc.wait()
         if log_path:
             out.close()  # type: ignore[union-attr]
+        signal.signal(signal.SIGTERM, previous)
