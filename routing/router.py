@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import time
 from collections.abc import Callable, Collection
@@ -82,9 +83,13 @@ class DispatchLedger:
     """Requests in flight per node, with their dispatch times (sorted, as the clock is) and
     what was predicted for them, so a decision can replay the work each node has in hand."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_finished_s: float = 30.0) -> None:
         self._times: dict[str, list[tuple[float, int]]] = {}
         self._entries: dict[int, _InFlight] = {}
+        # (dispatched at, finished at) of recent finishes per node: a node's state taken before
+        # they finished still counts them as running
+        self._finished: dict[str, collections.deque[tuple[float, float]]] = {}
+        self.keep_finished_s = keep_finished_s
 
     def add(
         self,
@@ -98,7 +103,7 @@ class DispatchLedger:
         if estimate is not None:
             self._entries[ticket_id] = _InFlight(at, estimate, output_tokens)
 
-    def remove(self, node_id: str, at: float, ticket_id: int) -> bool:
+    def remove(self, node_id: str, at: float, ticket_id: int, now: float | None = None) -> bool:
         self._entries.pop(ticket_id, None)
         items = self._times.get(node_id)
         if not items:
@@ -106,8 +111,23 @@ class DispatchLedger:
         i = bisect.bisect_left(items, (at, ticket_id))
         if i < len(items) and items[i] == (at, ticket_id):
             del items[i]
+            if now is not None:
+                done = self._finished.setdefault(node_id, collections.deque())
+                done.append((at, now))
+                while done and (now - done[0][1] > self.keep_finished_s or len(done) > 4096):
+                    done.popleft()
             return True
         return False
+
+    def in_flight_at(self, node_id: str, t: float) -> int:
+        """Requests of ours the node had in hand at time ``t`` (a NodeState's timestamp):
+        dispatched before it, and still in flight or finished after it."""
+        items = self._times.get(node_id, ())
+        n = bisect.bisect_right(items, (t, float("inf"))) if items else 0
+        for at, finished in self._finished.get(node_id, ()):
+            if at <= t < finished:
+                n += 1
+        return n
 
     def first_token(self, ticket_id: int, at: float) -> None:
         entry = self._entries.get(ticket_id)
@@ -229,8 +249,7 @@ class Router:
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
             else:
-                ours = self.ledger.in_flight(node.id)
-                seen = ours - self.ledger.since(node.id, node.timestamp)
+                seen = self.ledger.in_flight_at(node.id, node.timestamp)
                 est = self.model.estimate(
                     node,
                     prompt_tokens=profile.prompt_tokens,
@@ -298,7 +317,7 @@ class Router:
         Returns the prediction errors recorded (``ttft``/``e2e``, measured - predicted, ms).
         Idempotent: a ticket finished twice is learned from once.
         """
-        if not self.ledger.remove(ticket.node.id, ticket.dispatched_at, ticket.id):
+        if not self.ledger.remove(ticket.node.id, ticket.dispatched_at, ticket.id, self.clock()):
             return {}
         if measured is None:
             return {}

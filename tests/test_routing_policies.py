@@ -338,3 +338,24 @@ def test_router_shares_the_estimator_it_is_given():
 
     est = OutputLengthEstimator()  # empty (and so falsy): must still be the one used
     assert Router(outputs=est).outputs is est
+
+
+def test_a_node_state_taken_before_our_requests_finished_is_not_double_counted():
+    """The node's state still counts two requests of ours that finished since it was taken:
+    they are ours, not other gateways' (the next decision sees no unknown load)."""
+    clock = [NOW + 0.5]
+    r = Router(PolicyConfig(), clock=lambda: clock[0])
+    fleet = view(edge(), cloud())
+    tickets = [r.begin(r.decide(profile(40), fleet), profile=profile(40)) for _ in range(2)]
+    node = tickets[0].node.id
+    clock[0] += 1.0
+    taken_at = clock[0]  # the node reports both as running at this moment
+    clock[0] += 0.5
+    for t in tickets:
+        if t.node.id == node:
+            r.finish(t)
+    running = sum(t.node.id == node for t in tickets)
+    stale = {"edge-eu": edge, "cloud-us": cloud}[node](timestamp=taken_at, running=running)
+    other = cloud() if node == "edge-eu" else edge()
+    cands = {c.node.id: c for c in r.candidates(profile(40), view(stale, other))[0]}
+    assert cands[node].estimate.in_hand == 0
