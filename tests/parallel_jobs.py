@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,13 @@ class Job:
 
 
 def drive(
-    core: EngineCore, reqs: list[GenerationRequest], arrivals: list[int]
+    core: EngineCore,
+    reqs: list[GenerationRequest],
+    arrivals: list[int] | None = None,
+    after_step: Callable[[EngineCore], None] | None = None,
 ) -> dict[str, list[int]]:
     """Submit each request at its arrival step; step until everything finished."""
+    arrivals = arrivals or [0] * len(reqs)
     order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
     out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     step = k = 0
@@ -37,6 +42,8 @@ def drive(
             k += 1
         for o in core.step():
             out[o.seq.request_id] += o.new_token_ids
+        if after_step is not None:
+            after_step(core)
         step += 1
         assert step < 20_000
     return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.model.loader import load_model, save_random_model, tiny_config
 from routing.blocks import block_hashes, model_seed
 from routing.engine import GenerationRequest, QueueFull, RequestTooLong, SamplingParams
+from tests.parallel_jobs import drive
 
 VOCAB = 512
 
@@ -45,30 +45,6 @@ def greedy(n: int) -> SamplingParams:
 
 def reference(model: LlamaForCausalLM, reqs: list[GenerationRequest]) -> dict[str, list[int]]:
     return {r.request_id: generate(model, r.prompt_token_ids, r.sampling).token_ids for r in reqs}
-
-
-def drive(
-    core: EngineCore,
-    reqs: list[GenerationRequest],
-    arrivals: list[int] | None = None,
-    after_step: Callable[[EngineCore], None] | None = None,
-) -> dict[str, list[int]]:
-    """Submit each request at its arrival step; step until everything finished."""
-    arrivals = arrivals or [0] * len(reqs)
-    order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
-    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
-    step = k = 0
-    while k < len(order) or core.has_work():
-        while k < len(order) and arrivals[order[k]] <= step:
-            core.add(reqs[order[k]])
-            k += 1
-        for o in core.step():
-            out[o.seq.request_id] += o.new_token_ids
-        if after_step is not None:
-            after_step(core)
-        step += 1
-        assert step < 10_000
-    return out
 
 
 def random_requests(
