@@ -97,6 +97,11 @@ class GatewayConfig(BaseModel):
         default=4 * 1024 * 1024, gt=0, description="larger request bodies get 413"
     )
     max_in_flight: int = Field(default=4096, gt=0, description="over this: 429 with Retry-After")
+    request_log: Path | None = Field(
+        default=None,
+        description="opt-in: append one trace line per finished request (no prompt text) for "
+        "edgecloud sim / tune",
+    )
     max_attempts: int = Field(default=3, ge=1, description="nodes tried before the first byte")
     connect_timeout_s: float = Field(default=2.0, gt=0, description="to a node")
     read_timeout_s: float = Field(default=600.0, gt=0, description="between two reads from a node")

@@ -40,6 +40,7 @@ from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_headers
+from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
 from routing.fleet.memory_store import OpenAINodeTracker
 from routing.fleet.store import FleetStore
@@ -98,6 +99,7 @@ class DispatchDeps:
     limiter: RateLimiter
     slots: Slots
     max_attempts: int
+    request_log: RequestLog | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +209,10 @@ class Dispatch:
             deps.metrics.observe_prediction_errors(deps.router.model.errors)
         if measured is not None:
             deps.store.note_cache_changed(node_id)
+            if deps.request_log is not None and leg.ticket.profile is not None:
+                deps.request_log.record(
+                    leg.ticket.profile, measured.completion_tokens, leg.ticket.dispatched_at
+                )
         if leg.tracker is not None:
             m = measured
             leg.tracker.finished(

@@ -44,6 +44,7 @@ from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import close_client, make_client
+from gateway.request_log import RequestLog
 from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
 from routing.fleet.state import NodeState
@@ -103,6 +104,7 @@ class Gateway:
             limiter=self.limiter,
             slots=self.slots,
             max_attempts=config.max_attempts,
+            request_log=RequestLog(config.request_log) if config.request_log else None,
         )
         self.stream_stats = StreamStats()
         self.resume_streams = True  # ask nodes for token ids so broken streams can resume
@@ -177,6 +179,8 @@ class Gateway:
             await start()
 
     async def close(self) -> None:
+        if self.deps.request_log is not None:
+            self.deps.request_log.close()
         await self.limiter.close()
         await self.store.close()
         await close_client(self.client)

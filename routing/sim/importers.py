@@ -108,7 +108,8 @@ def import_mooncake(
 
 def import_any(path: str | os.PathLike[str], **kw: object) -> list[TraceRequest]:
     """By extension: ``.csv`` Azure, ``.jsonl`` Mooncake if its first line has ``hash_ids`` or
-    ``input_length``, else our own format."""
+    ``input_length``, else our own format (a gateway's request log among them: its wall-clock
+    arrivals start at 0)."""
     p = str(path)
     if p.endswith(".csv"):
         return import_azure(p, **kw)  # type: ignore[arg-type]
@@ -118,4 +119,9 @@ def import_any(path: str | os.PathLike[str], **kw: object) -> list[TraceRequest]
         return import_mooncake(p, **kw)  # type: ignore[arg-type]
     from routing.sim.trace import read_trace
 
-    return read_trace(p)
+    out = read_trace(p)
+    # a gateway's request log (gateway/request_log.py) stamps arrivals with the wall clock
+    t0 = out[0].arrival_s if out else 0.0
+    if t0 > 86_400.0:
+        out = [r.model_copy(update={"arrival_s": r.arrival_s - t0}) for r in out]
+    return out
