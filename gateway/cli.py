@@ -223,8 +223,8 @@ def _command_name(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     # A process started by a Supervisor (``edgecloud serve``'s nodes) dies with its parent.
-    from gateway.supervisor import bind_to_parent
     from routing.progress import VERBOSE_ENV, configure
+    from routing.supervisor import bind_to_parent
 
     bind_to_parent()
     args = build_parser().parse_args(argv)

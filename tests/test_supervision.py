@@ -1,7 +1,7 @@
 """Children die with their parent; the supervisor reports a dead child; SIGTERM drains.
 
 Real processes, no mocks. The cheap tests use a small parent script that starts sleeper
-children through :class:`gateway.supervisor.Supervisor`; one test starts the real
+children through :class:`routing.supervisor.Supervisor`; one test starts the real
 ``edgecloud serve`` on the tiny model and SIGTERMs it while a request streams.
 """
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX process semant
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from gateway.supervisor import bind_to_parent
+    from routing.supervisor import bind_to_parent
     b = bind_to_parent(use_pdeathsig={pdeathsig}, grace_s=1.0)
     print("bound", b.pdeathsig, b.pipe_fd is not None, flush=True)
     time.sleep({life})
@@ -41,7 +41,7 @@ CHILD = textwrap.dedent(
 PARENT = textwrap.dedent(
     """
     import signal, sys, threading
-    from gateway.supervisor import ChildSpec, Supervisor
+    from routing.supervisor import ChildSpec, Supervisor
     died = threading.Event()
     sup = Supervisor(on_unexpected_exit=lambda e: (print(e.describe(), flush=True), died.set()))
     signal.signal(signal.SIGTERM, lambda *_: died.set())

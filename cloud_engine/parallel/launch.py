@@ -2,7 +2,7 @@
 
 One host (``edgecloud cloud serve --tp N --pp M``): the node process is rank 0 (the driver);
 :func:`start_local_ranks` starts ranks ``1 .. N*M-1`` as ``python -m
-cloud_engine.parallel.worker`` children under one :class:`gateway.supervisor.Supervisor`
+cloud_engine.parallel.worker`` children under one :class:`routing.supervisor.Supervisor`
 (they die with the node: parent-death signal and pipe). A rank that exits while the node runs
 is fatal: the node kills the other ranks and exits at once (exit code 75), so a dead rank takes
 the node down well within 10 s, and clients see it unhealthy (not answering) rather than hung.
@@ -81,7 +81,7 @@ def start_local_ranks(
     folder: str, pcfg: ParallelConfig, cfg: EngineConfig, init: str, timeout_s: float
 ) -> LocalRanks:
     """Start ranks 1.. as children of this process (call from the main thread)."""
-    from gateway.supervisor import ChildSpec, Supervisor
+    from routing.supervisor import ChildSpec, Supervisor
 
     holder: list[object] = []
     sup = Supervisor(

@@ -26,7 +26,7 @@ def free_port() -> int:
 def _entry(
     target: Callable[..., Any], rank: int, world: int, init: str, args: tuple[Any, ...], q: Any
 ) -> None:
-    from gateway.supervisor import set_parent_death_signal
+    from routing.supervisor import set_parent_death_signal
 
     set_parent_death_signal()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

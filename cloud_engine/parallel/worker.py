@@ -42,7 +42,7 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gateway.supervisor import bind_to_parent
+    from routing.supervisor import bind_to_parent
 
     bind_to_parent()
     args = parser().parse_args(argv)

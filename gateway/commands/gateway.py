@@ -3,7 +3,7 @@
 ``serve`` starts an edge node and a cloud node on one model as child processes, sharing the
 machine's cores between them (oversubscribed torch threads collapse, see the notes), and the
 gateway in front of them in this process with the in-process fleet store. The children are
-owned by a :class:`gateway.supervisor.Supervisor`: they die with this process however it ends
+owned by a :class:`routing.supervisor.Supervisor`: they die with this process however it ends
 (SIGKILL included), and one that dies takes the whole thing down with a message and a non-zero
 exit, rather than leaving a half-served endpoint. SIGTERM or Ctrl-C drains the gateway (no new
 connections, in-flight requests finish within ``--drain-timeout``), then stops the children
@@ -28,7 +28,7 @@ from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
     from gateway.http_server import DrainingServer
-    from gateway.supervisor import ChildExit, Supervisor
+    from routing.supervisor import ChildExit, Supervisor
 
 # After the gateway has drained, how long the nodes get to exit on SIGTERM before SIGKILL
 # (a torch process alone takes a second or more to tear down on a busy machine).
@@ -202,8 +202,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig, UnsafeExposure
     from gateway.http_server import DrainingServer
-    from gateway.supervisor import ChildSpec, Supervisor
     from routing.model_store import ModelNotFound, resolve
+    from routing.supervisor import ChildSpec, Supervisor
 
     limits = limits_from_args(args)
     try:  # before anything starts: serve has no API keys
