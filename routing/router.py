@@ -124,8 +124,10 @@ class DispatchLedger:
         dispatched before it, and still in flight or finished after it."""
         items = self._times.get(node_id, ())
         n = bisect.bisect_right(items, (t, float("inf"))) if items else 0
-        for at, finished in self._finished.get(node_id, ()):
-            if at <= t < finished:
+        for at, finished in reversed(self._finished.get(node_id, ())):
+            if finished <= t:  # appended in finishing order: every older one finished before t
+                break
+            if at <= t:
                 n += 1
         return n
 
