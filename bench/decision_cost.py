@@ -1,0 +1,79 @@
+"""What one routing decision costs with requests in hand: the latency and threshold policies.
+
+Every policy's candidates carry the latency model's estimates, and the model replays each
+node's engine over the work the gateway has in flight there (``routing/backlog.py``), so both
+policies pay for the replay: the rows show how that cost grows with the requests in hand
+(against the same decision with none), on one fleet (an edge node with 4 slots, a cloud node
+with 64) after ``begin`` of N requests of 300 prompt tokens spread by round robin, in this
+process.
+
+    python bench/decision_cost.py --in-flight 0 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import RESULTS, machine, recorded_command, table
+from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.store import FleetView
+from routing.policy_config import PolicyConfig
+from routing.profile import RequestProfile
+from routing.router import Router
+
+
+def _fleet(now: float) -> FleetView:
+    def node(name: str, kind: NodeKind, slots: int) -> NodeState:
+        return NodeState(
+            id=name, kind=kind, region="local", url="http://x", models=["m"],
+            max_context=8192, device="cpu", max_batch=slots, prefill_tokens_per_s=1000.0,
+            decode_ms_per_token=20.0, timestamp=now,
+        )  # fmt: skip
+
+    return FleetView(nodes=[node("edge", NodeKind.EDGE, 4), node("cloud", NodeKind.CLOUD, 64)],
+                     prefix_blocks={})  # fmt: skip
+
+
+def cost_us(policy: str, in_flight: int, rounds: int) -> float:
+    prof = RequestProfile(
+        model="m", model_identity="m", route="chat", prompt_token_ids=list(range(300)),
+        block_hashes=[], max_tokens=64, expected_output_tokens=64.0, stream=True,
+        client_region="local",
+    )  # fmt: skip
+    view = _fleet(time.time())
+    filler = Router(PolicyConfig(policy="round_robin"))
+    for _ in range(in_flight):
+        filler.begin(filler.decide(prof, view), profile=prof)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        filler.decide(prof, view, policy=policy)
+    return (time.perf_counter() - t0) / rounds * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--in-flight", type=int, nargs="+", default=[0, 16, 64, 256])
+    ap.add_argument("--rounds", type=int, default=200)
+    ap.add_argument("--out", type=Path, default=RESULTS / "decision_cost.json")
+    args = ap.parse_args(argv)
+    rows = []
+    for n in args.in_flight:
+        lat, thr = cost_us("latency", n, args.rounds), cost_us("threshold", n, args.rounds)
+        rows.append({"in_flight": n, "latency_us": round(lat, 1), "threshold_us": round(thr, 1),
+                     "ratio": round(lat / thr, 2)})  # fmt: skip
+    print(table(rows, ["in_flight", "latency_us", "threshold_us", "ratio"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": recorded_command("decision_cost.py", sys.argv[1:], ("--out",)),
+        "machine": machine(), "results": rows}, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
