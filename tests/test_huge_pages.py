@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -74,8 +75,12 @@ def _anon_huge_kb(lo: int, hi: int) -> int:
 def test_collapse_new_backs_new_memory_with_huge_pages_and_keeps_contents() -> None:
     old = np.arange(8 << 18, dtype=np.float32)  # made before the snapshot: left alone
     before = hp.anonymous_ranges(min_resident=0.0)
-    data = np.arange(32 << 18, dtype=np.float32)  # 32 MB, every page touched
-    expect = data.copy()
+    # A mapping of its own, so that the memory is new whatever malloc kept from earlier tests
+    # (an array from malloc may reuse a freed chunk of the heap, which existed before).
+    region = mmap.mmap(-1, 32 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    data = np.frombuffer(region, dtype=np.float32)
+    data[:] = np.arange(data.size, dtype=np.float32)  # 32 MB, every page touched
+    expect = np.arange(data.size, dtype=np.float32)
     lo = data.__array_interface__["data"][0]
     report = hp.collapse_new(before)
     assert report.collapsed_bytes >= 28 << 20  # whole aligned 2 MB pieces of 32 MB (and more)
