@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.blocks import block_hashes, model_seed
+from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
 from routing.prompt import PromptFormatter, UnencodableText
 
 Route = Literal["chat", "completions"]
@@ -48,12 +48,16 @@ class OutputKnobs(BaseModel):
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens per (API key, route, max_tokens, first prompt block), per
-    (API key, route, max_tokens) and per (API key, route), LRU-bounded; a default until learned.
+    """EWMA of completion tokens per (API key, route, max_tokens, whole prompt), per (API key,
+    route, max_tokens, first prompt block), per (API key, route, max_tokens) and per (API key,
+    route), LRU-bounded; a default until learned.
 
-    Apps send one ``max_tokens`` per feature (a one-line answer, a summary, code) and one
-    system prompt per feature, whose first block hash names it; requests alike in both are the
-    best guide to each other. The most specific statistic with enough samples answers.
+    A prompt sent again (an automation's fixed request, a retried question) is best predicted
+    by its own earlier answers: under greedy decoding the length repeats exactly, so that
+    statistic answers after one sample. Otherwise apps send one ``max_tokens`` per feature (a
+    one-line answer, a summary, code) and one system prompt per feature, whose first block
+    hash names it; requests alike in both are the best guide to each other. The most specific
+    statistic with enough samples answers (``min_samples`` for all but the whole prompt).
     """
 
     _ANY = -1  # the max_tokens or prefix slot of a coarser statistic
@@ -72,12 +76,20 @@ class OutputLengthEstimator:
 
     @classmethod
     def _keys(
-        cls, api_key: str | None, route: str, max_tokens: int | None, prefix: int | None
+        cls,
+        api_key: str | None,
+        route: str,
+        max_tokens: int | None,
+        prefix: int | None,
+        prompt: int | None = None,
     ) -> list[tuple[str, str, int, int]]:
-        """The statistics a request belongs to, most specific first."""
+        """The statistics a request belongs to, most specific first (the whole prompt's key,
+        when given, first: it lives in the prefix slot under a route of its own)."""
         key, any_ = api_key or "", cls._ANY
         cap = max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else any_
         out = []
+        if prompt is not None:
+            out.append((key, route + "#prompt", cap, prompt))
         if cap != any_ and prefix is not None:
             out.append((key, route, cap, prefix))
         if cap != any_:
@@ -91,11 +103,13 @@ class OutputLengthEstimator:
         route: str,
         max_tokens: int | None = None,
         prefix: int | None = None,
+        prompt: int | None = None,
     ) -> float:
         value = self.knobs.default_tokens
-        for k in self._keys(api_key, route, max_tokens, prefix):
+        for i, k in enumerate(self._keys(api_key, route, max_tokens, prefix, prompt)):
             stat = self._stats.get(k)
-            if stat is not None and stat[1] >= self.knobs.min_samples:
+            need = 1 if i == 0 and prompt is not None else self.knobs.min_samples
+            if stat is not None and stat[1] >= need:
                 value = stat[0]
                 break
         if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
@@ -109,9 +123,10 @@ class OutputLengthEstimator:
         completion_tokens: int,
         max_tokens: int | None = None,
         prefix: int | None = None,
+        prompt: int | None = None,
     ) -> None:
         x = float(completion_tokens)
-        for k in self._keys(api_key, route, max_tokens, prefix):
+        for k in self._keys(api_key, route, max_tokens, prefix, prompt):
             prev = self._stats.pop(k, None)
             if prev is None:
                 self._stats[k] = (x, 1)
@@ -137,6 +152,11 @@ class RequestProfile:
     stream: bool
     client_region: str
     api_key: str | None = None  # an id for the caller (a key's hash or name), never a secret
+    prompt_key: int | None = None  # names the whole prompt (see :func:`prompt_key`)
+
+    @property
+    def first_block(self) -> int | None:
+        return self.block_hashes[0] if self.block_hashes else None
 
     @property
     def prompt_tokens(self) -> int:
@@ -249,6 +269,7 @@ def build_profile(
     estimator = outputs if outputs is not None else OutputLengthEstimator()
     hashes = block_hashes(ids, _seed(model_identity))
     first = hashes[0] if hashes else None
+    whole = prompt_key(ids, hashes)
     return RequestProfile(
         model=model,
         model_identity=model_identity,
@@ -256,8 +277,16 @@ def build_profile(
         prompt_token_ids=ids,
         block_hashes=hashes,
         max_tokens=max_tokens,
-        expected_output_tokens=estimator.expected(api_key, route, max_tokens, first),
+        expected_output_tokens=estimator.expected(api_key, route, max_tokens, first, whole),
         stream=bool(_get(body, "stream", False)),
         client_region=client_region,
         api_key=api_key,
+        prompt_key=whole,
     )
+
+
+def prompt_key(ids: Sequence[int], hashes: Sequence[int]) -> int:
+    """A key for the whole prompt: its last block hash (which chains every full block before
+    it) and the tokens of the partial block after it. O(block) beyond the hashing done anyway."""
+    tail = tuple(ids[len(hashes) * BLOCK_SIZE :])
+    return hash((hashes[-1] if hashes else 0, len(ids), tail))

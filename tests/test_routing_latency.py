@@ -246,3 +246,64 @@ def test_prefill_fixed_cost_and_per_token_rate_are_fitted():
     fixed, per_token = m.prefill_cost(n)
     assert fixed == pytest.approx(100.0, rel=1e-6) and per_token == pytest.approx(2.0, rel=1e-6)
     assert est(m, n, prompt=10, out=1).ttft_ms == pytest.approx(5.0 + 100.0 + 20.0)
+
+
+def _observed(e, ttft_ms: float, per_token_ms: float, tokens: int = 11) -> Observation:
+    return Observation(
+        node_id=e.node_id,
+        kind=NodeKind.EDGE,
+        prompt_tokens=100,
+        cached_tokens=0,
+        completion_tokens=tokens,
+        ttft_ms=ttft_ms,
+        e2e_ms=ttft_ms + (tokens - 1) * per_token_ms,
+        net_rtt_ms=e.rtt_ms,
+        estimate=e,
+    )
+
+
+def test_residuals_correct_a_busy_host_per_load_bucket_and_leave_an_idle_one_alone():
+    """A node twice as slow as its replay whenever its host is busy (its neighbour competes
+    for the cores): predictions at that load learn the factor, an idle host keeps the rates'
+    own prediction, and the factor a prediction used is not learned twice."""
+    m = LatencyModel(LatencyKnobs(calibration_alpha=0.5, rate_alpha=1e-3, warmup_samples=1000))
+    n = node()
+    idle = m.estimate(n, prompt_tokens=100, cached_tokens=0, expected_output_tokens=11, rtt_ms=5)
+    assert idle.load_bucket == -1  # nothing in hand, nothing next door
+
+    def busy():
+        return m.estimate(
+            n,
+            prompt_tokens=100,
+            cached_tokens=0,
+            expected_output_tokens=11,
+            rtt_ms=5,
+            neighbours=5,  # five requests on the other node of this host
+        )
+
+    first = busy()
+    assert first.load_bucket == 3 and first.ttft_factor == 1.0
+    assert first.ttft_ms == pytest.approx(idle.ttft_ms)
+    for _ in range(12):
+        e = busy()
+        server = (e.ttft_ms - e.rtt_ms) / e.ttft_factor  # the replay, uncorrected
+        per_token = e.decode_ms_per_token / e.decode_factor
+        m.observe(_observed(e, e.rtt_ms + 2 * server, 2 * per_token))
+    e = busy()
+    assert e.ttft_factor == pytest.approx(2.0, rel=0.02)
+    assert e.decode_factor == pytest.approx(2.0, rel=0.05)
+    assert e.ttft_ms - e.rtt_ms == pytest.approx(2 * (idle.ttft_ms - idle.rtt_ms), rel=0.05)
+    # the idle host, and another bucket, are not corrected
+    again = m.estimate(n, prompt_tokens=100, cached_tokens=0, expected_output_tokens=11, rtt_ms=5)
+    assert again.ttft_factor == 1.0 and again.load_bucket == -1
+    assert m.residual_factor(n.id, "ttft", 5) == 1.0
+    # bounded: a wildly slow measurement moves it at most to the limit
+    for _ in range(40):
+        e = busy()
+        m.observe(_observed(e, e.rtt_ms + 1000 * (e.ttft_ms - e.rtt_ms), 1000.0))
+    assert busy().ttft_factor == pytest.approx(4.0)
+    # off: no factor at all
+    m.configure(LatencyKnobs(calibrate=False))
+    assert busy().ttft_factor == 1.0 and busy().load_bucket == -1
+    m.forget(n.id)
+    assert m.residuals == {}

@@ -14,6 +14,7 @@ from routing.profile import (
     OutputLengthEstimator,
     ProfileError,
     build_profile,
+    prompt_key,
 )
 from routing.prompt import PromptFormatter
 
@@ -181,3 +182,34 @@ def test_output_length_is_learned_per_first_prompt_block():
     assert est.expected("a", "chat", 64, prefix=111) == 5
     assert est.expected("a", "chat", 64, prefix=222) == 60
     assert est.expected("a", "chat", 64, prefix=333) == 60  # unseen app: the cap's latest
+
+
+def test_a_prompt_sent_again_is_predicted_by_its_own_answers(formatter: PromptFormatter):
+    """The whole prompt's statistic answers after one sample, ahead of its app's: two
+    questions under one system prompt (one first block) keep their own lengths."""
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0, min_samples=3))
+    kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
+    system = "You are terse. " * 20  # several blocks shared by both questions
+
+    def profile(question: str):
+        body = chat_body(max_tokens=64)
+        body["messages"] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ]
+        return build_profile(body, formatter, api_key="a", **kw)
+
+    yes, essay = profile("Is it on?"), profile("Write about the sea.")
+    assert yes.first_block == essay.first_block and yes.prompt_key != essay.prompt_key
+    assert profile("Is it on?").prompt_key == yes.prompt_key  # the same text, the same key
+    for p, n in ((yes, 3), (essay, 60)):
+        est.observe("a", "chat", n, 64, p.first_block, p.prompt_key)
+    assert profile("Is it on?").expected_output_tokens == 3
+    assert profile("Write about the sea.").expected_output_tokens == 60
+    # a new question: the app's statistics have 2 samples of the 3 needed, so the default
+    # (100, capped at max_tokens)
+    assert profile("Anything else?").expected_output_tokens == 64
+    # prompts that differ only past their last full block are told apart
+    ids = list(range(40))
+    a, b = [*ids, 7], [*ids, 8]
+    assert prompt_key(a, block_hashes(a, 1)) != prompt_key(b, block_hashes(b, 1))
