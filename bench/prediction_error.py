@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -83,6 +85,7 @@ SYSTEM = " ".join(
 class Sample:
     cls: str
     concurrency: int
+    variant: str
     stream: bool
     tier: str
     status: int
@@ -93,6 +96,13 @@ class Sample:
     cached_tokens: int
     completion_tokens: int
     max_tokens: int
+
+
+# Policy files for --variants (the default policy is the gateway's own).
+VARIANTS = {
+    # the output-length statistics without the whole-prompt key (first block and coarser)
+    "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
+}
 
 
 def document(rng: random.Random) -> str:
@@ -177,7 +187,7 @@ async def send(
 
 
 async def run_level(
-    base: str, concurrency: int, count: int, seed: int, followups: dict[str, list[Any]]
+    base: str, concurrency: int, count: int, seed: int, variant: str = "default"
 ) -> list[Sample]:
     rng = random.Random(seed)
     plan = [make_request(rng, seed * 1000 + i) for i in range(count)]
@@ -197,7 +207,9 @@ async def run_level(
                     for k in (1, 3):
                         await send(client, base, messages[:k], 16, False)
                 r = await send(client, base, messages, max_tokens, streams[i])
-                out.append(Sample(cls, concurrency, streams[i], max_tokens=max_tokens, **r))
+                out.append(
+                    Sample(cls, concurrency, variant, streams[i], max_tokens=max_tokens, **r)
+                )
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
@@ -222,15 +234,19 @@ def quantile(xs: list[float], q: float) -> float:
 
 def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
     rows = []
+    variants = list(dict.fromkeys(s.variant for s in samples))
     levels = sorted({s.concurrency for s in samples})
-    for c in levels:
-        for tier in ("all", "edge", "cloud"):
-            sel = [s for s in samples if s.concurrency == c and (tier == "all" or s.tier == tier)]
-            if not sel:
-                continue
+    for v, c, tier in itertools.product(variants, levels, ("all", "edge", "cloud")):
+        sel = [
+            s
+            for s in samples
+            if s.variant == v and s.concurrency == c and (tier == "all" or s.tier == tier)
+        ]
+        if sel:
             ttft, e2e = rel_errors(sel, "ttft"), rel_errors(sel, "e2e")
             rows.append(
                 {
+                    "variant": v,
                     "concurrency": c,
                     "tier": tier,
                     "requests": len(sel),
@@ -264,20 +280,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=48, help="counted requests per level")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default"],
+        choices=["default", *VARIANTS],
+        help="policy variants to run one after the other, each on a fresh fleet",
+    )
     ap.add_argument("--log", type=Path, default=None, help="write serve's output here")
     ap.add_argument("--out", type=Path, default=RESULTS / "prediction_error.json")
     args = ap.parse_args(argv)
 
-    with embedded_default(log_path=args.log) as base:
-        asyncio.run(run_level(base, 1, args.warmup, args.seed + 999, {}))
-        samples: list[Sample] = []
-        for i, c in enumerate(args.concurrency):
-            t0 = time.perf_counter()
-            samples += asyncio.run(run_level(base, c, args.requests, args.seed + i, {}))
-            print(f"concurrency {c}: {args.requests} requests in {time.perf_counter() - t0:.1f} s")
-        metrics, learned = asyncio.run(scrape_gateway(base))
+    samples: list[Sample] = []
+    metrics: dict[str, str] = {}
+    learned: dict[str, Any] = {}
+    for variant in args.variants:
+        extra: list[str] = []
+        if variant in VARIANTS:
+            policy = Path(tempfile.mkdtemp(prefix="prediction-error-")) / f"{variant}.yaml"
+            policy.write_text(VARIANTS[variant])
+            extra = ["--policy-file", str(policy)]
+        # every variant gets a fresh fleet (nothing learned or cached carries over), the same mix
+        with embedded_default(extra, log_path=args.log) as base:
+            asyncio.run(run_level(base, 1, args.warmup, args.seed + 999, variant))
+            for i, c in enumerate(args.concurrency):
+                t0 = time.perf_counter()
+                samples += asyncio.run(run_level(base, c, args.requests, args.seed + i, variant))
+                took = time.perf_counter() - t0
+                print(f"{variant}: concurrency {c}: {args.requests} requests in {took:.1f} s")
+            m, learned[variant] = asyncio.run(scrape_gateway(base))
+            metrics.update({f"{variant}:{k}": v for k, v in m.items()})
     rows = summarize(samples)
     cols = [
+        "variant",
         "concurrency",
         "tier",
         "requests",

@@ -14,12 +14,6 @@ Invariants:
   stored normalized to batch 1, so measurements at different batches are comparable.
 - Predictions are finite and non-negative; a request never has fewer than one uncached token.
 - Predicted-vs-measured error is recorded for every observation that carries a prediction.
-- What the replay cannot see (co-located nodes competing for the same cores, a queue the
-  node drains faster or slower than the replay) is corrected by a residual factor per node
-  and load bucket (requests in hand on the node plus those on other nodes of its host, in
-  powers of two; an idle host is left to the rates alone, which learn from it): an EWMA of ``log(measured / replayed)`` for the server-side TTFT and for
-  decode ms/token, bounded to ``[1/calibration_limit, calibration_limit]``. The factors an
-  estimate used travel with it, so learning compares against the replay itself.
 """
 
 from __future__ import annotations
@@ -63,15 +57,6 @@ class LatencyKnobs(BaseModel):
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
-    calibrate: bool = Field(
-        default=True, description="correct the replay by residual factors per load bucket"
-    )
-    calibration_alpha: float = Field(
-        default=0.15, gt=0, le=1, description="EWMA weight of a new residual"
-    )
-    calibration_limit: float = Field(
-        default=4.0, ge=1, description="a residual factor stays within [1/limit, limit]"
-    )
     edge: KindDefaults = KindDefaults(
         prefill_tokens_per_s=400.0, decode_ms_per_token=30.0, batch_slope=0.6, prefill_chunk=256
     )
@@ -108,9 +93,6 @@ class Estimate:
     own_prefill_ms: float = 0.0  # its own uncached tokens at the prefill rate
     in_hand: int = 0  # requests the node was taken to have ahead of this one
     mean_batch: float = 1.0  # mean rows of the decode steps it is predicted to take part in
-    load_bucket: int = -1  # calibration bucket (-1: not calibrated)
-    ttft_factor: float = 1.0  # residual factors applied to the replay's server-side times
-    decode_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,14 +228,6 @@ class PredictionErrors:
         }
 
 
-MAX_LOAD_BUCKET = 6
-
-
-def load_bucket(requests: int) -> int:
-    """0 for an idle host, then one bucket per power of two: 1, 2-3, 4-7, ... (capped)."""
-    return min(MAX_LOAD_BUCKET, max(0, requests).bit_length())
-
-
 def _finite(x: float, fallback: float) -> float:
     return x if math.isfinite(x) and x > 0 else fallback
 
@@ -268,8 +242,6 @@ class LatencyModel:
         self.knobs = knobs or LatencyKnobs()
         self.rates: dict[str, NodeRates] = {}
         self.errors = PredictionErrors()
-        # (node id, "ttft" | "decode", load bucket) -> EWMA of log(measured / replayed)
-        self.residuals: dict[tuple[str, str, int], _Ewma] = {}
 
     def configure(self, knobs: LatencyKnobs) -> None:
         """New knobs (hot reload); learned rates are kept."""
@@ -277,27 +249,6 @@ class LatencyModel:
 
     def forget(self, node_id: str) -> None:
         self.rates.pop(node_id, None)
-        for key in [k for k in self.residuals if k[0] == node_id]:
-            del self.residuals[key]
-
-    def residual_factor(self, node_id: str, what: str, bucket: int) -> float:
-        """The learned correction of the replay for one node, quantity and load bucket."""
-        r = self.residuals.get((node_id, what, bucket))
-        return 1.0 if r is None else math.exp(r.value)
-
-    def _learn_residual(
-        self, node_id: str, what: str, bucket: int, replayed: float, measured: float
-    ) -> None:
-        if replayed <= 0 or measured <= 0:
-            return
-        k = self.knobs
-        limit = math.log(k.calibration_limit)
-        x = min(max(math.log(measured / replayed), -limit), limit)
-        key = (node_id, what, bucket)
-        r = self.residuals.get(key)
-        if r is None:
-            r = self.residuals[key] = _Ewma()
-        r.add(x, k.calibration_alpha)
 
     # ---- rates -------------------------------------------------------------------------------
     def batch_factor(self, kind: NodeKind, batch: float, node_id: str | None = None) -> float:
@@ -384,7 +335,6 @@ class LatencyModel:
         rtt_ms: float,
         extra_inflight: int = 0,
         ahead: Sequence[Work] | None = None,
-        neighbours: int = 0,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -394,8 +344,7 @@ class LatencyModel:
         arrival order (``routing.router.DispatchLedger.work``); ``extra_inflight`` counts
         requests on the node that ``ahead`` does not describe (other gateways', or, without
         ``ahead``, everything beyond the node's own running and waiting counts): each is taken
-        as half of a typical request's decoding. ``neighbours`` counts the requests on other
-        nodes of the same host (they share its cores): it only picks the calibration bucket.
+        as half of a typical request's decoding.
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -425,22 +374,14 @@ class LatencyModel:
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
         if per_token <= 0:
             per_token = shape.decode_step_ms(max(1, round(r.mean_batch)))
-        bucket, f_ttft, f_decode = -1, 1.0, 1.0
-        busy = load_bucket(len(work) + max(0, neighbours))
-        if k.calibrate and busy > 0:
-            bucket = busy
-            f_ttft = self.residual_factor(node.id, "ttft", bucket)
-            f_decode = self.residual_factor(node.id, "decode", bucket)
-        first_ms = r.first_token_ms * f_ttft
-        per_token *= f_decode
         return Estimate(
             node_id=node.id,
             rtt_ms=rtt_ms,
-            queue_ms=r.queue_ms * f_ttft,
-            prefill_ms=(r.first_token_ms - r.queue_ms) * f_ttft,
-            ttft_ms=rtt + first_ms,
+            queue_ms=r.queue_ms,
+            prefill_ms=r.first_token_ms - r.queue_ms,
+            ttft_ms=rtt + r.first_token_ms,
             decode_ms_per_token=per_token,
-            e2e_ms=rtt + first_ms + per_token * max(0.0, steps),
+            e2e_ms=rtt + r.last_token_ms,
             cached_tokens=cached,
             uncached_tokens=uncached,
             batch=max(1, round(r.mean_batch)),
@@ -448,9 +389,6 @@ class LatencyModel:
             own_prefill_ms=own_prefill,
             mean_batch=r.mean_batch,
             in_hand=len(work),
-            load_bucket=bucket,
-            ttft_factor=f_ttft,
-            decode_factor=f_decode,
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -472,9 +410,8 @@ class LatencyModel:
         if obs.ttft_ms is not None and uncached >= 1:
             server_ms = obs.ttft_ms - net
             others = 0.0
-            if est is not None:  # the replay's own queue and neighbours, uncorrected
-                replayed = (est.ttft_ms - est.rtt_ms) / est.ttft_factor
-                others = max(0.0, replayed - est.own_prefill_ms)
+            if est is not None:
+                others = max(0.0, est.ttft_ms - est.rtt_ms - est.own_prefill_ms)
             if obs.node_queue_ms is not None:
                 others = obs.node_queue_ms
             if est is None or others <= 0.25 * max(server_ms, 1e-3):
@@ -494,14 +431,6 @@ class LatencyModel:
                     per_token / self.batch_factor(obs.kind, batch, obs.node_id), k.rate_alpha
                 )
                 rates.decode_fit.add(batch - 1.0, per_token)
-                if est is not None and est.load_bucket >= 0:
-                    replayed = est.decode_ms_per_token / est.decode_factor
-                    self._learn_residual(
-                        obs.node_id, "decode", est.load_bucket, replayed, per_token
-                    )
-        if est is not None and est.load_bucket >= 0 and obs.ttft_ms is not None:
-            replayed = (est.ttft_ms - est.rtt_ms) / est.ttft_factor
-            self._learn_residual(obs.node_id, "ttft", est.load_bucket, replayed, obs.ttft_ms - net)
         if obs.completion_tokens > 0:
             rates.output_tokens.add(float(obs.completion_tokens), k.rate_alpha)
 

@@ -45,6 +45,9 @@ class OutputKnobs(BaseModel):
     alpha: float = Field(default=0.2, gt=0, le=1)
     min_samples: int = Field(default=1, ge=1, description="samples before the EWMA is used")
     max_keys: int = Field(default=10_000, ge=1, description="LRU bound on (key, route) pairs")
+    whole_prompt: bool = Field(
+        default=True, description="a prompt sent again is predicted by its own answers first"
+    )
 
 
 class OutputLengthEstimator:
@@ -106,6 +109,8 @@ class OutputLengthEstimator:
         prompt: int | None = None,
     ) -> float:
         value = self.knobs.default_tokens
+        if not self.knobs.whole_prompt:
+            prompt = None
         for i, k in enumerate(self._keys(api_key, route, max_tokens, prefix, prompt)):
             stat = self._stats.get(k)
             need = 1 if i == 0 and prompt is not None else self.knobs.min_samples
@@ -126,6 +131,8 @@ class OutputLengthEstimator:
         prompt: int | None = None,
     ) -> None:
         x = float(completion_tokens)
+        if not self.knobs.whole_prompt:
+            prompt = None
         for k in self._keys(api_key, route, max_tokens, prefix, prompt):
             prev = self._stats.pop(k, None)
             if prev is None:

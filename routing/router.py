@@ -31,8 +31,6 @@ import itertools
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from functools import lru_cache
-from urllib.parse import urlsplit
 
 from routing.backlog import Work
 from routing.blocks import BLOCK_SIZE
@@ -43,19 +41,6 @@ from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, 
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import OutputLengthEstimator, RequestProfile
 from routing.regions import RegionTable
-
-
-@lru_cache(maxsize=4096)
-def _url_host(url: str) -> str:
-    try:
-        return urlsplit(url).hostname or url
-    except ValueError:
-        return url
-
-
-def _host(node: NodeState) -> str:
-    """The machine a node runs on, as its URL names it (nodes without a URL: their own)."""
-    return _url_host(node.url) if node.url else f"node:{node.id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +241,6 @@ class Router:
         out: list[Candidate] = []
         left_out: dict[str, str] = {}
         need = profile.context_needed
-        on_host = self._host_loads(view)
         for node in view.nodes:
             if profile.model not in node.models and (
                 profile.model_identity not in node.model_identities.values()
@@ -277,24 +261,10 @@ class Router:
                     # what other gateways sent it: its own counts beyond ours it had seen
                     extra_inflight=max(0, node.running + node.waiting - seen),
                     ahead=self.ledger.work(node.id, now),
-                    neighbours=on_host[_host(node)] - self._node_load(node),
                 )
                 out.append(Candidate(node, est))
         out.sort(key=lambda c: c.node.id)
         return out, left_out
-
-    def _node_load(self, node: NodeState) -> int:
-        """Requests on ``node``: ours in flight, plus what it reports beyond those it saw."""
-        seen = self.ledger.in_flight_at(node.id, node.timestamp)
-        return self.ledger.in_flight(node.id) + max(0, node.running + node.waiting - seen)
-
-    def _host_loads(self, view: FleetView) -> dict[str, int]:
-        """Requests on each host (nodes at one URL host share its cores)."""
-        loads: dict[str, int] = {}
-        for node in view.nodes:
-            host = _host(node)
-            loads[host] = loads.get(host, 0) + self._node_load(node)
-        return loads
 
     def decide(
         self,

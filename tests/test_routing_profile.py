@@ -213,3 +213,10 @@ def test_a_prompt_sent_again_is_predicted_by_its_own_answers(formatter: PromptFo
     ids = list(range(40))
     a, b = [*ids, 7], [*ids, 8]
     assert prompt_key(a, block_hashes(a, 1)) != prompt_key(b, block_hashes(b, 1))
+
+
+def test_the_whole_prompt_key_can_be_turned_off():
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0, whole_prompt=False))
+    est.observe("a", "chat", 3, 64, prefix=1, prompt=42)
+    assert est.expected("a", "chat", 64, prefix=1, prompt=42) == 3  # the app's statistic
+    assert len(est) == 3  # (cap, first block), (cap), (route): no whole-prompt entry
