@@ -146,10 +146,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 xs.append(t)
             ttfts[n] = statistics.median(xs)
             print(f"prefill {n:5d} tokens: ttft {ttfts[n] * 1000:8.1f} ms", flush=True)
-        ns = sorted(ttfts)
-        slope = (ttfts[ns[1]] - ttfts[ns[0]]) / (ns[1] - ns[0]) if len(ns) > 1 else 0.0
-        overhead = max(0.0, ttfts[ns[0]] - slope * ns[0])
-        prefill = [{"tokens": n, "ms": max(0.05, (ttfts[n] - overhead) * 1000.0)} for n in ns]
+        overhead, prefill = fit_prefill(ttfts)
         batches = args.batches or [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= slots]
         decode = []
         for ctx in args.contexts:
@@ -182,7 +179,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "notes": args.notes,
         "slots": slots,
         "chunk_tokens": 256,
-        "max_tokens_per_step": 1024,
+        # the engines' own defaults: the cloud engine plans 8,192 tokens a step on CUDA
+        "max_tokens_per_step": 8192 if "cuda" in str(state.get("device", "")) else 1024,
         "kv_blocks": int(state.get("kv_blocks_total", 0)),
         "max_context": max_ctx,
         "overhead_ms": 0.0,

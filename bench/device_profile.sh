@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Profile a cloud node on the GPU machine: random bf16 weights of the default model's shape
+# (SmolLM2-135M: its config and tokenizer, copied into .devmodel/ beforehand), served by
+# `edgecloud cloud serve --device cuda`, measured by `edgecloud profile`.
+#
+#   bench/device_profile.sh OUT.json [profile args...]
+#
+# Python packages the machine lacks travel as wheels in .whl/ (see the device notes).
+set -euo pipefail
+out=$1; shift
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+python3 - <<'PY'
+from cloud_engine.model.config import ModelConfig
+from cloud_engine.model.loader import save_random_model
+save_random_model("/tmp/smollm2-random", ModelConfig.from_folder(".devmodel"), seed=0,
+                  tokenizer_from=".devmodel")
+PY
+python3 -c "import gateway.cli as c; c.main()" cloud serve --model /tmp/smollm2-random \
+    --device cuda --port 8002 ${NODE_ARGS:-} > /tmp/node.log 2>&1 &
+node=$!
+trap 'kill $node 2>/dev/null || true' EXIT
+for _ in $(seq 240); do
+    curl -sf http://127.0.0.1:8002/load >/dev/null && break
+    kill -0 $node 2>/dev/null || { cat /tmp/node.log; exit 1; }
+    sleep 0.5
+done
+python3 -c "import gateway.cli as c; c.main()" profile --node http://127.0.0.1:8002 --out "$out" "$@"
+tail -5 /tmp/node.log
