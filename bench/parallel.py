@@ -60,6 +60,7 @@ def bench_rank(
     folder: str,
     tp: int,
     pp: int,
+    pp_layers: tuple[int, ...] | None,
     runs: list[int],
     prompt: int,
     output: int,
@@ -97,7 +98,9 @@ def bench_rank(
                     )
                 )
             return out
-        rank = init_world(ParallelConfig(tp, pp), rank_idx, init_method=init, timeout_s=120)
+        rank = init_world(
+            ParallelConfig(tp, pp, pp_layers), rank_idx, init_method=init, timeout_s=120
+        )
         try:
             if not rank.is_driver:
                 for _ in runs:
@@ -138,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--output", type=int, default=32)
-    p.add_argument("--layouts", nargs="+", default=["1x1", "2x1", "1x2"], help="TPxPP")
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["1x1", "2x1", "1x2"],
+        help="TPxPP, or TPxPP:L0,L1,... for the layers of each stage (--pp-layers)",
+    )
     p.add_argument("--model", default=None, help="a model folder (default: the default model)")
     p.add_argument("--results", default="parallel.json", help="file name under bench/results")
     args = p.parse_args(argv)
@@ -153,20 +161,23 @@ def main(argv: list[str] | None = None) -> int:
         folder, model_name = str(resolve(DEFAULT_MODEL).path), DEFAULT_MODEL
     rows = []
     for layout in args.layouts:
-        tp, pp = (int(x) for x in layout.split("x"))
+        shape, _, split = layout.partition(":")
+        tp, pp = (int(x) for x in shape.split("x"))
+        pp_layers = tuple(int(x) for x in split.split(",")) if split else None
         res = run_world(
             bench_rank,
             tp * pp,
             folder,
             tp,
             pp,
+            pp_layers,
             args.concurrency,
             args.prompt,
             args.output,
             timeout_s=1800,
         )
         for r in res:
-            r.update(tp=tp, pp=pp)
+            r.update(tp=tp, pp=pp, pp_layers=list(pp_layers) if pp_layers else None)
             rows.append(r)
             print(
                 f"TP={tp} PP={pp} c={r['concurrency']:3d}: {r['tok_s']:7.1f} tok/s, {r['steps']} steps, "
