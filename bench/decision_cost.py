@@ -5,7 +5,9 @@ node's engine over the work the gateway has in flight there (``routing/backlog.p
 policies pay for the replay: the rows show how that cost grows with the requests in hand
 (against the same decision with none), on one fleet (an edge node with 4 slots, a cloud node
 with 64) after ``begin`` of N requests of 300 prompt tokens spread by round robin, in this
-process.
+process. The peer is the same decision with the literal engine loop
+(``routing.backlog.replay_literal``, one pass over the rows per step) in place of the heap
+replay the gateway runs.
 
     python bench/decision_cost.py --in-flight 0 16 64 256
 """
@@ -20,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import routing.latency
 from bench._common import RESULTS, machine, recorded_command, table
+from routing.backlog import replay, replay_literal
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
 from routing.policy_config import PolicyConfig
@@ -65,9 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in args.in_flight:
         lat, thr = cost_us("latency", n, args.rounds), cost_us("threshold", n, args.rounds)
+        routing.latency.replay = replay_literal  # the peer: the literal loop
+        try:
+            literal = cost_us("latency", n, args.rounds)
+        finally:
+            routing.latency.replay = replay
         rows.append({"in_flight": n, "latency_us": round(lat, 1), "threshold_us": round(thr, 1),
-                     "ratio": round(lat / thr, 2)})  # fmt: skip
-    print(table(rows, ["in_flight", "latency_us", "threshold_us", "ratio"]))
+                     "latency_literal_loop_us": round(literal, 1),
+                     "speedup": round(literal / lat, 2)})  # fmt: skip
+    cols = ["in_flight", "latency_us", "threshold_us", "latency_literal_loop_us", "speedup"]
+    print(table(rows, cols))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": recorded_command("decision_cost.py", sys.argv[1:], ("--out",)),

@@ -12,13 +12,17 @@ Invariants:
   decode step ``decode_step_ms(rows)`` when any request decodes; a prompt's first chunk also
   costs ``prefill_fixed_ms`` (its admission: rendering, tokenizing, the first step's setup).
 - A request's first token comes out when its last prefill chunk is done; it then needs
-  ``decode_steps`` more steps (its expected output minus that first token).
-- Runs of identical decode steps are jumped over in one move (to the next finish), so the cost
-  is O(requests x chunks), not O(tokens): a few hundred operations for a busy node.
+  ``decode_steps`` more steps (its expected output minus that first token). Work in hand with
+  nothing left (predicted done, not yet seen to finish) holds no slot.
+- Runs of identical decode steps are jumped over in one move (to the next finish), so the loop
+  runs once per prefill chunk and once per finish, not once per token, and each run costs
+  O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,7 +71,94 @@ class _Req:
 
 
 def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int = 4096) -> Replayed:
-    """Run the engine forward over ``ahead`` (in arrival order) and then ``new``."""
+    """Run the engine forward over ``ahead`` (in arrival order) and then ``new``.
+
+    Every decoding request advances one step per decode step, so they share one step counter
+    (``done``) and each is a heap entry keyed by the count at which it finishes: a step, a jump
+    to the next finish and a finish each cost O(log rows), never a pass over the rows.
+    """
+    waiting = deque(
+        _Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps), started=w.started) for w in ahead
+    )
+    target = _Req(max(1.0, new.prefill_tokens), max(0.0, new.decode_steps), new=True)
+    waiting.append(target)
+    prefilling: deque[_Req] = deque()  # in slots, prompt not done, oldest first
+    decoding: list[tuple[float, int]] = []  # heap of (step count it finishes at, tiebreak)
+    slots, chunk = max(1, shape.slots), max(1, shape.chunk_tokens)
+    t = done = 0.0
+    queue_ms = first = -1.0
+    target_end = -1.0  # the step count the target finishes at, once it decodes
+    row_steps = steps = 0.0
+    seq = 0
+
+    def start_decoding(r: _Req) -> None:
+        nonlocal seq, target_end
+        heapq.heappush(decoding, (done + r.steps, seq))
+        seq += 1
+        if r.new:
+            target_end = done + r.steps
+
+    for _ in range(max_loops):
+        while waiting and len(prefilling) + len(decoding) < slots:
+            r = waiting.popleft()
+            if r.new:
+                queue_ms = t
+            if r.prefill > 0:
+                prefilling.append(r)
+            elif r.steps > 0:
+                start_decoding(r)
+        pre = prefilling[0] if prefilling else None
+        if pre is not None:
+            c = min(float(chunk), pre.prefill)
+            t += c * shape.prefill_ms_per_token
+            if not pre.started:
+                pre.started = True
+                t += shape.prefill_fixed_ms
+            pre.prefill -= c
+            if pre.prefill <= 0:
+                prefilling.popleft()
+                if pre.new:
+                    first = t
+                    if target.steps <= 0:
+                        return Replayed(queue_ms, first, first, 1.0)
+                if pre.steps > 0:  # its first token came out of the prefill; it decodes now
+                    start_decoding(pre)
+        if not decoding:
+            if pre is None and not waiting:
+                break
+            continue
+        n = len(decoding)
+        # With nothing left to prefill, identical steps repeat until the next finish: jump
+        # (to that finish's count exactly, so that float rounding never adds a step).
+        after = done + 1.0
+        if not prefilling and pre is None:
+            after = max(after, decoding[0][0])
+        k = after - done
+        t += k * shape.decode_step_ms(n)
+        if target_end >= 0:
+            row_steps += k * n
+            steps += k
+        done = after
+        if target_end >= 0 and target_end <= done:
+            return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0)
+        while decoding and decoding[0][0] <= done:
+            heapq.heappop(decoding)
+    # Out of loops (a pathological backlog): finish the target alone from here.
+    rows = len(prefilling) + len(decoding)
+    if first < 0:
+        first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
+    left = target_end - done if target_end >= 0 else target.steps
+    last = first + left * shape.decode_step_ms(rows or 1)
+    return Replayed(max(queue_ms, 0.0), first, last, float(rows or 1))
+
+
+def replay_literal(
+    shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int = 4096
+) -> Replayed:
+    """The same engine loop run literally, one pass over the rows for every step: the naive
+    twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
+    Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
+    ahead = [w for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0]
     # requests in hand whose prefill is under way have paid their fixed cost
     waiting = [
         _Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps), started=w.started) for w in ahead
