@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         f"`{recorded_command('morning_peak.py', sys.argv[1:], ('--fleet',))}`",
         "",
         f"{args.people} people in {', '.join(OFFICES)}; {len(trace)} requests 08:00-10:00; "
-        f"fleet `{Path(args.fleet).name}` (edge: measured CPU profile; cloud: H200 profile, "
-        "an estimate until measured). SLO: TTFT <= 1 s and <= 0.1 s/token. The tuned latency "
+        f"fleet `{Path(args.fleet).name}` (edge: measured CPU profile; cloud: H200 profile "
+        "measured by bench/device_profile.sh, random weights of the default model's shape). SLO: TTFT <= 1 s and <= 0.1 s/token. The tuned latency "
         f"policy was searched on 09:00-09:15 ({args.budget} trials, objective mean e2e).",
         "",
         "## At the peak (arrivals 09:00-09:30), seconds",
