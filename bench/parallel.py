@@ -145,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
         "--layouts",
         nargs="+",
         default=["1x1", "2x1", "1x2"],
-        help="TPxPP, or TPxPP:L0,L1,... for the layers of each stage (--pp-layers)",
+        help="TPxPP, or TPxPP:L0,L1,... or TPxPP:balanced for the layers of each stage (--pp-layers)",
     )
     p.add_argument("--model", default=None, help="a model folder (default: the default model)")
     p.add_argument("--results", default="parallel.json", help="file name under bench/results")
     args = p.parse_args(argv)
 
+    from cloud_engine.parallel.dist import parse_pp_layers
     from cloud_engine.parallel.local import run_world
 
     if args.model:  # routing.model_store needs the gateway's packages: not on every machine
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     for layout in args.layouts:
         shape, _, split = layout.partition(":")
         tp, pp = (int(x) for x in shape.split("x"))
-        pp_layers = tuple(int(x) for x in split.split(",")) if split else None
+        pp_layers = parse_pp_layers(split or None, folder, pp)
         res = run_world(
             bench_rank,
             tp * pp,

@@ -12,8 +12,12 @@ Invariant: every collective and every point-to-point wait runs under the world's
 from __future__ import annotations
 
 import datetime
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +53,61 @@ class ParallelConfig:
             out.append(range(a, a + c))
             a += c
         return out
+
+
+def layer_weights(hf: Mapping[str, Any]) -> tuple[float, float]:
+    """(weights one decoder layer reads per token, weights the LM head reads per token), from
+    a Hugging Face ``config.json``; a mixture-of-experts layer counts its active experts."""
+    h = int(hf["hidden_size"])
+    heads = int(hf["num_attention_heads"])
+    kv = int(hf.get("num_key_value_heads") or heads)
+    hd = int(hf.get("head_dim") or h // heads)
+    attn = h * hd * (2 * heads + 2 * kv)
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if experts:
+        inter = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
+        mlp = int(hf.get("num_experts_per_tok", 1)) * 3 * h * inter
+        mlp += 3 * h * int(hf.get("shared_expert_intermediate_size") or 0)
+    else:
+        mlp = 3 * h * int(hf["intermediate_size"])
+    return float(attn + mlp), float(h * int(hf["vocab_size"]))
+
+
+def balanced_layers(hf: Mapping[str, Any], pp: int) -> tuple[int, ...]:
+    """Layers per stage with the heaviest stage as light as it can be, counting the LM head on
+    the last stage (``--pp-layers balanced``): an even split leaves the last stage with the
+    head's extra work (eight layers' worth on SmolLM2-135M) and the others waiting for it."""
+    layers = int(hf["num_hidden_layers"])
+    if layers < pp:
+        raise ValueError(f"{layers} layers cannot make {pp} stages")
+    if pp == 1:
+        return (layers,)
+    per_layer, head = layer_weights(hf)
+    best: tuple[float, tuple[int, ...]] | None = None
+    for last in range(1, layers - pp + 2):
+        base, extra = divmod(layers - last, pp - 1)
+        counts = tuple([base + (1 if s < extra else 0) for s in range(pp - 1)] + [last])
+        cost = max(max(counts[:-1]) * per_layer, last * per_layer + head)
+        if best is None or cost < best[0]:
+            best = (cost, counts)
+    assert best is not None
+    return best[1]
+
+
+def parse_pp_layers(text: str | None, model_folder: str | Path, pp: int) -> tuple[int, ...] | None:
+    """``--pp-layers``: None (even), ``balanced`` (see :func:`balanced_layers`) or counts
+    such as ``10,14``; raises ValueError with the flag's name for anything else."""
+    if not text:
+        return None
+    if text.strip() == "balanced":
+        hf = json.loads((Path(model_folder) / "config.json").read_text())
+        return balanced_layers(hf.get("text_config", hf), pp)
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--pp-layers {text!r}: give 'balanced' or one layer count per stage, e.g. 10,14"
+        ) from None
 
 
 @dataclass(frozen=True)

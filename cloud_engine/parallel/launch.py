@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from cloud_engine.config import EngineConfig
-from cloud_engine.parallel.dist import ParallelConfig, Rank, init_world
+from cloud_engine.parallel.dist import ParallelConfig, Rank, init_world, parse_pp_layers
 from cloud_engine.parallel.local import free_port
 
 log = logging.getLogger(__name__)
@@ -155,9 +155,7 @@ def parallel_engine_for(info, cfg: EngineConfig, tp: int, pp: int, pp_layers: st
     rank's torch threads defaulting to the host's cores divided among the ranks."""
     from dataclasses import replace
 
-    pcfg = ParallelConfig(
-        tp, pp, tuple(int(x) for x in pp_layers.split(",")) if pp_layers else None
-    )
+    pcfg = ParallelConfig(tp, pp, parse_pp_layers(pp_layers, info.path, pp))
     if not cfg.threads and torch.device(cfg.device).type == "cpu":
         cfg = replace(cfg, threads=max(1, (os.cpu_count() or 1) // pcfg.world_size))
     return parallel_engine(info.path, info.identity, pcfg, cfg)

@@ -20,7 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--max-waiting", type=int, default=None, help="waiting queue size (then 429)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (one process each)")
-    s.add_argument("--pp-layers", default=None, help="layers per stage, e.g. 10,14 (default: even)")
+    s.add_argument(
+        "--pp-layers",
+        default=None,
+        help="layers per stage, e.g. 10,14, or balanced (the LM head counted on the last "
+        "stage) (default: even)",
+    )
     s.set_defaults(func=run_serve)
 
 
