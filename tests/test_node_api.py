@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from tests.conftest import free_port
 from tests.nodes import Proc, cli
 
@@ -282,6 +283,34 @@ def test_disconnect_frees_the_slot(tiny_node) -> None:
         time.sleep(0.1)
     assert load["running"] == 0 and load["waiting"] == 0
     assert load["kv_blocks_used"] == 0  # every block it held is back (free or cached)
+
+
+def test_a_whole_reply_sends_its_headers_at_the_first_token(tiny_node) -> None:
+    """The headers come while the answer is still being generated (marked for the gateway);
+    a client that leaves then frees the slot, as a stream's does."""
+    node = tiny_node[1]
+    body = {"model": served_model(node), "prompt": "Go on forever:", "max_tokens": 1500,
+            "temperature": 0}  # fmt: skip
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream("POST", node.url + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        assert r.headers[HEADERS_AT_FIRST_TOKEN] == "1"
+        assert r.headers["content-type"].startswith("application/json")
+        assert float(r.headers["x-edgecloud-measured-ttft-ms"]) > 0
+        assert httpx.get(node.url + "/load").json()["running"] == 1  # still generating
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = httpx.get(node.url + "/load").json()
+        if load["running"] == 0 and load["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert load["running"] == 0 and load["waiting"] == 0
+    # read to the end, the same request is one whole completion
+    done = httpx.post(node.url + "/v1/completions", json={**body, "max_tokens": 12}, timeout=60)
+    assert done.status_code == 200 and 1 <= done.json()["usage"]["completion_tokens"] <= 12
+    assert done.json()["object"] == "text_completion"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from gateway.front.upstream import UpstreamHeaders
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from routing.policies import Candidate, Decision
 
 
@@ -50,10 +51,15 @@ def decision_headers(
     return h
 
 
-def ttft_of_whole_reply(node_headers: UpstreamHeaders, e2e_ms: float) -> float | None:
+def ttft_of_whole_reply(
+    node_headers: UpstreamHeaders, e2e_ms: float, headers_ms: float | None = None
+) -> float | None:
     """The time to first token of a reply sent whole, as the gateway's client would have seen
-    it streamed: the gateway's end-to-end time less the node's time from first to last token
-    (both node figures come from the node's headers; None when it sent neither)."""
+    it streamed: when the node sent its headers at the first token (``headers_ms``, measured
+    here), that; from an older node, the gateway's end-to-end time less the node's time from
+    first to last token (both from its headers; None when it sent neither)."""
+    if headers_ms is not None and node_headers.get(HEADERS_AT_FIRST_TOKEN) == "1":
+        return headers_ms
     try:
         node_ttft = float(node_headers["x-edgecloud-measured-ttft-ms"])
         node_e2e = float(node_headers["x-edgecloud-node-e2e-ms"])
@@ -68,8 +74,12 @@ def ttft_of_whole_reply(node_headers: UpstreamHeaders, e2e_ms: float) -> float |
 def set_whole_reply_timings(
     hdrs: dict[str, str], node_headers: UpstreamHeaders, e2e_ms: float
 ) -> float | None:
-    """Put a whole reply's measured e2e and TTFT in ``hdrs``; return the TTFT (or None)."""
-    ttft = ttft_of_whole_reply(node_headers, e2e_ms)
+    """Put a whole reply's measured e2e and TTFT in ``hdrs`` (whose measured TTFT is, until
+    now, when the node's headers arrived); return the TTFT (or None)."""
+    at_headers = hdrs.get("x-edgecloud-measured-ttft-ms")
+    ttft = ttft_of_whole_reply(
+        node_headers, e2e_ms, float(at_headers) if at_headers is not None else None
+    )
     hdrs["x-edgecloud-measured-e2e-ms"] = f"{e2e_ms:.1f}"
     if ttft is None:
         hdrs.pop("x-edgecloud-measured-ttft-ms", None)

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
@@ -24,6 +24,7 @@ from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
 from routing.engine import PrefixCacheEngine
@@ -104,11 +105,9 @@ def create_node_app(
         app.add_middleware(NodeTokenMiddleware, token=node_token)
     app.state.service = service
 
-    def headers(
-        prep: Prepared, first: Delta | None, t0: float, t_first: float, t_end: float | None = None
-    ) -> dict[str, str]:
-        """Node-side timings from the request's arrival: to its first token and, for a reply
-        sent whole, to its last (``x-edgecloud-node-e2e-ms``)."""
+    def headers(prep: Prepared, first: Delta | None, t0: float, t_first: float) -> dict[str, str]:
+        """The node's figures for the gateway (:mod:`gateway.node_headers`): the prefix it
+        reused and its time from the request's arrival to the first token."""
         h = {
             "x-edgecloud-node": service.config.node_id,
             "x-edgecloud-tier": service.engine.kind,
@@ -117,8 +116,6 @@ def create_node_app(
         if first is not None:
             h["x-edgecloud-cached-tokens"] = str(first.event.cached_tokens)
             h["x-edgecloud-measured-ttft-ms"] = f"{(t_first - t0) * 1000:.1f}"
-        if t_end is not None:
-            h["x-edgecloud-node-e2e-ms"] = f"{(t_end - t0) * 1000:.1f}"
         return h
 
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
@@ -202,34 +199,38 @@ def create_node_app(
     async def full_response(
         prep: Prepared, deltas: AsyncIterator[Delta], request: Request, t0: float
     ) -> Response:
-        t_first = t0
-
-        async def collect() -> tuple[str, Delta | None, Delta | None]:
-            nonlocal t_first
-            parts: list[str] = []
-            first = last = None
-            async for d in deltas:
-                if first is None:
-                    first, t_first = d, time.perf_counter()
-                last = d
-                parts.append(d.text)
-            return "".join(parts), first, last
-
-        task = asyncio.ensure_future(collect())
+        """A reply sent whole: its headers at the first token (marked, see
+        :mod:`gateway.node_headers`), its JSON body once the last token is out. An engine error
+        after the first token ends the connection without a body, so the client sees a failed
+        node, never a 200 with half an answer; a client that leaves cancels the request (the
+        response's disconnect listener cancels the body, which closes ``deltas``)."""
         try:
-            while not task.done():
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if not done and await request.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    return Response(status_code=499)
-            text, first, last = task.result()
-        finally:
-            if not task.done():
-                task.cancel()
+            first = await until_first(deltas, request)
+        except StopAsyncIteration:
+            raise APIError(500, "engine produced no output", type_="server_error") from None
+        if first is None:
             await deltas.aclose()  # type: ignore[attr-defined]
-        assert last is not None
+            return Response(status_code=499)
+        t_first = time.perf_counter()
+
+        async def body() -> AsyncIterator[bytes]:
+            parts, last = [first.text], first
+            try:
+                if first.finish_reason is None:
+                    async for d in deltas:
+                        parts.append(d.text)
+                        last = d
+                        if d.finish_reason is not None:
+                            break
+            finally:
+                await deltas.aclose()  # type: ignore[attr-defined]
+            obj = whole_body(prep, "".join(parts), last)
+            yield json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+        hdrs = {**headers(prep, first, t0, t_first), HEADERS_AT_FIRST_TOKEN: "1"}
+        return StreamingResponse(body(), media_type="application/json", headers=hdrs)
+
+    def whole_body(prep: Prepared, text: str, last: Delta) -> dict[str, Any]:
         ev = last.event
         u = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens).model_dump()
         if prep.kind == "chat":
@@ -248,7 +249,7 @@ def create_node_app(
                 "finish_reason": last.finish_reason,
             }
             obj = "text_completion"
-        body = {
+        return {
             "id": prep.gen.request_id,
             "object": obj,
             "created": prep.created,
@@ -256,7 +257,6 @@ def create_node_app(
             "choices": [choice],
             "usage": u,
         }
-        return JSONResponse(body, headers=headers(prep, first, t0, t_first, time.perf_counter()))
 
     # Bodies are read and validated here, not by FastAPI: Content-Type and nesting depth are
     # checked first (gateway.json_limits), so every bad body is a 4xx naming what is wrong.
