@@ -66,10 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--other-minutes", type=float, default=20.0, help="Azure/Mooncake window")
     ap.add_argument("--skip-other", action="store_true")
     ap.add_argument("--skip-staleness", action="store_true")
+    ap.add_argument("--name", default="morning_peak", help="results name under bench/results")
     args = ap.parse_args(argv)
     slo = Slo(1.0, 0.1)
     fleet = load_fleet(args.fleet)
-    out_dir = RESULTS / "morning_peak"
+    out_dir = RESULTS / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = generate(MorningPeak(people=args.people, regions=tuple(OFFICES)), seed=args.seed)
     print(f"morning peak: {len(trace)} requests, {args.people} people", flush=True)
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "Plots: `morning_peak/latency_cdf.png`, `morning_peak/load_per_tier.png`, "
         "`morning_peak/cloud_share.png`, `morning_peak/objective_vs_knobs.png`.",
     ]
-    write_results("morning_peak", payload, "\n".join(md))
+    write_results(args.name, payload, "\n".join(md))
     _ = comparison_table  # the tuner's report uses the same table
     return 0
 
