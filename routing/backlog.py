@@ -70,6 +70,17 @@ class _Req:
     started: bool = False  # its first prefill chunk has run (the fixed cost is paid)
 
 
+def _run_chunk(r: _Req, shape: EngineShape, chunk: int) -> float:
+    """Prefill ``r``'s next chunk; returns the time it takes (its fixed cost with the first)."""
+    c = min(float(chunk), r.prefill)
+    r.prefill -= c
+    ms = c * shape.prefill_ms_per_token
+    if not r.started:
+        r.started = True
+        ms += shape.prefill_fixed_ms
+    return ms
+
+
 def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int = 4096) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order) and then ``new``.
 
@@ -109,12 +120,7 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
                 start_decoding(r)
         pre = prefilling[0] if prefilling else None
         if pre is not None:
-            c = min(float(chunk), pre.prefill)
-            t += c * shape.prefill_ms_per_token
-            if not pre.started:
-                pre.started = True
-                t += shape.prefill_fixed_ms
-            pre.prefill -= c
+            t += _run_chunk(pre, shape, chunk)
             if pre.prefill <= 0:
                 prefilling.popleft()
                 if pre.new:
@@ -179,12 +185,7 @@ def replay_literal(
             running.append(r)
         pre = next((r for r in running if r.prefill > 0), None)
         if pre is not None:
-            c = min(float(chunk), pre.prefill)
-            t += c * shape.prefill_ms_per_token
-            if not pre.started:
-                pre.started = True
-                t += shape.prefill_fixed_ms
-            pre.prefill -= c
+            t += _run_chunk(pre, shape, chunk)
             if pre.prefill <= 0 and pre.new:
                 first = t
                 if target.steps <= 0:

@@ -253,6 +253,16 @@ def test_concurrent_streams_all_complete(tiny_node) -> None:
     assert together == alone  # batched slots give each request its own greedy text
 
 
+def wait_idle(node: Proc, timeout_s: float = 10.0) -> dict:
+    """The node's /load once it runs and queues nothing (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = httpx.get(node.url + "/load").json()
+        if (load["running"] == 0 and load["waiting"] == 0) or time.monotonic() > deadline:
+            return load
+        time.sleep(0.1)
+
+
 def test_disconnect_frees_the_slot(tiny_node) -> None:
     node = tiny_node[1]
     model = served_model(node)
@@ -275,12 +285,7 @@ def test_disconnect_frees_the_slot(tiny_node) -> None:
         assert busy["running"] == 1
         if tiny_node[0] == "cloud":
             assert busy["kv_blocks_used"] >= 1
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = httpx.get(node.url + "/load").json()
-        if load["running"] == 0 and load["waiting"] == 0:
-            break
-        time.sleep(0.1)
+    load = wait_idle(node)
     assert load["running"] == 0 and load["waiting"] == 0
     assert load["kv_blocks_used"] == 0  # every block it held is back (free or cached)
 
@@ -300,12 +305,7 @@ def test_a_whole_reply_sends_its_headers_at_the_first_token(tiny_node) -> None:
         assert r.headers["content-type"].startswith("application/json")
         assert float(r.headers["x-edgecloud-measured-ttft-ms"]) > 0
         assert httpx.get(node.url + "/load").json()["running"] == 1  # still generating
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        load = httpx.get(node.url + "/load").json()
-        if load["running"] == 0 and load["waiting"] == 0:
-            break
-        time.sleep(0.1)
+    load = wait_idle(node)
     assert load["running"] == 0 and load["waiting"] == 0
     # read to the end, the same request is one whole completion
     done = httpx.post(node.url + "/v1/completions", json={**body, "max_tokens": 12}, timeout=60)
