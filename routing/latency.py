@@ -10,6 +10,10 @@ Invariants:
   requests) and what the node reports about itself; configured per-kind defaults are used only
   while a node has neither. Measurements take over as samples accumulate (``warmup_samples``),
   but the node's self-report keeps ``self_report_weight`` so a sudden change on the node shows.
+- A node with nothing measured and nothing reported borrows what its peers measured (nodes of
+  the same kind, device and models: replicas of one deployment), before the kind's defaults:
+  a fresh replica must not look slower than its busy twin, or it never gets the traffic that
+  would measure it.
 - Decode time scales with the batch: ``ms(b) = ms(1) * (1 + batch_slope * (b - 1))``; rates are
   stored normalized to batch 1, so measurements at different batches are comparable.
 - Predictions are finite and non-negative; a request never has fewer than one uncached token.
@@ -242,6 +246,8 @@ class LatencyModel:
         self.knobs = knobs or LatencyKnobs()
         self.rates: dict[str, NodeRates] = {}
         self.errors = PredictionErrors()
+        self._peer_group: dict[str, tuple[object, ...]] = {}  # node id -> its deployment
+        self._groups: dict[tuple[object, ...], set[str]] = {}
 
     def configure(self, knobs: LatencyKnobs) -> None:
         """New knobs (hot reload); learned rates are kept."""
@@ -249,6 +255,28 @@ class LatencyModel:
 
     def forget(self, node_id: str) -> None:
         self.rates.pop(node_id, None)
+        group = self._peer_group.pop(node_id, None)
+        if group is not None:
+            self._groups[group].discard(node_id)
+
+    # ---- peers -------------------------------------------------------------------------------
+    def _register(self, node: NodeState) -> tuple[object, ...]:
+        """The node's deployment (kind, device, models), remembered for its peers."""
+        group = self._peer_group.get(node.id)
+        if group is None:
+            group = (node.kind, node.device, tuple(sorted(node.models)))
+            self._peer_group[node.id] = group
+            self._groups.setdefault(group, set()).add(node.id)
+        return group
+
+    def _peers(self, node: NodeState) -> list[NodeRates]:
+        """What the node's peers (same kind, device and models) measured."""
+        group = self._register(node)
+        return [r for i in self._groups[group] if i != node.id and (r := self.rates.get(i))]
+
+    @staticmethod
+    def _mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
 
     # ---- rates -------------------------------------------------------------------------------
     def batch_factor(self, kind: NodeKind, batch: float, node_id: str | None = None) -> float:
@@ -256,11 +284,14 @@ class LatencyModel:
         return 1.0 + slope * max(0.0, batch - 1.0)
 
     def _slope(self, node_id: str | None, kind: NodeKind) -> float:
-        rates = self.rates.get(node_id) if node_id is not None else None
-        if rates is not None:
-            fit = rates.decode_fit.solve()
-            if fit is not None and fit[0] > 0:
-                return min(max(fit[1] / fit[0], 0.0), 2.0)
+        own = self.rates.get(node_id) if node_id is not None else None
+        group = self._peer_group.get(node_id) if node_id is not None else None
+        peers = [self.rates.get(i) for i in self._groups.get(group, ())] if group else []
+        for rates in [own, *peers]:  # its own fit, else a peer's
+            if rates is not None:
+                fit = rates.decode_fit.solve()
+                if fit is not None and fit[0] > 0:
+                    return min(max(fit[1] / fit[0], 0.0), 2.0)
         return self.knobs.defaults(kind).batch_slope
 
     def _blend(self, measured: _Ewma, reported: float, default: float) -> float:
@@ -275,6 +306,14 @@ class LatencyModel:
     def prefill_tokens_per_s(self, node: NodeState) -> float:
         rates = self.rates.get(node.id) or _NO_RATES
         default = self.knobs.defaults(node.kind).prefill_tokens_per_s
+        if rates.prefill_tokens_per_s.n == 0 and node.prefill_tokens_per_s <= 0:
+            peers = self._peers(node)
+            default = (
+                self._mean(
+                    [r.prefill_tokens_per_s.value for r in peers if r.prefill_tokens_per_s.n]
+                )
+                or default
+            )
         value = self._blend(rates.prefill_tokens_per_s, node.prefill_tokens_per_s, default)
         return _finite(value, default)
 
@@ -288,6 +327,14 @@ class LatencyModel:
         fit = rates.decode_fit.solve()
         if fit is not None and fit[0] > 0:  # the fit's intercept is batch 1 itself
             measured = _Ewma(fit[0], measured.n)
+        if measured.n == 0 and reported <= 0:
+            peers = self._peers(node)
+            default = (
+                self._mean(
+                    [r.decode_ms_per_token_b1.value for r in peers if r.decode_ms_per_token_b1.n]
+                )
+                or default
+            )
         return _finite(self._blend(measured, reported, default), default)
 
     def mean_output_tokens(self, node_id: str) -> float:
@@ -315,6 +362,7 @@ class LatencyModel:
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
         kd = self.knobs.defaults(node.kind)
+        self._register(node)
         fixed, per_token = self.prefill_cost(node)
         return EngineShape(
             slots=max(1, node.max_batch),

@@ -246,3 +246,37 @@ def test_prefill_fixed_cost_and_per_token_rate_are_fitted():
     fixed, per_token = m.prefill_cost(n)
     assert fixed == pytest.approx(100.0, rel=1e-6) and per_token == pytest.approx(2.0, rel=1e-6)
     assert est(m, n, prompt=10, out=1).ttft_ms == pytest.approx(5.0 + 100.0 + 20.0)
+
+
+def test_an_unmeasured_replica_borrows_its_peers_rates():
+    """Two replicas of one deployment: the one that served everything measured 4 ms/token and
+    800 tok/s; its twin, never used and reporting nothing, is predicted at those rates, not at
+    the kind's defaults (which would make it look slower, so it would never be tried)."""
+    m = LatencyModel(LatencyKnobs(rate_alpha=1.0, self_report_weight=0.0, warmup_samples=1))
+    busy = node("c0", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=0.0)
+    twin = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=0.0)
+    other = node("c2", NodeKind.CLOUD, device="cuda", prefill_tokens_per_s=0.0,
+                 decode_ms_per_token=0.0)  # fmt: skip
+    for n in (busy, twin, other):
+        est(m, n)  # the gateway sees all three
+    m.observe(
+        Observation(
+            node_id="c0",
+            kind=NodeKind.CLOUD,
+            prompt_tokens=400,
+            cached_tokens=0,
+            completion_tokens=11,
+            ttft_ms=505.0,  # 400 tokens in 500 ms: 800 tok/s
+            e2e_ms=505.0 + 10 * 4.0,
+            net_rtt_ms=5.0,
+        )
+    )
+    assert m.prefill_tokens_per_s(twin) == pytest.approx(800.0)
+    assert m.decode_ms_per_token_b1(twin) == pytest.approx(4.0 / m.batch_factor(NodeKind.CLOUD, 1))
+    # another device is another deployment: the kind's defaults
+    assert m.prefill_tokens_per_s(other) == 6000.0
+    assert m.decode_ms_per_token_b1(other) == 20.0
+    # a twin that reports its own rate is taken at its word
+    assert m.prefill_tokens_per_s(node("c3", NodeKind.CLOUD, prefill_tokens_per_s=300.0)) == 300.0
+    m.forget("c0")
+    assert m.prefill_tokens_per_s(twin) == 6000.0  # nothing left to borrow

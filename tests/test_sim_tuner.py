@@ -28,7 +28,9 @@ def test_tuner_improves_over_the_default_knobs(tmp_path: Path) -> None:
     fleet = load_fleet(FLEETS / "staleness_fleet.yaml")
     res = tune(trace, fleet, PolicyConfig(), objective="mean_e2e", budget=8, seed=0)
     assert res.trials[0].value == res.default_value  # trial 0 is the base config
-    assert res.best_value < 0.9 * res.default_value
+    # (the default knobs gained most of what tuning found here once unmeasured edges borrowed
+    # their peers' rates: 1.43 s against 1.31 tuned; before, the default was 28% behind)
+    assert res.best_value < 0.95 * res.default_value
     path = tmp_path / "tuned.yaml"
     path.write_text(policy_yaml(res.best))
     assert load_config(path) == res.best
