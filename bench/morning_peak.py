@@ -231,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     for tname, sums in other.items():
         md += [f"## {tname} ({args.other_minutes:.0f} min, every policy)", "", _md(sums), ""]
     md += [
-        "Plots: `morning_peak/latency_cdf.png`, `morning_peak/load_per_tier.png`, "
-        "`morning_peak/cloud_share.png`, `morning_peak/objective_vs_knobs.png`.",
+        "Plots: "
+        + ", ".join(
+            f"`{args.name}/{f}.png`"
+            for f in ("latency_cdf", "load_per_tier", "cloud_share", "objective_vs_knobs")
+        )
+        + ".",
     ]
     write_results(args.name, payload, "\n".join(md))
     _ = comparison_table  # the tuner's report uses the same table
