@@ -165,16 +165,36 @@ async def test_every_node_failing_is_a_503_and_leaves_nothing(gw, fleet) -> None
     assert_idle(gateway, ["a-flaky", "b-cloud"])
 
 
-async def test_whole_reply_cut_short_is_a_502(gw, fleet) -> None:
+async def test_whole_reply_cut_short_goes_to_the_next_node(gw, fleet) -> None:
+    """Nothing of a whole reply reached the client when its node broke off mid-body: the
+    next candidate answers; the broken leg ends once, failed, in its tracker and breaker."""
     gateway, client = gw
     gateway.breakers.configure(100, 60.0, 1)
     fleet["flaky"].mode = "partial"
     tracker = gateway.trackers["a-flaky"]
     failed0 = tracker.failed
     r = await client.post("/v1/chat/completions", json=_chat(fleet["model"], False))
-    assert r.status_code == 502, r.text
+    assert r.status_code == 200, r.text
+    assert r.headers["x-edgecloud-node"] == "b-cloud"
+    assert r.headers["x-edgecloud-reason"] == "failover"
+    assert r.json()["usage"]["completion_tokens"] >= 1
     assert tracker.failed - failed0 == 1
     assert gateway.breakers._nodes["a-flaky"].failures >= 1
+    assert_idle(gateway, ["a-flaky", "b-cloud"])
+
+
+async def test_whole_reply_cut_short_with_no_node_left_is_a_502(gw, fleet) -> None:
+    gateway, client = gw
+    gateway.breakers.configure(100, 60.0, 1)
+    fleet["flaky"].mode = "partial"
+    for _ in range(100):  # b-cloud's circuit open: no node to send it to again
+        gateway.breakers.on_failure("b-cloud")
+    tracker = gateway.trackers["a-flaky"]
+    failed0 = tracker.failed
+    r = await client.post("/v1/chat/completions", json=_chat(fleet["model"], False))
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "upstream_error"
+    assert tracker.failed - failed0 == 1
     assert_idle(gateway, ["a-flaky", "b-cloud"])
 
 

@@ -198,3 +198,33 @@ async def test_without_token_ids_a_broken_stream_ends_with_an_error(gw, fleet) -
     assert "error" in got[-2]
     assert gateway.stream_stats.resumed == 0 and gateway.stream_stats.broken == 1
     assert_idle(gateway, ["c1", "c2"])
+
+
+async def test_a_whole_reply_whose_node_dies_mid_body_is_sent_again(gw, fleet) -> None:
+    """A reply sent whole: c1's headers came (at its first token), then it died before its
+    body. Nothing reached the client yet, so the gateway sends the request to c2; the client
+    reads one whole answer, the same greedy text, with c2's failover headers."""
+    import asyncio
+
+    gateway, client = gw
+    body = {k: v for k, v in _chat_body(fleet["model"]).items() if k not in ("stream",
+            "stream_options")}  # fmt: skip
+    body["max_tokens"] = 400  # long enough to be cut mid-body
+    ledger = gateway.router.ledger
+    task = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+    # the headers arrived once the ledger knows the first token of the request on c1
+    for _ in range(3000):
+        if any(e.first_token_at is not None for e in list(ledger._entries.values())):
+            break
+        await asyncio.sleep(0.005)
+    else:
+        raise AssertionError("c1's headers never came")
+    fleet["proxy"].kill()
+    r = await task
+    assert r.status_code == 200, r.text
+    assert r.headers["x-edgecloud-node"] == "c2" and r.headers["x-edgecloud-reason"] == "failover"
+    got = r.json()["choices"][0]["message"]["content"]
+    fleet["proxy"].revive()
+    want = (await client.post("/v1/chat/completions", json=body)).json()
+    assert got == want["choices"][0]["message"]["content"]  # greedy: the same answer
+    assert_idle(gateway, ["c1", "c2"])

@@ -39,6 +39,7 @@ from gateway.errors import APIError, too_many_requests
 from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.metrics import GatewayMetrics
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_headers
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
@@ -50,6 +51,7 @@ from routing.ratelimit import RateDecision, RateLimiter
 from routing.router import Measured, Router, Ticket
 
 RouteName = Literal["chat", "completion"]
+MAX_WHOLE_RETRIES = 2  # a reply sent whole whose node fails mid-body: nodes tried after it
 
 
 class Outcome(enum.StrEnum):
@@ -347,6 +349,19 @@ class Dispatch:
         finally:
             await self.aclose_upstream()
 
+    async def _reopen_elsewhere(self) -> tuple[Opened, Candidate] | None:
+        """The request sent again, whole, to the decision's candidates not tried yet (None:
+        none is left, or none answers)."""
+        assert self.plan is not None
+        plan = self.plan
+        rest = [c for c in plan.decision.candidates() if c.node.id not in self.tried]
+        if not rest:
+            return None
+        try:
+            return await self._open_first(rest, plan.path, plan.payload, False)
+        except Exhausted:
+            return None
+
     async def passthrough(self, opened: Opened, hdrs: dict[str, str]) -> Response:
         """A node's non-200 answer (a 4xx it was not retried for), passed through as it came."""
         content = await self._read_body(opened)
@@ -358,10 +373,29 @@ class Dispatch:
         )
 
     async def read_whole(self, opened: Opened, hdrs: dict[str, str]) -> Response:
-        """Read a reply sent whole (200), learn from it, settle the rate charge."""
+        """Read a reply sent whole (200), learn from it, settle the rate charge.
+
+        A node that fails while its body is on the way (it died after its headers, which it
+        sends at the first token) has sent nothing the client saw: the request goes to the
+        decision's next candidates not tried yet, up to ``MAX_WHOLE_RETRIES`` times, before a
+        502. The client then reads one answer, with the failover headers of the node that gave
+        it."""
         assert self.plan is not None
         plan = self.plan
-        content = await self._read_body(opened)
+        for retries_left in range(MAX_WHOLE_RETRIES, -1, -1):
+            if opened.response.headers.get(HEADERS_AT_FIRST_TOKEN) == "1":
+                self.first_token(opened.node_id)  # its headers came with the first token
+            try:
+                content = await self._read_body(opened)
+                break
+            except APIError:
+                again = await self._reopen_elsewhere() if retries_left else None
+                if again is None:
+                    raise
+                opened, cand = again
+                hdrs = self.headers_of(opened, cand)
+                if opened.response.status_code != 200:
+                    return await self.passthrough(opened, hdrs)
         e2e = (time.perf_counter() - plan.t_start) * 1000
         usage: dict[str, Any] = {}
         with contextlib.suppress(ValueError, AttributeError):

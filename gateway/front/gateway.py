@@ -43,7 +43,6 @@ from gateway.front.request_path import (
 from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
 from gateway.metrics import GatewayMetrics
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from gateway.proxy import close_client, make_client
 from gateway.request_log import RequestLog
 from routing.fleet.block_feed import BlockFeedPage
@@ -292,8 +291,6 @@ class Gateway:
         if opened.response.status_code != 200:
             return await d.passthrough(opened, hdrs)
         if not req.stream:
-            if opened.response.headers.get(HEADERS_AT_FIRST_TOKEN) == "1":
-                d.first_token(opened.node_id)  # its headers came with the first token
             return await d.read_whole(opened, hdrs)
         d.first_token(opened.node_id)  # the node sent its first token
         relay = StreamRelay(d, opened, self.stream_stats)
