@@ -29,6 +29,7 @@ import httpx
 
 from gateway.front import fastjson
 from gateway.front.upstream import StreamedUpstream, Upstream  # the node response's interface
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 
 try:  # the gateway's own HTTP/1.1 client for plain-HTTP nodes (needs httptools)
     from gateway.front.http1 import H1Pool, H1Response
@@ -50,6 +51,7 @@ HOP_HEADERS = {
     "content-encoding",
     "date",
     "server",
+    HEADERS_AT_FIRST_TOKEN,  # between a node and the gateway only
 }
 
 

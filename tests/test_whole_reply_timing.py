@@ -35,6 +35,7 @@ def test_gateway_whole_reply_reports_ttft_below_e2e(tiny_model_path: Path):
         ttft = float(r.headers["x-edgecloud-measured-ttft-ms"])
         e2e = float(r.headers["x-edgecloud-measured-e2e-ms"])
         assert tokens > 50 and 0 < ttft < e2e
+        assert HEADERS_AT_FIRST_TOKEN not in r.headers  # between the node and the gateway only
 
         # While a long one runs, the gateway's ledger already knows its prompt is done (as a
         # stream's first chunk would tell it), so the next decision replays only its decode.
