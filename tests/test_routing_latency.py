@@ -23,6 +23,23 @@ def node(node_id: str = "e1", kind: NodeKind = NodeKind.EDGE, **kw) -> NodeState
     return NodeState(id=node_id, kind=kind, **defaults)
 
 
+def finished(
+    node_id: str, kind: NodeKind, prompt: int, completion: int, *, ttft_ms: float,
+    e2e_ms: float, rtt_ms: float,
+) -> Observation:  # fmt: skip
+    """A request that finished on ``node_id`` with nothing cached and no prediction."""
+    return Observation(
+        node_id=node_id,
+        kind=kind,
+        prompt_tokens=prompt,
+        cached_tokens=0,
+        completion_tokens=completion,
+        ttft_ms=ttft_ms,
+        e2e_ms=e2e_ms,
+        net_rtt_ms=rtt_ms,
+    )
+
+
 def est(model: LatencyModel, n: NodeState, prompt=100, cached=0, out=10.0, rtt=5.0, extra=0):
     return model.estimate(
         n,
@@ -103,18 +120,7 @@ def test_defaults_when_nothing_is_known_then_measurements_take_over():
     assert m.prefill_tokens_per_s(blank) == 3000.0
     assert m.decode_ms_per_token_b1(blank) == 25.0
     # 600 uncached tokens, ttft 350 ms of which 50 ms network: 2000 tok/s. 21 tokens by 750 ms.
-    m.observe(
-        Observation(
-            node_id="o",
-            kind=NodeKind.OPENAI,
-            prompt_tokens=600,
-            cached_tokens=0,
-            completion_tokens=21,
-            ttft_ms=350.0,
-            e2e_ms=750.0,
-            net_rtt_ms=50.0,
-        )
-    )
+    m.observe(finished("o", NodeKind.OPENAI, 600, 21, ttft_ms=350.0, e2e_ms=750.0, rtt_ms=50.0))
     assert m.prefill_tokens_per_s(blank) == pytest.approx(2000.0)
     assert m.decode_ms_per_token_b1(blank) == pytest.approx(20.0)
     assert m.mean_output_tokens("o") == 21
@@ -259,18 +265,8 @@ def test_an_unmeasured_replica_borrows_its_peers_rates():
                  decode_ms_per_token=0.0)  # fmt: skip
     for n in (busy, twin, other):
         est(m, n)  # the gateway sees all three
-    m.observe(
-        Observation(
-            node_id="c0",
-            kind=NodeKind.CLOUD,
-            prompt_tokens=400,
-            cached_tokens=0,
-            completion_tokens=11,
-            ttft_ms=505.0,  # 400 tokens in 500 ms: 800 tok/s
-            e2e_ms=505.0 + 10 * 4.0,
-            net_rtt_ms=5.0,
-        )
-    )
+    # 400 tokens in 500 ms (800 tok/s), then 10 tokens at 4 ms
+    m.observe(finished("c0", NodeKind.CLOUD, 400, 11, ttft_ms=505.0, e2e_ms=545.0, rtt_ms=5.0))
     assert m.prefill_tokens_per_s(twin) == pytest.approx(800.0)
     assert m.decode_ms_per_token_b1(twin) == pytest.approx(4.0 / m.batch_factor(NodeKind.CLOUD, 1))
     # another device is another deployment: the kind's defaults
