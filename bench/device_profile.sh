@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Profile a cloud node on the GPU machine: random bf16 weights of the default model's shape
-# (SmolLM2-135M: its config and tokenizer, copied into .devmodel/ beforehand), served by
+# (bench/random_default_shape.py; the tokenizer files copied into .devmodel/ beforehand), served by
 # `edgecloud cloud serve --device cuda`, measured by `edgecloud profile`.
 #
 #   bench/device_profile.sh OUT.json [profile args...]
@@ -14,12 +14,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-python3 - <<'PY'
-from cloud_engine.model.config import ModelConfig
-from cloud_engine.model.loader import save_random_model
-save_random_model("/tmp/smollm2-random", ModelConfig.from_folder(".devmodel"), seed=0,
-                  tokenizer_from=".devmodel")
-PY
+python3 bench/random_default_shape.py /tmp/smollm2-random .devmodel
 python3 -c "import gateway.cli as c; c.main()" cloud serve --model /tmp/smollm2-random \
     --device cuda --port 8002 ${NODE_ARGS:-} > /tmp/node.log 2>&1 &
 node=$!

@@ -1,5 +1,10 @@
 """Write a random-weight model of the default model's shape (SmolLM2-135M: 30 layers, 576
-hidden, 9 heads, 3 KV heads, 49152 vocabulary, tied head) for machines without the store."""
+hidden, 9 heads, 3 KV heads, 49152 vocabulary, tied head) for machines without the store.
+
+    python bench/random_default_shape.py OUT [TOKENIZER_DIR]
+
+``TOKENIZER_DIR`` (the default model's tokenizer files) makes the folder servable by a node.
+"""
 
 from __future__ import annotations
 
@@ -25,4 +30,5 @@ if __name__ == "__main__":
         max_position_embeddings=8192,
         rope_theta=100000.0,
     )
-    print(save_random_model(sys.argv[1], cfg, seed=0))
+    tokenizer = sys.argv[2] if len(sys.argv) > 2 else None
+    print(save_random_model(sys.argv[1], cfg, seed=0, tokenizer_from=tokenizer))
