@@ -271,8 +271,13 @@ class LatencyModel:
 
     def _peers(self, node: NodeState) -> list[NodeRates]:
         """What the node's peers (same kind, device and models) measured."""
-        group = self._register(node)
-        return [r for i in self._groups[group] if i != node.id and (r := self.rates.get(i))]
+        self._register(node)
+        return self._peer_rates(node.id)
+
+    def _peer_rates(self, node_id: str) -> list[NodeRates]:
+        group = self._peer_group.get(node_id)
+        members = self._groups.get(group, ()) if group is not None else ()
+        return [r for i in members if i != node_id and (r := self.rates.get(i))]
 
     @staticmethod
     def _mean(xs: list[float]) -> float:
@@ -284,12 +289,10 @@ class LatencyModel:
         return 1.0 + slope * max(0.0, batch - 1.0)
 
     def _slope(self, node_id: str | None, kind: NodeKind) -> float:
-        own = self.rates.get(node_id) if node_id is not None else None
-        group = self._peer_group.get(node_id) if node_id is not None else None
-        peers = [self.rates.get(i) for i in self._groups.get(group, ())] if group else []
-        for rates in [own, *peers]:  # its own fit, else a peer's
-            if rates is not None:
-                fit = rates.decode_fit.solve()
+        if node_id is not None:
+            own = self.rates.get(node_id)
+            for rates in [own, *self._peer_rates(node_id)]:  # its own fit, else a peer's
+                fit = rates.decode_fit.solve() if rates is not None else None
                 if fit is not None and fit[0] > 0:
                     return min(max(fit[1] / fit[0], 0.0), 2.0)
         return self.knobs.defaults(kind).batch_slope
