@@ -156,7 +156,7 @@ def measured_of(usage: Mapping[str, Any], e2e_ms: float, ttft_ms: float | None) 
 class Dispatch:
     """See the module's docstring. Made by :meth:`acquire` (which takes the slot)."""
 
-    __slots__ = ("_legs", "deps", "outcome", "plan", "tried", "upstream")
+    __slots__ = ("_legs", "deps", "first_byte_ms", "outcome", "plan", "tried", "upstream")
 
     def __init__(self, deps: DispatchDeps) -> None:
         self.deps = deps
@@ -165,6 +165,7 @@ class Dispatch:
         self.tried: set[str] = set()  # every node this request was sent to
         self.outcome: Outcome | None = None  # set once, by close
         self.upstream: Upstream | None = None  # the response being read or relayed
+        self.first_byte_ms = 0.0  # when the answering node's headers came (set by headers_of)
 
     @classmethod
     def acquire(cls, deps: DispatchDeps) -> Dispatch:
@@ -334,8 +335,14 @@ class Dispatch:
     def headers_of(self, opened: Opened, cand: Candidate) -> dict[str, str]:
         assert self.plan is not None
         p = self.plan
+        self.first_byte_ms = (time.perf_counter() - p.t_start) * 1000
         return decision_headers(
-            p.decision, cand, opened.response.headers, len(opened.attempts), p.request_id, p.t_start
+            p.decision,
+            cand,
+            opened.response.headers,
+            len(opened.attempts),
+            p.request_id,
+            self.first_byte_ms,
         )
 
     async def _read_body(self, opened: Opened) -> bytes:
@@ -400,7 +407,7 @@ class Dispatch:
         usage: dict[str, Any] = {}
         with contextlib.suppress(ValueError, AttributeError):
             usage = fastjson.usage_of_response(content)
-        ttft = set_whole_reply_timings(hdrs, opened.response.headers, e2e)
+        ttft = set_whole_reply_timings(hdrs, opened.response.headers, e2e, self.first_byte_ms)
         measured = measured_of(usage, e2e, ttft)
         self.end(opened.node_id, measured)
         await self.account(measured, opened.node_id, hdrs)

@@ -11,8 +11,6 @@ Invariants:
 
 from __future__ import annotations
 
-import time
-
 from gateway.front.upstream import UpstreamHeaders
 from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from routing.policies import Candidate, Decision
@@ -24,10 +22,10 @@ def decision_headers(
     node_headers: UpstreamHeaders,
     attempts: int,
     request_id: str,
-    t_start: float,
+    first_byte_ms: float,
 ) -> dict[str, str]:
-    """The headers of a reply from ``cand`` after ``attempts`` tries, measured from
-    ``t_start`` (``time.perf_counter``) to now (the first byte)."""
+    """The headers of a reply from ``cand`` after ``attempts`` tries, whose node's headers
+    came ``first_byte_ms`` after the request arrived."""
     h = decision.headers()
     if cand.node.id != decision.node_id:
         est = cand.estimate
@@ -45,7 +43,7 @@ def decision_headers(
     node_cached = node_headers.get("x-edgecloud-cached-tokens")
     if node_cached is not None:
         h["x-edgecloud-cached-tokens"] = node_cached
-    h["x-edgecloud-measured-ttft-ms"] = f"{(time.perf_counter() - t_start) * 1000:.1f}"
+    h["x-edgecloud-measured-ttft-ms"] = f"{first_byte_ms:.1f}"
     h["x-edgecloud-attempts"] = str(attempts)
     h["x-request-id"] = request_id
     return h
@@ -72,14 +70,11 @@ def ttft_of_whole_reply(
 
 
 def set_whole_reply_timings(
-    hdrs: dict[str, str], node_headers: UpstreamHeaders, e2e_ms: float
+    hdrs: dict[str, str], node_headers: UpstreamHeaders, e2e_ms: float, headers_ms: float
 ) -> float | None:
-    """Put a whole reply's measured e2e and TTFT in ``hdrs`` (whose measured TTFT is, until
-    now, when the node's headers arrived); return the TTFT (or None)."""
-    at_headers = hdrs.get("x-edgecloud-measured-ttft-ms")
-    ttft = ttft_of_whole_reply(
-        node_headers, e2e_ms, float(at_headers) if at_headers is not None else None
-    )
+    """Put a whole reply's measured e2e and TTFT in ``hdrs`` (``headers_ms``: when the node's
+    headers arrived); return the TTFT (or None)."""
+    ttft = ttft_of_whole_reply(node_headers, e2e_ms, headers_ms)
     hdrs["x-edgecloud-measured-e2e-ms"] = f"{e2e_ms:.1f}"
     if ttft is None:
         hdrs.pop("x-edgecloud-measured-ttft-ms", None)
