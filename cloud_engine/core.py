@@ -32,6 +32,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, Sche
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
 from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
+
+if TYPE_CHECKING:
+    from cloud_engine.parallel.model import ShardedLlama
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +117,14 @@ def _ewma(old: float, new: float, alpha: float = 0.2) -> float:
 class EngineCore:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | ShardedLlama,
         identity: str,
         config: EngineConfig = EngineConfig(),
         runner: ModelRunner | None = None,
+        pool: KVPool | None = None,
     ) -> None:
+        """``runner`` None: the CUDA runner on a CUDA device, else the torch runner, over
+        ``pool`` (None: one sized from the config's budget)."""
         self.config = cfg = config.resolved()
         self.model = model
         self.identity = identity
@@ -133,8 +140,9 @@ class EngineCore:
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype, cfg.kv_int8
         )
         if runner is None:
-            budget = budget_bytes_for(device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)
-            pool = KVPool.from_budget(spec, device, budget, cfg.max_kv_blocks)
+            if pool is None:
+                budget = budget_bytes_for(device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)
+                pool = KVPool.from_budget(spec, device, budget, cfg.max_kv_blocks)
             if device.type == "cuda":
                 from cloud_engine.cuda_runner import CudaRunner
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,6 +49,9 @@ from cloud_engine.sampler import make_generator, sample_batch, to_device
 from cloud_engine.scheduler import ScheduledBatch
 from cloud_engine.sequence import Sequence
 from cloud_engine.step_inputs import StepInputs, build_step_inputs
+
+if TYPE_CHECKING:
+    from cloud_engine.parallel.model import ShardedLlama
 
 GRAPH_LADDER = (
     1,
@@ -88,7 +92,7 @@ class _DecodeGraph:
 class CudaRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | ShardedLlama,
         pool: KVPool,
         max_batch: int,
         max_context: int,

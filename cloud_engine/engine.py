@@ -100,6 +100,12 @@ class CloudEngine:
             cfg = replace(cfg, kv_memory_fraction=kv_memory_fraction)
         cfg = cfg.resolved()
         assert cfg.dtype is not None
+        from cloud_engine.parallel.moe import read_config
+
+        if read_config(info.path)[1] is not None:  # mixture of experts: the parallel loader
+            from cloud_engine.parallel.build import single_process_core
+
+            return cls(single_process_core(info.path, info.identity, cfg))
         weights = load_model(Path(info.path), dtype=cfg.dtype, device=device)
         return cls(EngineCore(weights, info.identity, cfg))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from moe_checkpoints import VOCAB, write_moe_models
 from parallel_jobs import Job, drive, jobs_rank, mixed_requests
 
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
@@ -20,102 +21,9 @@ from cloud_engine.parallel.model import ShardedLlama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 300
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
-
-
-def _spread(model: torch.nn.Module) -> None:
-    """Weights scaled so logits are well spread (HF's 0.02 init leaves near-ties)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.8, 1.2)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 1.0 / (p.shape[-1] ** 0.5))
-            else:
-                p.normal_(0.0, 0.02)
-
-
-def _write(folder: Path, config, cls, packed: bool = False) -> Path:  # type: ignore[no-untyped-def]
-    """``save_pretrained`` writes the per-expert layout; ``packed`` writes the in-memory state
-    dict as is (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I])."""
-    torch.manual_seed(11)
-    model = cls(config).eval()
-    _spread(model)
-    model.save_pretrained(folder)
-    if packed:
-        from safetensors.torch import save_file
-
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        assert any(k.endswith("experts.gate_up_proj") for k in state)
-        for f in folder.glob("*.safetensors"):
-            f.unlink()
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    import transformers as tf
-
-    root = tmp_path_factory.mktemp("moe")
-    return {
-        "qwen3_moe": _write(
-            root / "qwen3moe",
-            tf.Qwen3MoeConfig(
-                **COMMON,
-                head_dim=16,
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-                mlp_only_layers=[1],
-            ),
-            tf.Qwen3MoeForCausalLM,
-        ),
-        "qwen3_moe_packed": _write(
-            root / "qwen3moe-packed",
-            tf.Qwen3MoeConfig(
-                **COMMON,
-                head_dim=16,
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
-            ),
-            tf.Qwen3MoeForCausalLM,
-            packed=True,
-        ),
-        "qwen2_moe": _write(
-            root / "qwen2moe",
-            tf.Qwen2MoeConfig(
-                **COMMON,
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=48,
-                num_experts=4,
-                num_experts_per_tok=2,
-            ),
-            tf.Qwen2MoeForCausalLM,
-        ),
-        "mixtral": _write(
-            root / "mixtral",
-            tf.MixtralConfig(
-                **COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2
-            ),
-            tf.MixtralForCausalLM,
-        ),
-    }
+    return write_moe_models(tmp_path_factory.mktemp("moe"))
 
 
 ONE = Rank(ParallelConfig(), 0, None, torch.device("cpu"))
@@ -169,3 +77,42 @@ def test_tp2_expert_parallel_matches_one_process(moe_models: dict[str, Path]) ->
     results = run_world(jobs_rank, 2, jobs, timeout_s=240)
     for (name, ref), got in zip(refs, results, strict=True):
         assert got["tokens"] == ref, name
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_fused_model_over_moe_layers_matches_the_eager_layers(
+    moe_models: dict[str, Path], name: str
+) -> None:
+    """The CUDA runner's logic (fused model built from the shard, device block tables, decode
+    batches) with the torch ops on CPU gives the eager layers' tokens, prefix hits and the
+    logits path included."""
+    from cloud_engine.core import EngineCore
+    from cloud_engine.cuda_runner import CudaRunner
+    from cloud_engine.model.fused import TorchOps
+    from cloud_engine.parallel.build import load_rank
+
+    reqs, arrivals = mixed_requests(12, VOCAB, seed=3)
+    cfg = EngineConfig(max_kv_blocks=60, max_tokens_per_step=128, debug_checks=True)
+    with torch.inference_mode():
+        ref = drive(driver_core(moe_models[name], "moe", ONE, cfg), reqs, arrivals)
+        model, pool = load_rank(moe_models[name], ONE, cfg)
+        runner = CudaRunner(model, pool, max_batch=16, max_context=1024, ops=TorchOps())  # type: ignore[arg-type]
+        core = EngineCore(model, "moe", cfg, runner)  # type: ignore[arg-type]
+        got = drive(core, reqs, arrivals)
+    assert sum(map(len, ref.values())) > 100
+    assert got == ref
+    assert core.counters.cached_prompt_tokens > 0
+
+
+def test_a_moe_folder_loads_as_one_process_engine(moe_models: dict[str, Path]) -> None:
+    """``CloudEngine.from_model`` (``edgecloud cloud serve`` at tp=1) takes a MoE checkpoint
+    through the parallel loader and gives its tokens."""
+    from cloud_engine.engine import CloudEngine
+
+    reqs, arrivals = mixed_requests(6, VOCAB, seed=4)
+    cfg = EngineConfig(max_kv_blocks=60, max_tokens_per_step=128)
+    with torch.inference_mode():
+        ref = drive(driver_core(moe_models["qwen3_moe"], "moe", ONE, cfg), reqs, arrivals)
+        engine = CloudEngine.from_model(moe_models["qwen3_moe"], config=cfg)
+        assert engine.core.vocab_size == VOCAB
+        assert drive(engine.core, reqs, arrivals) == ref

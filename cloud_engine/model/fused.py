@@ -25,12 +25,17 @@ the reference up to floating-point rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.model.llama import LlamaForCausalLM, rope_inv_freq
+
+if TYPE_CHECKING:
+    from cloud_engine.parallel.model import ShardedLayer, ShardedLlama
+    from cloud_engine.parallel.moe import SparseMoE
 
 
 @dataclass(slots=True)
@@ -57,15 +62,29 @@ class FusedLayer:
     k_norm: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # None in a mixture-of-experts layer
+    down: torch.Tensor | None
+    moe: SparseMoE | None = None  # the routed experts (and shared expert) of a MoE layer
+
+    @classmethod
+    def of_shard(cls, b: ShardedLayer) -> FusedLayer:
+        return cls(
+            b.ln1, b.w_qkv, b.b_qkv, b.q_norm, b.k_norm, b.w_o, b.ln2,
+            None if b.moe else b.w_gate_up, None if b.moe else b.w_down, b.moe,
+        )  # fmt: skip
 
 
 class FusedLlama:
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, ops: TorchOps, consume: bool = False
+        self,
+        model: LlamaForCausalLM | ShardedLlama,
+        pool: KVPool,
+        ops: TorchOps,
+        consume: bool = False,
     ) -> None:
-        """``consume=True`` frees the reference model's unfused projections as it goes (the
+        """From the reference model, or from a whole model loaded by the parallel package
+        (``ShardedLlama`` at tp=1, pp=1: the families with mixture-of-experts layers).
+        ``consume=True`` frees the reference model's unfused projections as it goes (the
         reference model is unusable afterwards), so peak memory stays near one model."""
         cfg = model.config
         self.config = cfg
@@ -74,6 +93,9 @@ class FusedLlama:
         self.eps = cfg.rms_norm_eps
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.layers: list[FusedLayer] = []
+        if not isinstance(model, LlamaForCausalLM):
+            self._from_shard(model)
+            return
         with torch.no_grad():
             for layer in model.model.layers:
                 at, mlp = layer.self_attn, layer.mlp
@@ -96,20 +118,37 @@ class FusedLlama:
                 if consume:
                     for lin in (at.q_proj, at.k_proj, at.v_proj, mlp.gate_proj, mlp.up_proj):
                         lin.weight = torch.nn.Parameter(torch.empty(0, device=lin.weight.device))
-        self.embed = model.model.embed_tokens.weight.detach()
-        self.final_norm = model.model.norm.weight.detach()
-        self.lm_head = model.lm_head.weight.detach()
-        dev = self.embed.device
+        self._finish(
+            model.model.embed_tokens.weight.detach(),
+            model.model.norm.weight.detach(),
+            model.lm_head.weight.detach(),
+        )
+
+    def _from_shard(self, model: ShardedLlama) -> None:
+        """The shard's tensors as they are (already concatenated, nothing copied)."""
+        rc = model.rank.config
+        if rc.tp != 1 or rc.pp != 1:
+            raise ValueError(f"the fused model holds a whole model: tp={rc.tp}, pp={rc.pp}")
+        assert model.embed is not None and model.norm is not None and model.head is not None
+        self.layers = [FusedLayer.of_shard(b) for b in model.blocks]
+        self._finish(model.embed, model.norm, model.head)
+
+    def _finish(self, embed: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor) -> None:
+        self.embed, self.final_norm, self.lm_head = embed, final_norm, head
+        cfg, dev = self.config, embed.device
         inv = rope_inv_freq(cfg).to(dev)
         freqs = torch.arange(cfg.max_position_embeddings, device=dev).float().unsqueeze(1) * inv
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()  # [P, D] fp32
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (the embedding rows read are negligible)."""
+        """Bytes of weights one decode step reads (the embedding rows read are negligible;
+        of a MoE layer, its router only: which experts a step reads depends on the tokens)."""
         n = sum(
             t.numel() * t.element_size()
             for layer in self.layers
             for t in (layer.in_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down)
+            + ((layer.moe.router,) if layer.moe is not None else ())
+            if t is not None
         )
         return n + self.lm_head.numel() * self.lm_head.element_size()
 
@@ -170,6 +209,10 @@ class FusedLlama:
             qkv, residual = ops.norm_linear(pending, residual, w.in_norm, eps, w.qkv, w.qkv_bias)
             o = ops.rope_attention(self, i, qkv, positions, a)
             pending = ops.linear_residual(o.view(n, self.hq * self.d), w.o, residual)
+            if w.moe is not None:
+                pending = ops.moe_block(pending, residual, w.post_norm, eps, w.moe)
+                continue
+            assert w.gate_up is not None and w.down is not None
             act, residual = ops.norm_swiglu(pending, residual, w.post_norm, eps, w.gate_up)
             pending = ops.linear_residual(act, w.down, residual)
         return pending, residual
@@ -253,6 +296,19 @@ class TorchOps:
     ) -> torch.Tensor | None:
         """``x @ w.T``: returned (pending), or added into ``residual`` in place (None)."""
         return F.linear(x, w)
+
+    def moe_block(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        moe: SparseMoE,
+    ) -> torch.Tensor | None:
+        """A MoE layer's feed-forward ``moe(h)``, ``h`` as in :meth:`norm_linear`: returned
+        (pending), or added into ``residual`` in place (None)."""
+        h, residual = _add_norm(self, pending, residual, norm, eps)
+        return moe(h)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
@@ -348,14 +404,25 @@ class TritonOps(TorchOps):
     attention in one kernel, the merge of its key splits in a second) where it applies, unless
     ``decode_attention=False``."""
 
-    def __init__(self, gemv_rows: int | None = None, decode_attention: bool = True) -> None:
-        from cloud_engine.kernels import activation, attention, embedding, gemv, norm, rope_store
+    def __init__(
+        self, gemv_rows: int | None = None, decode_attention: bool = True, moe_pairs: bool = True
+    ) -> None:
+        from cloud_engine.kernels import (
+            activation,
+            attention,
+            embedding,
+            gemv,
+            moe_decode,
+            norm,
+            rope_store,
+        )
         from cloud_engine.kernels import decode_attention as dec
 
         self._norm, self._act, self._att, self._rope = norm, activation, attention, rope_store
-        self._gemv, self._dec, self._embedding = gemv, dec, embedding
+        self._gemv, self._dec, self._embedding, self._moe = gemv, dec, embedding, moe_decode
         self.gemv_rows = gemv.MAX_ROWS if gemv_rows is None else gemv_rows
         self.decode_attention = decode_attention
+        self.moe_pairs = moe_pairs
 
     def _skinny(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and self._gemv.supports(x.shape[0], x.shape[1])
@@ -396,6 +463,29 @@ class TritonOps(TorchOps):
         if not self._skinny(x) or not residual.is_contiguous():
             return super().linear_residual(x, w, residual)
         self._gemv.linear_residual(x, w, residual)
+        return None
+
+    def moe_block(
+        self,
+        pending: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        moe: SparseMoE,
+    ) -> torch.Tensor | None:
+        """A few tokens without a shared expert take the pair kernels (``kernels.moe_decode``),
+        the residual added in place; the rest the grouped kernel through ``moe``."""
+        n, hid = residual.shape
+        inter = moe.w_gate_up.shape[1] // 2
+        fits = self._moe.supports(n, hid, inter) and residual.is_contiguous()
+        if not (self.moe_pairs and fits and moe.shared is None):
+            return super().moe_block(pending, residual, norm, eps, moe)
+        if pending is not None:
+            residual.add_(pending)
+        self._moe.moe_residual(
+            residual, norm, eps, moe.router, moe.w_gate_up, moe.w_down, moe.cfg.top_k,
+            moe.cfg.norm_topk, moe.e0,
+        )  # fmt: skip
         return None
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

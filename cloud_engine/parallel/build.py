@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
 from cloud_engine.kv_pool import KVPool, budget_bytes_for
@@ -31,10 +33,8 @@ def load_rank(folder: str | Path, rank: Rank, cfg: EngineConfig) -> tuple[Sharde
 
 def driver_core(folder: str | Path, identity: str, rank: Rank, cfg: EngineConfig) -> EngineCore:
     """Rank 0's engine core: the one scheduler and block manager over every rank."""
-    if torch_threads := cfg.threads:
-        import torch
-
-        torch.set_num_threads(torch_threads)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     model, pool = load_rank(folder, rank, cfg)
     runner = DistRunner(model, pool, rank)
     cfg = replace(cfg, overlap=False, device=str(rank.device))
@@ -43,14 +43,25 @@ def driver_core(folder: str | Path, identity: str, rank: Rank, cfg: EngineConfig
     return EngineCore(model, identity, cfg, runner)  # type: ignore[arg-type]
 
 
+def single_process_core(folder: str | Path, identity: str, cfg: EngineConfig) -> EngineCore:
+    """A whole model in this process, loaded by the parallel package (the families with
+    mixture-of-experts layers): on CUDA the fused model with its kernels and CUDA graphs
+    (:class:`cloud_engine.cuda_runner.CudaRunner`), elsewhere the eager layers."""
+    cfg = cfg.resolved()
+    rank = Rank(ParallelConfig(), 0, None, torch.device(cfg.device))
+    model, pool = load_rank(folder, rank, cfg)
+    if rank.device.type == "cuda":
+        return EngineCore(model, identity, cfg, pool=pool)  # type: ignore[arg-type]
+    cfg = replace(cfg, overlap=False)
+    return EngineCore(model, identity, cfg, DistRunner(model, pool, rank))  # type: ignore[arg-type]
+
+
 def run_worker(folder: str | Path, rank: Rank, cfg: EngineConfig) -> None:
     """A non-driver rank: load its part and serve steps until the driver sends STOP."""
     if cfg.threads:
-        import torch
-
         torch.set_num_threads(cfg.threads)
     model, pool = load_rank(folder, rank, cfg)
     worker_loop(model, pool, rank)
 
 
-__all__ = ["ParallelConfig", "driver_core", "load_rank", "run_worker"]
+__all__ = ["ParallelConfig", "driver_core", "load_rank", "run_worker", "single_process_core"]
