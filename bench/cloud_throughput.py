@@ -14,9 +14,9 @@ batch 1 and 64 (weights + KV bytes read per step over the measured copy bandwidt
 waste at peak (slots of in-use blocks holding no token). Writes JSON and markdown to
 bench/results/.
 
-Larger shapes: ``--shapes llama-3.1-8b`` (dense), ``--shapes qwen3-30b-a3b`` (MoE: the fused
-engine has no MoE layer, so it runs through ``cloud_engine.parallel`` at tp=1, pp=1, over the
-peer's own tensors). ``--peer-requests N``: the peer runs the first N requests only, and ours runs
+Larger shapes: ``--shapes llama-3.1-8b`` (dense), ``--shapes qwen3-30b-a3b`` (MoE: loaded by
+``cloud_engine.parallel`` at tp=1 over the peer's own tensors, one copy of 61 GB, and run by the
+fused CUDA engine with its graphs). ``--peer-requests N``: the peer runs the first N requests only, and ours runs
 them too, so the speedup is taken at the same concurrency.
 """
 
@@ -72,8 +72,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
-# MoE shapes: HF config dicts (run through the parallel package's layers at tp=1, pp=1: the
-# fused single-process CUDA engine has no MoE layer). "qwen3-moe-tiny" is a CPU smoke test.
+# MoE shapes: HF config dicts (loaded by the parallel package at tp=1; on CUDA the fused engine
+# runs them, on CPU the eager layers). "qwen3-moe-tiny" is a CPU smoke test.
 MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -221,11 +221,18 @@ def copy_bandwidth() -> float:
 
 
 def decode_bandwidth(
-    core: EngineCore, batch: int, ctx: int, copy_bw: float, steps: int = 16, rounds: int = 3
+    core: EngineCore,
+    batch: int,
+    ctx: int,
+    copy_bw: float,
+    steps: int = 16,
+    rounds: int = 3,
+    weight_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Decode step time at ``batch`` sequences of about ``ctx`` tokens: through the engine
     (host work included) with and without overlap (alternating rounds, median), and as a bare
-    graph replay; bytes read = weights + every KV byte. An engine round is timed in steady
+    graph replay; bytes read = weights (``weight_bytes``, else the fused model's) + every KV
+    byte. An engine round is timed in steady
     state: from the return of one step (tokens read) to the return of the ``steps``-th after
     it, so with overlap neither the first step's launch nor the look-ahead step still in flight
     at the end counts."""
@@ -265,7 +272,7 @@ def decode_bandwidth(
     sync_s = statistics.median(per_mode[False])
     mean_ctx = (start_ctx + statistics.mean(s.num_tokens for s in seqs)) / 2
     kv_bytes = batch * mean_ctx * core.pool.spec.bytes_per_token
-    w_bytes = runner.fm.weight_bytes()
+    w_bytes = runner.fm.weight_bytes() if weight_bytes is None else weight_bytes
     g = runner.graph_for(batch)
     replay_s = cuda_ms(g.graph.replay, 20) / 1e3
     for s in seqs:
@@ -419,40 +426,6 @@ class MemCheckpoint:
         return self._out(t)
 
 
-def moe_decode_step(core: EngineCore, ctx: int, moe_bytes: dict[str, int], copy_bw: float | None,
-                    steps: int = 16, rounds: int = 3) -> dict[str, Any]:  # fmt: skip
-    """Batch-1 decode step time through the engine (no overlap, no graphs: the parallel
-    runner); bytes read = non-expert weights + the top-k experts of every sparse layer + KV."""
-    rng = random.Random(1)
-    core.add(
-        GenerationRequest(
-            [rng.randrange(100, 30000) for _ in range(ctx)],
-            SamplingParams(max_tokens=rounds * steps + 8, temperature=0.0, ignore_eos=True),
-            request_id="bw1",
-        )
-    )
-    while any(s.num_output < 2 for s in core.seqs.values()):
-        core.step()
-    (seq,) = core.seqs.values()
-    c0 = seq.num_tokens
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            core.step()
-        times.append((time.perf_counter() - t0) / steps)
-    mean_ctx = (c0 + seq.num_tokens) / 2
-    core.abort(seq.request_id)
-    step_s = statistics.median(times)
-    kv = mean_ctx * core.pool.spec.bytes_per_token
-    total = moe_bytes["active_weight_bytes"] + kv
-    r: dict[str, Any] = {"batch": 1, "ctx": round(mean_ctx), **moe_bytes, "kv_bytes": int(kv)}
-    r["engine_step_ms"] = step_s * 1e3
-    if copy_bw:
-        r["util_engine"] = total / step_s / copy_bw
-    return r
-
-
 def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """A MoE shape: the peer's random model is built first (on the device), and our engine runs
     over the same tensors (no second copy: 61 GB fits once): ours, then the peer."""
@@ -461,7 +434,9 @@ def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[st
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import cloud_engine.parallel.model as pmodel
+    from cloud_engine.cuda_runner import CudaRunner
     from cloud_engine.kv_pool import budget_bytes_for
+    from cloud_engine.model.fused import TritonOps
     from cloud_engine.parallel.dist import ParallelConfig, Rank
     from cloud_engine.parallel.moe import MoEConfig, base_config_dict
     from cloud_engine.parallel.runner import DistRunner, make_pool
@@ -474,8 +449,10 @@ def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[st
         "requests": len(prompts),
         "prompt_tokens": sum(map(len, prompts)),
         "output_len": [min(outs), max(outs)],
-        "engine": "cloud_engine.parallel (tp=1, pp=1): eager torch layers, SparseMoE "
-        "(one matmul pair per expert with tokens), torch paged attention; no CUDA graphs",
+        "engine": "the fused CUDA engine over the parallel package's tp=1 shard: decode in CUDA "
+        "graphs (MoE pair kernels up to 4 tokens, the grouped Triton kernel beyond)"
+        if device == "cuda"
+        else "cloud_engine.parallel (tp=1, pp=1): eager torch layers",
     }
     cfg = ModelConfig.from_dict(base_config_dict(dict(d)))
     mc = MoEConfig.from_dict(d)
@@ -524,11 +501,19 @@ def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[st
         max_tokens_per_step=args.max_tokens_per_step,
         max_context=min(cfg.max_position_embeddings, 4096),
         threads=args.threads,
-        overlap=False,
+        overlap=device == "cuda",
     ).resolved()
     budget = budget_bytes_for(rank.device, econf.kv_memory_fraction, econf.kv_memory_bytes)
     pool = make_pool(model, rank, budget, econf.max_kv_blocks, econf.kv_int8)
-    core = EngineCore(model, f"bench-{name}", econf, DistRunner(model, pool, rank))  # type: ignore[arg-type]
+    if device == "cuda":  # the fused model over the shard's tensors, CUDA graphs for decode
+        ops = TritonOps(moe_pairs=not args.no_moe_pairs)
+        runner = CudaRunner(
+            model, pool, max_batch=econf.max_running or 256, max_context=econf.max_context or 4096,
+            max_graph_batch=econf.max_graph_batch, ops=ops,
+        )  # fmt: skip
+    else:
+        runner = DistRunner(model, pool, rank)
+    core = EngineCore(model, f"bench-{name}", econf, runner)  # type: ignore[arg-type]
     print(f"[{name}] ours: {core.blocks.num_blocks} KV blocks", flush=True)
     out["ours"] = ours = run_ours(core, prompts, outs, device)
     print(f"[{name}] ours: {ours['tok_s']:.0f} tok/s ({ours['wall_s']:.1f} s)", flush=True)
@@ -537,13 +522,16 @@ def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[st
         core.blocks.reset_cache()
         out["ours_at_peer_requests"] = sub = run_ours(core, prompts[:n_peer], outs[:n_peer], device)
         print(f"[{name}] ours at {n_peer} requests: {sub['tok_s']:.0f} tok/s", flush=True)
-    if not args.skip_bw:
-        bw = copy_bandwidth() if device == "cuda" else None
+    if not args.skip_bw and device == "cuda":
+        bw = copy_bandwidth()
         out["copy_bw_Bps"] = bw
-        out["decode_bw_moe"] = r = moe_decode_step(core, args.bw_ctx, moe_bytes, bw)
-        print(f"[{name}] decode b=1: {r['engine_step_ms']:.3f} ms/step; "
-              f"util {r.get('util_engine', 0):.0%}", flush=True)  # fmt: skip
-    del core, pool, model
+        active = moe_bytes["active_weight_bytes"]
+        out["decode_bw_moe"] = r = decode_bandwidth(core, 1, args.bw_ctx, bw, weight_bytes=active)
+        r["total_weight_bytes"] = moe_bytes["total_weight_bytes"]
+        print(f"[{name}] decode b=1: {r['engine_step_ms']:.3f} ms/step engine, "
+              f"{r['graph_replay_ms']:.3f} ms replay; util {r['util_engine']:.0%} / "
+              f"{r['util_graph']:.0%}", flush=True)  # fmt: skip
+    del core, pool, model, runner
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -594,14 +582,13 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "",
             "MoE batch-1 decode: bytes read per step = non-expert weights + top-k experts of every layer + KV.",
             "",
-            "| model | engine | ctx | weights (all) | read per step | engine ms/step | util |",
-            "|---|---|---|---|---|---|---|",
+            "| model | ctx | weights (all) | read per step | engine ms/step | util (engine) | without overlap | graph replay ms | util (replay) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in moe:
             d = r["decode_bw_moe"]
-            util = f"{d['util_engine']:.0%}" if "util_engine" in d else "-"
             lines.append(
-                f"| {r['model']} | parallel package, tp=1 (eager, no graphs) | {d['ctx']} | {d['total_weight_bytes'] / 1e9:.1f} GB | {(d['active_weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB | {d['engine_step_ms']:.2f} | {util} |"
+                f"| {r['model']} | {d['ctx']} | {d['total_weight_bytes'] / 1e9:.1f} GB | {(d['weight_bytes'] + d['kv_bytes']) / 1e9:.2f} GB | {d['engine_step_ms']:.3f} | {d['util_engine']:.0%} | {d['engine_step_ms_no_overlap']:.3f} | {d['graph_replay_ms']:.3f} | {d['util_graph']:.0%} |"
             )
     if any("decode_bw" in r for r in results):  # dense shapes
         lines += [
@@ -657,6 +644,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--skip-bw", action="store_true")
+    ap.add_argument(
+        "--no-moe-pairs", action="store_true", help="MoE decode: the grouped kernel at any batch"
+    )
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--tag", default=None)
     ap.add_argument("--device-kind", default=None, help="recorded in the JSON (e.g. nvidia-h200)")

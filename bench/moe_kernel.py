@@ -1,6 +1,9 @@
 """Time the grouped MoE kernel (``cloud_engine.kernels.moe``) on the Qwen3-30B-A3B layer shape
-against SparseMoE's eager loop; bytes counted are the routed experts' weights (distinct experts
-hit) plus activations. Usage: ``python bench/moe_kernel.py [--out FILE]``."""
+against SparseMoE's eager loop, and, at decode sizes, the grouped path against the pair kernels
+(``cloud_engine.kernels.moe_decode``), both from the residual stream (norm, routing, experts,
+residual add) and replayed from CUDA graphs as the engine runs them; bytes counted are the
+routed experts' weights (distinct experts hit) plus activations. The crossover sets
+``moe_decode.MAX_TOKENS``. Usage: ``python bench/moe_kernel.py [--out FILE]``."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cloud_engine.kernels import norm as norm_kernels
 from cloud_engine.kernels.moe import moe_forward, route
+from cloud_engine.kernels.moe_decode import moe_residual
 from cloud_engine.parallel.moe import MoEConfig, SparseMoE
 
 H, INTER, E, K = 2048, 768, 128, 8
@@ -32,10 +37,25 @@ def cuda_time(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
     return a.elapsed_time(b) / iters / 1e3
 
 
+def graph_time(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per call of ``fn`` replayed from a CUDA graph (warmed up eagerly first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return cuda_time(g.replay, iters)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--tokens", default="1,4,16,64,256,1024")
+    ap.add_argument("--tokens", default="1,2,4,8,16,64,256,1024")
+    ap.add_argument("--pair-tokens", type=int, default=8, help="time the pair kernels up to here")
     args = ap.parse_args()
     torch.manual_seed(0)
     # several layers' worth of weights so the timed loop is not served from L2
@@ -77,6 +97,24 @@ def main() -> None:
                 m(h)
 
         ks = cuda_time(kern) / layers
+        graphs: dict[str, float] = {}
+        if t <= args.pair_tokens:
+            residual = torch.randn(t, H, device="cuda").bfloat16()
+            nw = torch.ones(H, device="cuda").bfloat16()
+
+            def grouped_layers(res: torch.Tensor = residual, nw: torch.Tensor = nw) -> None:
+                for r, gu, d in ws:
+                    x, _ = norm_kernels.add_rmsnorm(res, None, nw, 1e-6)
+                    res.add_(moe_forward(x, r, gu, d, K, True))
+
+            def pair_layers(res: torch.Tensor = residual, nw: torch.Tensor = nw) -> None:
+                for r, gu, d in ws:
+                    moe_residual(res, nw, 1e-6, r, gu, d, K, True)
+
+            graphs = {
+                "grouped_graph_us": graph_time(grouped_layers) / layers * 1e6,
+                "pairs_graph_us": graph_time(pair_layers) / layers * 1e6,
+            }
         es = cuda_time(eager, 10) / layers
         per_expert = 3 * H * INTER * 2
         nbytes = sum(distinct) / layers * per_expert + E * H * 2 + t * H * 2 * 2
@@ -88,7 +126,12 @@ def main() -> None:
             speedup=es / ks,
             bytes=nbytes,
             kernel_bw_util=nbytes / ks / copy_bw,
+            **graphs,
         )
+        if graphs:  # pairs read an expert once per token that picks it
+            pair_bytes = t * K * per_expert + E * H * 2 + t * H * 2 * 2
+            row["pairs_bw_util"] = pair_bytes / (graphs["pairs_graph_us"] / 1e6) / copy_bw
+            row["grouped_graph_bw_util"] = nbytes / (graphs["grouped_graph_us"] / 1e6) / copy_bw
         rows.append(row)
         print(json.dumps(row), flush=True)
     res = dict(device=torch.cuda.get_device_name(), copy_bw_Bps=copy_bw, layer_rows=rows)

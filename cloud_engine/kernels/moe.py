@@ -60,6 +60,13 @@ def _block(b, seg_start_ptr, seg_end_ptr, E, EP: tl.constexpr, BLOCK_M: tl.const
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:  # float32 models: exact products, not tf32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]
@@ -79,6 +86,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     pn = tl.program_id(1)
@@ -103,8 +111,8 @@ def _gate_up_kernel(
         x = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc_g = tl.dot(x, wg, acc_g)
-        acc_u = tl.dot(x, wu, acc_u)
+        acc_g = _dot(x, wg, acc_g, IEEE)
+        acc_u = _dot(x, wu, acc_u, IEEE)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -136,6 +144,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     pn = tl.program_id(1)
@@ -170,7 +179,7 @@ def _down_kernel(
         kmask = (k0 + offs_k) < INTER
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = _dot(a, w, acc, IEEE)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc = acc * rw[:, None]
@@ -237,16 +246,17 @@ def experts_forward(
     out = (torch.empty if complete else torch.zeros)(p, hid, dtype=h.dtype, device=h.device)
     rw = probs.reshape(-1)
     kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    ieee = h.dtype == torch.float32
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         h, w_gate_up, act, pairs, seg_start, seg_end, hid, inter, num_e,
         h.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, EP=ep, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw,
+        TOP_K=top_k, EP=ep, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, **kw,
     )  # fmt: skip
     _down_kernel[(nb, triton.cdiv(hid, bn))](
         act, w_down, out, rw, pairs, seg_start, seg_end, hid, inter, num_e,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
         TOP_K=top_k, KP=triton.next_power_of_2(top_k), NORM=norm_topk, EP=ep,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **kw,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=ieee, **kw,
     )  # fmt: skip
     return out.view(t, top_k, hid).sum(dim=1)
 

@@ -34,12 +34,15 @@ from cloud_engine.kernels import gemv
 from cloud_engine.kernels.gemv import _input_row, _rounded_dot
 from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
 
-MAX_TOKENS = 4  # tokens a step sends here; more go to the grouped kernel (bench/moe_kernel.py)
+MAX_TOKENS = 8  # tokens a step sends here; more go to the grouped kernel (bench/moe_kernel.py:
+# replayed from graphs on an H200, 8 tokens take 157 us a layer here, 170 grouped; 1 token 32 vs 68)
 
 
-def supports(tokens: int, hidden: int, inter: int) -> bool:
-    """Whether the pair kernels take ``tokens`` rows of these widths (whole rows in registers)."""
-    return 0 < tokens <= MAX_TOKENS and gemv.supports(tokens, hidden) and inter <= gemv.MAX_K
+def supports(tokens: int, hidden: int, inter: int, limit: int = MAX_TOKENS) -> bool:
+    """Whether a step of ``tokens`` rows of these widths goes to the pair kernels (at most
+    ``limit`` tokens; they take up to the router GEMV's ``gemv.KERNEL_ROWS``)."""
+    fits = gemv.supports(tokens, hidden) and triton.next_power_of_2(inter) <= gemv.MAX_K
+    return 0 < tokens <= limit and fits
 
 
 @triton.jit
@@ -150,11 +153,11 @@ def moe_residual(
     e0: int = 0,
 ) -> None:
     """``residual += experts(rmsnorm(residual) * norm)`` in place, for ``residual [T, H]``
-    (``T <= MAX_TOKENS``); stacked weights ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``."""
+    (``T <= gemv.KERNEL_ROWS``); stacked weights ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``."""
     t, hid = residual.shape
     num_e, two_i, _ = w_gate_up.shape
     inter = two_i // 2
-    assert supports(t, hid, inter) and residual.stride(1) == 1
+    assert supports(t, hid, inter, gemv.KERNEL_ROWS) and residual.stride(1) == 1
     assert (
         w_down.shape == (num_e, hid, inter) and w_gate_up.stride(2) == 1 and w_down.stride(2) == 1
     )
