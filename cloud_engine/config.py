@@ -22,6 +22,9 @@ class EngineConfig:
     max_context: int | None = None  # default: the model's max_position_embeddings
     cuda_graphs: bool = True  # CUDA: replay captured graphs for decode-only steps
     max_graph_batch: int = 256
+    # parallel ranks run the fused model (kernels, decode graphs cut at the collectives);
+    # default: on CUDA with Triton (else the eager layers)
+    fused_shards: bool | None = None
     # launch the next decode step before reading this one's tokens; default: on for CUDA
     overlap: bool | None = None
     debug_checks: bool = False  # run the block integrity check around every step

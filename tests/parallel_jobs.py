@@ -109,6 +109,8 @@ def jobs_rank(rank_idx: int, world: int, init: str, jobs: list[Job]) -> list[dic
                         stats=stats,
                         blocks=core.blocks.num_blocks,
                         in_flight=getattr(core, "max_in_flight", 1),
+                        executor=type(core.runner.exec).__name__,  # type: ignore[attr-defined]
+                        graphs=len(getattr(core.runner.exec, "graphs", {})),  # type: ignore[attr-defined]
                     )
                 )
             else:

@@ -1,12 +1,15 @@
-"""TP=2 on one GPU: two processes, gloo with CUDA tensors (NCCL wants one GPU per rank), plain
-torch layers on the shards; gives the single-process tokens. Marked ``gpu``."""
+"""TP=2 on one GPU: two processes, gloo with CUDA tensors (NCCL wants one GPU per rank), the
+fused model on the shards (Triton kernels, decode steps replayed from CUDA graphs cut at the
+gloo all-reduces); gives the tokens of one process running the eager layers. Marked ``gpu``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from moe_checkpoints import VOCAB, write_moe_models
 from parallel_jobs import Job, drive, jobs_rank, mixed_requests
 
 from cloud_engine.config import EngineConfig
@@ -31,17 +34,22 @@ def test_tp2_on_one_gpu_with_gloo_matches_one_process(
             seed=4,
         ),
     ]
+    moe = write_moe_models(tmp_path / "moe")["qwen3_moe"]
     cfg = EngineConfig(
-        device="cuda", dtype=torch.float32, max_kv_blocks=14, max_tokens_per_step=128
-    )
-    reqs, arrivals = mixed_requests(16, 500)
+        device="cuda", dtype=torch.float32, max_kv_blocks=14, max_tokens_per_step=128,
+        max_graph_batch=16,
+    )  # fmt: skip
+    eager = replace(cfg, fused_shards=False)
+    plan = [(f, mixed_requests(16, 500)) for f in folders]
+    plan.append((moe, mixed_requests(16, VOCAB)))
     one = Rank(ParallelConfig(), 0, None, torch.device("cuda", 0))
     refs, jobs = [], []
     with torch.inference_mode():
-        for f in folders:
-            refs.append(drive(driver_core(f, "gpu", one, cfg), reqs, arrivals))
+        for f, (reqs, arrivals) in plan:
+            refs.append(drive(driver_core(f, "gpu", one, eager), reqs, arrivals))
             jobs.append(Job(str(f), 2, 1, reqs, arrivals, cfg))
     results = run_world(jobs_rank, 2, jobs, timeout_s=300)
     for ref, got in zip(refs, results, strict=True):
         assert got["tokens"] == ref
         assert got["preemptions"] > 0
+        assert got["executor"] == "FusedStage" and got["graphs"] == 5  # sizes 1, 2, 4, 8, 16

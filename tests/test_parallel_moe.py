@@ -4,6 +4,7 @@ with expert parallelism gives the single-process tokens."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from cloud_engine.parallel.local import run_world
 from cloud_engine.parallel.model import ShardedLlama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
@@ -74,9 +76,13 @@ def test_tp2_expert_parallel_matches_one_process(moe_models: dict[str, Path]) ->
             core = driver_core(folder, "moe", ONE, cfg)
             refs.append((name, drive(core, reqs, arrivals)))
             jobs.append(Job(str(folder), 2, 1, reqs, arrivals, cfg))
+            if name == "qwen3_moe":  # the fused model on the shards too
+                refs.append((name + " fused", refs[-1][1]))
+                jobs.append(Job(str(folder), 2, 1, reqs, arrivals, replace(cfg, fused_shards=True)))
     results = run_world(jobs_rank, 2, jobs, timeout_s=240)
     for (name, ref), got in zip(refs, results, strict=True):
         assert got["tokens"] == ref, name
+        assert got["executor"] == ("FusedStage" if "fused" in name else "StageExecutor")
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])

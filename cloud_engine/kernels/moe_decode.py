@@ -151,9 +151,13 @@ def moe_residual(
     top_k: int,
     norm_topk: bool,
     e0: int = 0,
+    dst: torch.Tensor | None = None,
 ) -> None:
-    """``residual += experts(rmsnorm(residual) * norm)`` in place, for ``residual [T, H]``
+    """``dst += experts(rmsnorm(residual) * norm)`` in place (``dst`` the residual itself
+    unless given: a zeroed buffer takes a rank's partial sum), for ``residual [T, H]``
     (``T <= gemv.KERNEL_ROWS``); stacked weights ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``."""
+    dst = residual if dst is None else dst
+    assert dst.shape == residual.shape and dst.stride(1) == 1
     t, hid = residual.shape
     num_e, two_i, _ = w_gate_up.shape
     inter = two_i // 2
@@ -174,8 +178,8 @@ def moe_residual(
     )  # fmt: skip
     bn = gemv.block_n(hid, inter)
     _pair_down_kernel[(t, triton.cdiv(hid, bn))](
-        act, w_down, idx, probs, residual, hid, inter, num_e, e0,
-        act.stride(0), w_down.stride(0), w_down.stride(1), residual.stride(0),
+        act, w_down, idx, probs, dst, hid, inter, num_e, e0,
+        act.stride(0), w_down.stride(0), w_down.stride(1), dst.stride(0),
         TOP_K=top_k, KP=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk, BLOCK_N=bn,
         BLOCK_K=triton.next_power_of_2(inter), PDL=pdl, num_warps=gemv.NUM_WARPS,
         **launch_kwargs(pdl),

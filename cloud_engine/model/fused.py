@@ -24,6 +24,7 @@ the reference up to floating-point rounding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -125,17 +126,27 @@ class FusedLlama:
         )
 
     def _from_shard(self, model: ShardedLlama) -> None:
-        """The shard's tensors as they are (already concatenated, nothing copied)."""
-        rc = model.rank.config
-        if rc.tp != 1 or rc.pp != 1:
-            raise ValueError(f"the fused model holds a whole model: tp={rc.tp}, pp={rc.pp}")
-        assert model.embed is not None and model.norm is not None and model.head is not None
+        """The shard's tensors as they are (already concatenated, nothing copied): its query
+        and KV heads, its stage's layers (indexed as in its KV pool), its vocabulary rows of
+        the embedding (first stage) and head (last stage). With tp > 1 :attr:`reduce` is set:
+        every projection whose output is a partial sum (o, down, the experts) is all-reduced
+        before it joins the residual stream."""
+        self.hq, self.hkv = model.heads.nq, model.heads.nkv
         self.layers = [FusedLayer.of_shard(b) for b in model.blocks]
+        if model.rank.config.tp > 1:
+            self.reduce = model.rank.all_reduce
+            self.v0 = model.v0
         self._finish(model.embed, model.norm, model.head)
 
-    def _finish(self, embed: torch.Tensor, final_norm: torch.Tensor, head: torch.Tensor) -> None:
-        self.embed, self.final_norm, self.lm_head = embed, final_norm, head
-        cfg, dev = self.config, embed.device
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # the TP all-reduce, in place
+
+    def _finish(
+        self, embed: torch.Tensor | None, final_norm: torch.Tensor | None, head: torch.Tensor | None
+    ) -> None:
+        """Every stage holds the RoPE table; only the first the embedding, the last the final
+        norm and head (None elsewhere)."""
+        self.embed, self.final_norm, self.lm_head = embed, final_norm, head  # type: ignore[assignment]
+        cfg, dev = self.config, self.pool.device
         inv = rope_inv_freq(cfg).to(dev)
         freqs = torch.arange(cfg.max_position_embeddings, device=dev).float().unsqueeze(1) * inv
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=1).contiguous()  # [P, D] fp32
@@ -150,7 +161,8 @@ class FusedLlama:
             + ((layer.moe.router,) if layer.moe is not None else ())
             if t is not None
         )
-        return n + self.lm_head.numel() * self.lm_head.element_size()
+        head = self.lm_head
+        return n + (head.numel() * head.element_size() if head is not None else 0)
 
     def forward(
         self,
@@ -201,20 +213,27 @@ class FusedLlama:
         ops, eps = self.ops, self.eps
         if hidden is None:
             assert input_ids is not None
-            hidden = F.embedding(input_ids, self.embed)
+            hidden = self.embed_ids(input_ids)
         pending, residual = _stream(hidden)
         n = residual.shape[0]
+        red = self.reduce
         for i in rng:
             w = self.layers[i]
             qkv, residual = ops.norm_linear(pending, residual, w.in_norm, eps, w.qkv, w.qkv_bias)
-            o = ops.rope_attention(self, i, qkv, positions, a)
-            pending = ops.linear_residual(o.view(n, self.hq * self.d), w.o, residual)
+            o = ops.rope_attention(self, i, qkv, positions, a).view(n, self.hq * self.d)
+            if red is None:
+                pending = ops.linear_residual(o, w.o, residual)
+            else:  # a partial sum: reduced before it joins the stream
+                pending = red(ops.linear(o, w.o))
             if w.moe is not None:
-                pending = ops.moe_block(pending, residual, w.post_norm, eps, w.moe)
+                pending = ops.moe_block(pending, residual, w.post_norm, eps, w.moe, red)
                 continue
             assert w.gate_up is not None and w.down is not None
             act, residual = ops.norm_swiglu(pending, residual, w.post_norm, eps, w.gate_up)
-            pending = ops.linear_residual(act, w.down, residual)
+            if red is None:
+                pending = ops.linear_residual(act, w.down, residual)
+            else:
+                pending = red(ops.linear(act, w.down))
         return pending, residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -230,6 +249,21 @@ class FusedLlama:
         """Embedding rows of ``where(src >= 0, fed[src], ids)``: a decode step's inputs, some
         of them tokens still on the device (see :meth:`TorchOps.embed_fed`)."""
         return self.ops.embed_fed(ids, src, fed, self.embed)
+
+    v0 = 0  # the first vocabulary row this rank's embedding and head hold (tp > 1)
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ``ids``; with tp > 1 each rank embeds the ids in its vocabulary
+        rows (zeros for the others) and the all-reduce completes them."""
+        if self.reduce is None:
+            return F.embedding(ids, self.embed)
+        rows = self.embed.shape[0]
+        local = ids.long() - self.v0
+        mine = (local >= 0) & (local < rows)
+        x = F.embedding(local.clamp(0, rows - 1), self.embed) * mine.unsqueeze(1).to(
+            self.embed.dtype
+        )
+        return self.reduce(x)
 
 
 def _stream(
@@ -304,11 +338,14 @@ class TorchOps:
         norm: torch.Tensor,
         eps: float,
         moe: SparseMoE,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """A MoE layer's feed-forward ``moe(h)``, ``h`` as in :meth:`norm_linear`: returned
-        (pending), or added into ``residual`` in place (None)."""
+        (pending), or added into ``residual`` in place (None); with ``reduce`` (this rank's
+        experts give a partial sum) always returned, reduced."""
         h, residual = _add_norm(self, pending, residual, norm, eps)
-        return moe(h)
+        out = moe(h)
+        return out if reduce is None else reduce(out)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
@@ -472,21 +509,24 @@ class TritonOps(TorchOps):
         norm: torch.Tensor,
         eps: float,
         moe: SparseMoE,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """A few tokens without a shared expert take the pair kernels (``kernels.moe_decode``),
-        the residual added in place; the rest the grouped kernel through ``moe``."""
+        the residual added in place (with ``reduce``, into a zeroed partial sum that is then
+        reduced); the rest the grouped kernel through ``moe``."""
         n, hid = residual.shape
         inter = moe.w_gate_up.shape[1] // 2
         fits = self._moe.supports(n, hid, inter) and residual.is_contiguous()
         if not (self.moe_pairs and fits and moe.shared is None):
-            return super().moe_block(pending, residual, norm, eps, moe)
+            return super().moe_block(pending, residual, norm, eps, moe, reduce)
         if pending is not None:
             residual.add_(pending)
+        dst = None if reduce is None else torch.zeros_like(residual)
         self._moe.moe_residual(
             residual, norm, eps, moe.router, moe.w_gate_up, moe.w_down, moe.cfg.top_k,
-            moe.cfg.norm_topk, moe.e0,
+            moe.cfg.norm_topk, moe.e0, dst,
         )  # fmt: skip
-        return None
+        return None if reduce is None or dst is None else reduce(dst)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not self._skinny(x) or x.stride(1) != 1:

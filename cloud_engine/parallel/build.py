@@ -36,7 +36,7 @@ def driver_core(folder: str | Path, identity: str, rank: Rank, cfg: EngineConfig
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model, pool = load_rank(folder, rank, cfg)
-    runner = DistRunner(model, pool, rank)
+    runner = DistRunner(model, pool, rank, cfg)
     cfg = replace(cfg, overlap=False, device=str(rank.device))
     if rank.config.pp > 1:
         return PipelineCore(model, identity, cfg, runner, depth=rank.config.pp)
@@ -53,7 +53,8 @@ def single_process_core(folder: str | Path, identity: str, cfg: EngineConfig) ->
     if rank.device.type == "cuda":
         return EngineCore(model, identity, cfg, pool=pool)  # type: ignore[arg-type]
     cfg = replace(cfg, overlap=False)
-    return EngineCore(model, identity, cfg, DistRunner(model, pool, rank))  # type: ignore[arg-type]
+    runner = DistRunner(model, pool, rank, replace(cfg, fused_shards=False))
+    return EngineCore(model, identity, cfg, runner)  # type: ignore[arg-type]
 
 
 def run_worker(folder: str | Path, rank: Rank, cfg: EngineConfig) -> None:
@@ -61,7 +62,7 @@ def run_worker(folder: str | Path, rank: Rank, cfg: EngineConfig) -> None:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     model, pool = load_rank(folder, rank, cfg)
-    worker_loop(model, pool, rank)
+    worker_loop(model, pool, rank, cfg)
 
 
 __all__ = ["ParallelConfig", "driver_core", "load_rank", "run_worker", "single_process_core"]

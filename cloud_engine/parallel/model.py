@@ -215,6 +215,10 @@ class ShardedLlama(torch.nn.Module):
         """``[M, vocab_local]`` logits of this rank's vocabulary slice (padding rows -inf)."""
         assert self.norm is not None and self.head is not None
         logits = F.linear(_rms(hidden_rows, self.norm, self.config.rms_norm_eps), self.head).float()
+        return self.mask_padding(logits)
+
+    def mask_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [M, vocab_local]`` with the padding rows of the vocabulary at -inf."""
         pad = self.v0 + self.vocab_local - self.vocab
         if pad > 0:
             logits[:, self.vocab_local - pad :] = float("-inf")

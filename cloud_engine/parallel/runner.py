@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
+from cloud_engine.config import EngineConfig
 from cloud_engine.kv_pool import KVPool, KVSpec
 from cloud_engine.parallel.dist import Rank, min_over_world
 from cloud_engine.parallel.model import ShardedLlama
@@ -180,12 +181,16 @@ class _Pending:
 class DistRunner:
     """The driver's :class:`cloud_engine.runner.ModelRunner` over the whole world."""
 
-    def __init__(self, model: ShardedLlama, pool: KVPool, rank: Rank) -> None:
+    def __init__(
+        self, model: ShardedLlama, pool: KVPool, rank: Rank, cfg: EngineConfig | None = None
+    ) -> None:
+        from cloud_engine.parallel.fused_stage import make_stage
+
         assert rank.is_driver
         self.model, self.pool, self.rank = model, pool, rank
         self.device = rank.device
         self.block_size = pool.spec.block_size
-        self.exec = StageExecutor(model, pool, rank)
+        self.exec = make_stage(model, pool, rank, cfg)
         self._step = 0
         self.control_s = 0.0  # packing + posting the metadata, summed over steps
         self.pack_s = 0.0  # of which flattening the batch and packing it
@@ -273,9 +278,13 @@ class DistRunner:
         return [s.tolist() for s in stats]
 
 
-def worker_loop(model: ShardedLlama, pool: KVPool, rank: Rank) -> None:
+def worker_loop(
+    model: ShardedLlama, pool: KVPool, rank: Rank, cfg: EngineConfig | None = None
+) -> None:
     """A non-driver rank: receive each step, run this stage, pass it on, until STOP."""
-    ex = StageExecutor(model, pool, rank)
+    from cloud_engine.parallel.fused_stage import make_stage
+
+    ex = make_stage(model, pool, rank, cfg)
     r = rank
     with torch.inference_mode():
         while True:
