@@ -110,14 +110,14 @@ def bench_rank(
                 core = driver_core(folder, "bench", rank, cfg)
                 _run(core, _requests(4, prompt, 4, core.vocab_size, seed=9))  # warm-up
                 runner = core.runner
-                c0, s0, p0 = runner.control_s, runner.steps, runner.pack_s  # type: ignore[attr-defined]
                 reqs = _requests(n, prompt, output, core.vocab_size)
+                runner.reset_stats()  # type: ignore[attr-defined]  # the measured run only
                 wall, toks = _run(core, reqs)
-                nsteps = max(1, runner.steps - s0)  # type: ignore[attr-defined]
-                ctrl = (runner.control_s - c0) / nsteps  # type: ignore[attr-defined]
-                pack = (runner.pack_s - p0) / nsteps  # type: ignore[attr-defined]
+                nsteps = max(1, runner.steps)  # type: ignore[attr-defined]
+                ctrl = runner.control_s / nsteps  # type: ignore[attr-defined]
+                pack = runner.pack_s / nsteps  # type: ignore[attr-defined]
                 stats = runner.stop()  # type: ignore[attr-defined]
-                # each rank's busy seconds over its active life (first step to STOP)
+                # each rank's busy seconds over the measured run (its first step to STOP)
                 busy = [round(s[0] / max(s[1], 1e-9), 3) for s in stats]
                 out.append(
                     dict(
@@ -125,7 +125,7 @@ def bench_rank(
                         wall_s=wall,
                         tokens=toks,
                         tok_s=toks / wall,
-                        steps=runner.steps - s0,
+                        steps=runner.steps,  # type: ignore[attr-defined]
                         busy=busy,
                         control_us=ctrl * 1e6,
                         pack_us=pack * 1e6,
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         threads_per_rank=1,
         load_average_1m_after=load,
         rows=rows,
+        command=recorded_command("parallel.py", sys.argv[1:] if argv is None else argv, ()),
     )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / args.results).write_text(json.dumps(result, indent=2) + "\n")

@@ -26,6 +26,7 @@ class Cmd(enum.IntEnum):
     STEP = 1
     NOOP = 2  # keep-alive while idle (workers' waits have timeouts)
     STOP = 3
+    RESET_STATS = 4  # every rank starts its stage statistics afresh (a measured window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,7 @@ class StepMeta:
 
 
 def control(cmd: Cmd, step: int = 0) -> torch.Tensor:
-    """The header of a step-less command (NOOP, STOP)."""
+    """The header of a step-less command (NOOP, STOP, RESET_STATS)."""
     return torch.tensor([int(cmd), 0, 0, 0, 0, 0, step, 0], dtype=torch.int64)
 
 

@@ -259,6 +259,15 @@ class DistRunner:
         self._post(head, None)
         self.exec.forward_next(head, None, None)
 
+    def reset_stats(self) -> None:
+        """Every rank's stage statistics start afresh from here (after a warm-up)."""
+        head = control(Cmd.RESET_STATS)
+        self._post(head, None)
+        self.exec.forward_next(head, None, None)
+        self.exec.stats = StageStats()
+        self.control_s = self.pack_s = 0.0
+        self.steps = 0
+
     def stop(self) -> list[list[float]]:
         """Stop every worker; returns each rank's ``[busy_s, wall_s, steps, control_s]``."""
         if self.stopped:
@@ -296,6 +305,8 @@ def worker_loop(
                 ex.forward_next(head, None, None)
                 if cmd is Cmd.STOP:
                     break
+                if cmd is Cmd.RESET_STATS:
+                    ex.stats = StageStats()
                 continue
             payload = torch.empty(payload_size(head), dtype=torch.int64)
             hidden = None
