@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import RESULTS, machine  # noqa: E402
+from bench._common import RESULTS, machine, recorded_command  # noqa: E402
 
 
 def _requests(n: int, prompt: int, output: int, vocab: int, seed: int = 0):  # type: ignore[no-untyped-def]
