@@ -97,6 +97,9 @@ class Estimate:
     own_prefill_ms: float = 0.0  # its own uncached tokens at the prefill rate
     in_hand: int = 0  # requests the node was taken to have ahead of this one
     mean_batch: float = 1.0  # mean rows of the decode steps it is predicted to take part in
+    # its prefill as work at the node's per-token rate: the uncached tokens plus the cost of
+    # attending to the cached ones (``LatencyModel.prefill_cost``), in token equivalents
+    prefill_work_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +172,49 @@ class LineFit:
 
 
 @dataclass(slots=True)
+class PrefillFit:
+    """A prompt's own time to first token ``y = a + b * uncached + c * cached`` by least
+    squares over exponentially forgotten samples: new tokens cost ``b`` each, and each cached
+    token they attend to (and the engine walks: block tables, KV gathers) ``c``.
+
+    ``solve`` answers once the uncached lengths spread as :class:`LineFit` asks; the cached
+    term joins only once the cached lengths spread too (``c = 0`` until then, and whenever the
+    fit would make it negative), so a node that never hits a prefix is fitted as a line.
+    """
+
+    decay: float = 0.97
+    min_samples: int = 4
+    min_spread: float = 24.0  # tokens (standard deviation), for each regressor
+    n: int = 0
+    m: list[float] = field(default_factory=lambda: [0.0] * 9)  # w, x, z, xx, xz, zz, y, xy, zy
+
+    def add(self, uncached: float, cached: float, y: float) -> None:
+        d, x, z = self.decay, uncached, cached
+        terms = (1.0, x, z, x * x, x * z, z * z, y, x * y, z * y)
+        self.m = [d * a + t for a, t in zip(self.m, terms, strict=True)]
+        self.n += 1
+
+    def solve(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` or None while the samples do not pin the per-token cost down."""
+        w, sx, sz, sxx, sxz, szz, sy, sxy, szy = self.m
+        if self.n < self.min_samples or w <= 0:
+            return None
+        mx, mz, my = sx / w, sz / w, sy / w
+        vx, vz = sxx / w - mx * mx, szz / w - mz * mz
+        cxz, cxy, czy = sxz / w - mx * mz, sxy / w - mx * my, szy / w - mz * my
+        if vx < self.min_spread**2:
+            return None
+        det = vx * vz - cxz * cxz
+        if vz >= self.min_spread**2 and det > 1e-9 * vx * vz:
+            b = (cxy * vz - czy * cxz) / det
+            c = (czy * vx - cxy * cxz) / det
+            if c >= 0:
+                return my - b * mx - c * mz, b, c
+        b = cxy / vx  # no usable cached term: the line over the uncached lengths
+        return my - b * mx, b, 0.0
+
+
+@dataclass(slots=True)
 class NodeRates:
     """What the model measured on one node (normalized to batch 1 for decode)."""
 
@@ -176,8 +222,8 @@ class NodeRates:
     decode_ms_per_token_b1: _Ewma = field(default_factory=_Ewma)
     output_tokens: _Ewma = field(default_factory=_Ewma)
     decode_fit: LineFit = field(default_factory=LineFit)  # ms/token against (batch - 1)
-    # a prompt's own time to first token against its uncached tokens: fixed cost + per token
-    prefill_fit: LineFit = field(default_factory=lambda: LineFit(min_samples=4, min_spread=24.0))
+    # a prompt's own time to first token: fixed cost + per uncached token + per cached token
+    prefill_fit: PrefillFit = field(default_factory=PrefillFit)
 
 
 @dataclass(slots=True)
@@ -352,21 +398,22 @@ class LatencyModel:
         span several batch sizes, else the kind's default."""
         return self._slope(node.id, node.kind)
 
-    def prefill_cost(self, node: NodeState) -> tuple[float, float]:
-        """(fixed ms, ms per uncached token) of a prompt's own time to first token: fitted on
-        this node's requests once their lengths spread, else 0 and the blended rate."""
+    def prefill_cost(self, node: NodeState) -> tuple[float, float, float]:
+        """(fixed ms, ms per uncached token, ms per cached token) of a prompt's own time to
+        first token: fitted on this node's requests once their lengths spread (the cached
+        term once cached lengths spread too), else 0, the blended rate and 0."""
         rates = self.rates.get(node.id)
         if rates is not None:
             fit = rates.prefill_fit.solve()
             if fit is not None and fit[1] > 0:
-                return max(0.0, fit[0]), fit[1]
-        return 0.0, 1000.0 / self.prefill_tokens_per_s(node)
+                return max(0.0, fit[0]), fit[1], fit[2]
+        return 0.0, 1000.0 / self.prefill_tokens_per_s(node), 0.0
 
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
         kd = self.knobs.defaults(node.kind)
         self._register(node)
-        fixed, per_token = self.prefill_cost(node)
+        fixed, per_token, _ = self.prefill_cost(node)
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=kd.prefill_chunk,
@@ -418,8 +465,11 @@ class LatencyModel:
             if need > node.kv_blocks_total - node.kv_blocks_used:
                 # no room in the KV cache: it starts when a request in hand finishes
                 shape = replace(shape, slots=min(shape.slots, len(work)))
-        r = replay(shape, work, Work(float(uncached), out - 1.0))
-        own_prefill = shape.prefill_fixed_ms + uncached * shape.prefill_ms_per_token
+        # the cached tokens' cost as prefill work of the same rate (what replay schedules)
+        per_cached = self.prefill_cost(node)[2]
+        work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
+        r = replay(shape, work, Work(work_tokens, out - 1.0))
+        own_prefill = shape.prefill_fixed_ms + work_tokens * shape.prefill_ms_per_token
         rtt = max(0.0, rtt_ms)
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
@@ -440,6 +490,7 @@ class LatencyModel:
             own_prefill_ms=own_prefill,
             mean_batch=r.mean_batch,
             in_hand=len(work),
+            prefill_work_tokens=work_tokens,
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -467,7 +518,7 @@ class LatencyModel:
                 others = obs.node_queue_ms
             if est is None or others <= 0.25 * max(server_ms, 1e-3):
                 prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
-                rates.prefill_fit.add(float(uncached), prefill_ms)
+                rates.prefill_fit.add(float(uncached), float(obs.cached_tokens), prefill_ms)
                 if uncached >= k.min_prefill_tokens:
                     rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms, k.rate_alpha)
 

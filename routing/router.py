@@ -168,7 +168,8 @@ class DispatchLedger:
                 out.append(Work(0.0, max(1.0, steps - done) if steps else 0.0))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
-                out.append(Work(est.uncached_tokens * min(1.0, left), steps, started=left < 1.0))
+                tokens = est.prefill_work_tokens or float(est.uncached_tokens)
+                out.append(Work(tokens * min(1.0, left), steps, started=left < 1.0))
         return out
 
 

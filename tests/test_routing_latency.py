@@ -249,9 +249,35 @@ def test_prefill_fixed_cost_and_per_token_rate_are_fitted():
                 estimate=e,
             )
         )
-    fixed, per_token = m.prefill_cost(n)
+    fixed, per_token, per_cached = m.prefill_cost(n)
     assert fixed == pytest.approx(100.0, rel=1e-6) and per_token == pytest.approx(2.0, rel=1e-6)
+    assert per_cached == 0.0  # no prefix hits: nothing to say about their cost
     assert est(m, n, prompt=10, out=1).ttft_ms == pytest.approx(5.0 + 100.0 + 20.0)
+
+
+def test_the_cost_of_attending_to_a_cached_prefix_is_fitted():
+    """Prompts that hit a long cached prefix still take time for it (attention over it, the
+    engine walking its blocks): 100 ms + 2 ms a new token + 0.05 ms a cached token. Once
+    prompts with and without prefix hits were measured, a prefix hit is predicted with that
+    cost, and the replay of work in hand counts it too."""
+    m = LatencyModel()
+    n = node()
+    cases = [(20, 0), (300, 0), (60, 1024), (500, 0), (16, 1120), (120, 512), (40, 0), (32, 2048)]
+    for uncached, cached in cases:
+        prompt = uncached + cached
+        e = est(m, n, prompt=prompt, out=1, cached=cached)
+        ms = 100.0 + 2.0 * uncached + 0.05 * cached
+        m.observe(
+            Observation(
+                node_id="e1", kind=NodeKind.EDGE, prompt_tokens=prompt, cached_tokens=cached,
+                completion_tokens=1, ttft_ms=5.0 + ms, e2e_ms=5.0 + ms, net_rtt_ms=5.0, estimate=e,
+            )
+        )  # fmt: skip
+    fixed, per_token, per_cached = m.prefill_cost(n)
+    assert (fixed, per_token, per_cached) == pytest.approx((100.0, 2.0, 0.05), rel=1e-6)
+    hit = est(m, n, prompt=1040, out=1, cached=1024)
+    assert hit.ttft_ms == pytest.approx(5.0 + 100.0 + 2.0 * 16 + 0.05 * 1024)
+    assert hit.prefill_work_tokens == pytest.approx(16 + 0.05 * 1024 / 2.0)
 
 
 def test_an_unmeasured_replica_borrows_its_peers_rates():
