@@ -102,6 +102,8 @@ class Sample:
 VARIANTS = {
     # the output-length statistics without the whole-prompt key (first block and coarser)
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
+    # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
+    "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
 }
 
 

@@ -58,6 +58,11 @@ class LatencyKnobs(BaseModel):
     min_decode_tokens: int = Field(default=4, ge=2, description="learn decode above this")
     prefix_credit: float = Field(default=1.0, ge=0, le=1, description="trust in the index")
     error_alpha: float = Field(default=0.05, gt=0, le=1)
+    cached_prefill_cost: bool = Field(
+        default=True,
+        description="fit the time a prompt's cached tokens still take (attention over them); "
+        "off: a prefix hit costs only its new tokens",
+    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -194,8 +199,9 @@ class PrefillFit:
         self.m = [d * a + t for a, t in zip(self.m, terms, strict=True)]
         self.n += 1
 
-    def solve(self) -> tuple[float, float, float] | None:
-        """``(a, b, c)`` or None while the samples do not pin the per-token cost down."""
+    def solve(self, cached_term: bool = True) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` or None while the samples do not pin the per-token cost down
+        (``cached_term=False``: the line over the uncached lengths, ``c = 0``)."""
         w, sx, sz, sxx, sxz, szz, sy, sxy, szy = self.m
         if self.n < self.min_samples or w <= 0:
             return None
@@ -205,7 +211,7 @@ class PrefillFit:
         if vx < self.min_spread**2:
             return None
         det = vx * vz - cxz * cxz
-        if vz >= self.min_spread**2 and det > 1e-9 * vx * vz:
+        if cached_term and vz >= self.min_spread**2 and det > 1e-9 * vx * vz:
             b = (cxy * vz - czy * cxz) / det
             c = (czy * vx - cxy * cxz) / det
             if c >= 0:
@@ -404,7 +410,7 @@ class LatencyModel:
         term once cached lengths spread too), else 0, the blended rate and 0."""
         rates = self.rates.get(node.id)
         if rates is not None:
-            fit = rates.prefill_fit.solve()
+            fit = rates.prefill_fit.solve(self.knobs.cached_prefill_cost)
             if fit is not None and fit[1] > 0:
                 return max(0.0, fit[0]), fit[1], fit[2]
         return 0.0, 1000.0 / self.prefill_tokens_per_s(node), 0.0
