@@ -127,3 +127,26 @@ def test_torchrun_world_serves_like_one_process(tiny_model_path: Path, tmp_path:
     finally:
         p.stop(signal.SIGTERM, timeout=30.0)
     wait_gone(ranks, timeout=10.0)
+
+
+def test_the_worker_gets_the_drivers_batch_and_graph_shapes() -> None:
+    """Every rank sizes its block tables and captures its decode graphs from the same
+    configuration: what the driver's command line set reaches the worker processes."""
+    import torch
+
+    from cloud_engine.config import EngineConfig
+    from cloud_engine.parallel import worker
+    from cloud_engine.parallel.dist import ParallelConfig
+    from cloud_engine.parallel.launch import worker_argv
+
+    cfg = EngineConfig(
+        device="cuda", dtype=torch.bfloat16, threads=2, kv_memory_bytes=1 << 30,
+        max_kv_blocks=900, max_running=48, max_context=2048, max_graph_batch=32,
+        cuda_graphs=False, fused_shards=True,
+    )  # fmt: skip
+    argv = worker_argv("/m", ParallelConfig(2, 1), 1, "tcp://127.0.0.1:1", cfg, 10.0)
+    got = worker.config_from_args(worker.parser().parse_args(argv[3:]))
+    assert got == cfg
+    plain = EngineConfig(device="cpu")
+    argv = worker_argv("/m", ParallelConfig(2, 1), 1, "tcp://127.0.0.1:1", plain, 10.0)
+    assert worker.config_from_args(worker.parser().parse_args(argv[3:])) == plain

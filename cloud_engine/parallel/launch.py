@@ -74,6 +74,15 @@ def worker_argv(
         argv += ["--kv-bytes", str(cfg.kv_memory_bytes)]
     if cfg.max_kv_blocks is not None:
         argv += ["--max-kv-blocks", str(cfg.max_kv_blocks)]
+    # what shapes a rank's tables and decode graphs: every rank of a group must agree
+    if cfg.max_running is not None:
+        argv += ["--max-running", str(cfg.max_running)]
+    if cfg.max_context is not None:
+        argv += ["--max-context", str(cfg.max_context)]
+    argv += ["--max-graph-batch", str(cfg.max_graph_batch)]
+    argv += ["--cuda-graphs", "1" if cfg.cuda_graphs else "0"]
+    if cfg.fused_shards is not None:
+        argv += ["--fused-shards", "1" if cfg.fused_shards else "0"]
     return argv
 
 

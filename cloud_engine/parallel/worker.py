@@ -33,12 +33,33 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-bytes", type=int, default=None)
     p.add_argument("--max-kv-blocks", type=int, default=None)
+    p.add_argument("--max-running", type=int, default=None)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--max-graph-batch", type=int, default=256)
+    p.add_argument("--cuda-graphs", type=int, choices=(0, 1), default=1)
+    p.add_argument("--fused-shards", type=int, choices=(0, 1), default=None)
     p.add_argument("--timeout-s", type=float, default=30.0)
     return p
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(x) for x in text.split(",")) if text else None
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration the driver passed on (``launch.worker_argv``)."""
+    return EngineConfig(
+        device=args.device,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        threads=args.threads,
+        kv_memory_bytes=args.kv_bytes,
+        max_kv_blocks=args.max_kv_blocks,
+        max_running=args.max_running,
+        max_context=args.max_context,
+        max_graph_batch=args.max_graph_batch,
+        cuda_graphs=bool(args.cuda_graphs),
+        fused_shards=None if args.fused_shards is None else bool(args.fused_shards),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,13 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = EngineConfig(
-        device=args.device,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
-        threads=args.threads,
-        kv_memory_bytes=args.kv_bytes,
-        max_kv_blocks=args.max_kv_blocks,
-    )
+    cfg = config_from_args(args)
     pcfg = ParallelConfig(args.tp, args.pp, parse_layers(args.pp_layers))
     try:
         rank = init_world(
