@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -11,6 +12,13 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# the shared data (MaxMind test databases, LLM traces): ``shared/data`` beside the checkout,
+# or wherever EDGECLOUD_SHARED_DATA says
+SHARED_DATA = Path(
+    os.environ.get("EDGECLOUD_SHARED_DATA")
+    or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
+TRACES = SHARED_DATA / "traces"
 
 
 def machine() -> dict[str, Any]:

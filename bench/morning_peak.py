@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import RESULTS, machine, recorded_command, write_results
+from bench._common import RESULTS, TRACES, machine, recorded_command, write_results
 from routing.policy_config import POLICY_NAMES, PolicyConfig
 from routing.sim.fleet import load_fleet
 from routing.sim.generator import MorningPeak, generate
@@ -35,7 +35,6 @@ from routing.sim.tuner import policy_yaml, tune
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "routing" / "sim" / "fleets" / "morning_peak_fleet.yaml"
-TRACES = Path("/work/shared/data/traces")
 PEAK = (3600.0, 5400.0)  # 09:00-09:30 from 08:00
 OFFICES = ["eu-west", "eu-central", "eu-north"]
 COLS = [

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine, recorded_command, table, write_results
+from bench._common import TRACES, machine, recorded_command, table, write_results
 from routing.policy_config import PolicyConfig
 from routing.sim.fleet import load_fleet
 from routing.sim.importers import import_azure
@@ -28,7 +28,7 @@ from routing.sim.trace import rescale_length, rescale_time, window
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "routing" / "sim" / "fleets" / "staleness_fleet.yaml"
-CONV = Path("/work/shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+CONV = TRACES / "AzureLLMInferenceTrace_conv.csv"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import RESULTS, machine, recorded_command, write_results
+from bench._common import RESULTS, TRACES, machine, recorded_command, write_results
 from bench._serve import embedded_default
 from gateway.commands.replay import replay
 from routing.policy_config import PolicyConfig
@@ -35,7 +35,6 @@ from routing.sim.trace import TraceRequest, rescale_length, rescale_time
 
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "routing" / "sim" / "fleets" / "embedded_fleet.yaml"
-TRACES = Path("/work/shared/data/traces")
 
 
 def traces(n: int, rate: float) -> dict[str, list[TraceRequest]]:
@@ -150,7 +149,7 @@ def _scaled(fleet_path: Path, out: Path, factors: dict[str, tuple[float, float]]
         )
         path = out / f"calibrated_{node.kind}.json"
         save_profile(prof, path)
-        raw["profile"] = str(path)
+        raw["profile"] = path.name  # relative to the fleet file beside it
     path = out / "calibrated_fleet.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

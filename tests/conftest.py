@@ -17,6 +17,13 @@ from pathlib import Path
 
 import pytest
 
+# the shared data (MaxMind test databases, LLM traces): ``shared/data`` beside the checkout,
+# or wherever EDGECLOUD_SHARED_DATA says; tests that need it skip without it
+SHARED_DATA = Path(
+    os.environ.get("EDGECLOUD_SHARED_DATA")
+    or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -13,8 +13,9 @@ from netaddr import IPSet
 
 from gateway.client_ip import ClientIPResolver, parse_ip
 from gateway.geo import GeoConfig, GeoDatabaseError, GeoLocator
+from tests.conftest import SHARED_DATA
 
-GEOIP_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "geoip"
+GEOIP_DIR = SHARED_DATA / "geoip"
 
 # A tiny stand-in for RegionTable.nearest, so these tests do not depend on its tuning.
 POINTS = {"eu-central": (50.1, 8.7), "ap-northeast-2": (37.6, 127.0), "ap-northeast": (35.7, 139.7)}

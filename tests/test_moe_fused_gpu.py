@@ -68,10 +68,8 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_cuda_engine_over_moe_matches_eager_layers(
-    moe_models: dict[str, Path], name: str
-) -> None:
-    """float32: the CUDA engine (decode graphs with the pair kernels at up to four sequences
+def test_cuda_engine_over_moe_matches_eager_layers(moe_models: dict[str, Path], name: str) -> None:
+    """float32: the CUDA engine (decode graphs with the pair kernels at up to eight sequences
     and the grouped kernel beyond, eager prefill) gives the eager CPU layers' tokens."""
     from cloud_engine.parallel.build import driver_core, single_process_core
     from cloud_engine.parallel.dist import ParallelConfig, Rank

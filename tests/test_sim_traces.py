@@ -13,8 +13,9 @@ import pytest
 from routing.sim.generator import MorningPeak, generate, shape
 from routing.sim.importers import import_azure, import_mooncake
 from routing.sim.trace import read_trace, rescale_length, rescale_time, summary, write_trace
+from tests.conftest import SHARED_DATA
 
-TRACES = Path("/work/shared/data/traces")
+TRACES = SHARED_DATA / "traces"
 needs_traces = pytest.mark.skipif(not TRACES.exists(), reason="shared traces not mounted")
 
 

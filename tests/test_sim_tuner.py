@@ -15,9 +15,10 @@ from routing.sim.fleet import load_fleet
 from routing.sim.importers import import_azure
 from routing.sim.trace import rescale_length, rescale_time, window
 from routing.sim.tuner import policy_yaml, tune
+from tests.conftest import SHARED_DATA
 
 FLEETS = Path(__file__).resolve().parent.parent / "routing" / "sim" / "fleets"
-CONV = Path("/work/shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+CONV = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 @pytest.mark.skipif(not CONV.exists(), reason="shared traces not mounted")
