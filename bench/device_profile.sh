@@ -8,21 +8,22 @@
 # Python packages the machine lacks travel as wheels in .whl/ (see the device notes).
 set -euo pipefail
 out=$1; shift
+work=$(mktemp -d)
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
+        --target "$work/site" .whl/*.whl
+    export PYTHONPATH="$work/site:$PWD"
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-python3 bench/random_default_shape.py /tmp/smollm2-random .devmodel
-python3 -c "import gateway.cli as c; c.main()" cloud serve --model /tmp/smollm2-random \
-    --device cuda --port 8002 ${NODE_ARGS:-} > /tmp/node.log 2>&1 &
+python3 bench/random_default_shape.py "$work/smollm2-random" .devmodel
+python3 -c "import gateway.cli as c; c.main()" cloud serve --model "$work/smollm2-random" \
+    --device cuda --port 8002 ${NODE_ARGS:-} > "$work/node.log" 2>&1 &
 node=$!
 trap 'kill $node 2>/dev/null || true' EXIT
 for _ in $(seq 240); do
     curl -sf http://127.0.0.1:8002/load >/dev/null && break
-    kill -0 $node 2>/dev/null || { cat /tmp/node.log; exit 1; }
+    kill -0 $node 2>/dev/null || { cat "$work/node.log"; exit 1; }
     sleep 0.5
 done
 python3 -c "import gateway.cli as c; c.main()" profile --node http://127.0.0.1:8002 --out "$out" "$@"
-tail -5 /tmp/node.log
+tail -5 "$work/node.log"
