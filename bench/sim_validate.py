@@ -1,7 +1,9 @@
 """The simulator against live replays on this machine: the same small traces sent open-loop
 through the real embedded default (``edgecloud serve``: gateway, edge node, cloud node on
 loopback) and run in the simulator on ``embedded_fleet.yaml`` (the profiles measured here),
-per policy; mean and p90 TTFT and end-to-end error (sim - live) / live.
+per policy; mean and p90 TTFT and end-to-end error (sim - live) / live. ``--repeats N`` runs
+each live replay N times (each on a fresh ``serve``) and compares with their mean; the
+``spread_*`` columns ((max - min) / mean over the repeats) are the live runs' own noise floor.
 
 Each live run starts a fresh ``serve`` (nothing learned carries over, as in the simulator). The
 simulator gets each request's *actual* completion tokens from the live run (the model may stop
@@ -155,6 +157,35 @@ def _scaled(fleet_path: Path, out: Path, factors: dict[str, tuple[float, float]]
     return path
 
 
+def _live_run(
+    args: argparse.Namespace, fleet: Any, trace: list[TraceRequest], policy: Path, out_dir: Path
+) -> tuple[list[dict[str, Any]], dict[str, tuple[float, float]]]:
+    """One live replay on a fresh ``serve``: its per-request results and the calibration."""
+    with embedded_default(["--policy-file", str(policy)], log_path=out_dir / "serve.log") as url:
+        factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
+        port = int(url.rsplit(":", 1)[1])
+        if args.calibrate == "probe":
+            for kind, off, n in (("edge", 1, 256), ("cloud", 2, 64)):
+                node = next(nd for nd in fleet.nodes if nd.kind == kind)
+                factors[kind] = asyncio.run(
+                    _calibrate(f"http://127.0.0.1:{port + off}", fleet.profile(node), n, 7)
+                )
+            print(f"calibration factors (prefill, decode): {factors}", flush=True)
+        if args.calibrate == "during":
+            nodes = {
+                kind: (
+                    f"http://127.0.0.1:{port + off}",
+                    fleet.profile(next(nd for nd in fleet.nodes if nd.kind == kind)),
+                )
+                for kind, off in (("edge", 1), ("cloud", 2))
+            }
+            live, factors = asyncio.run(_replay_sampled(url, trace, nodes))
+            print(f"calibration factors (prefill, decode): {factors}", flush=True)
+        else:
+            live = asyncio.run(replay(url, trace))
+    return live, factors
+
+
 def _stats(x: list[float]) -> tuple[float, float]:
     a = np.asarray([v for v in x if v is not None and math.isfinite(v)])
     return (float(a.mean()), float(np.percentile(a, 90))) if a.size else (math.nan, math.nan)
@@ -175,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         "the nodes' own EWMAs, polled while the replay runs",
     )
     ap.add_argument("--name", default="sim_validate")
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="live replays per policy and trace (mean taken)"
+    )
     args = ap.parse_args(argv)
     import os
 
@@ -188,30 +222,11 @@ def main(argv: list[str] | None = None) -> int:
             policy = out_dir / "policy.yaml"
             policy.write_text(f"policy: {pol}\n")
             fleet_path = Path(args.fleet)
-            with embedded_default(
-                ["--policy-file", str(policy)], log_path=out_dir / "serve.log"
-            ) as url:
-                factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
-                port = int(url.rsplit(":", 1)[1])
-                if args.calibrate == "probe":
-                    for kind, off, n in (("edge", 1, 256), ("cloud", 2, 64)):
-                        node = next(nd for nd in fleet.nodes if nd.kind == kind)
-                        factors[kind] = asyncio.run(
-                            _calibrate(f"http://127.0.0.1:{port + off}", fleet.profile(node), n, 7)
-                        )
-                    print(f"calibration factors (prefill, decode): {factors}", flush=True)
-                if args.calibrate == "during":
-                    nodes = {
-                        kind: (
-                            f"http://127.0.0.1:{port + off}",
-                            fleet.profile(next(nd for nd in fleet.nodes if nd.kind == kind)),
-                        )
-                        for kind, off in (("edge", 1), ("cloud", 2))
-                    }
-                    live, factors = asyncio.run(_replay_sampled(url, trace, nodes))
-                    print(f"calibration factors (prefill, decode): {factors}", flush=True)
-                else:
-                    live = asyncio.run(replay(url, trace))
+            lives = []
+            for _ in range(args.repeats):  # each on a fresh serve: the live run-to-run spread
+                live, factors = _live_run(args, fleet, trace, policy, out_dir)
+                lives.append(live)
+            live = lives[0]
             if args.calibrate != "none":
                 fleet_path = _scaled(Path(args.fleet), out_dir, factors)
             (out_dir / f"{tname}_{pol}.jsonl").write_text(
@@ -232,8 +247,15 @@ def main(argv: list[str] | None = None) -> int:
             ]
             sim_trace = [r.model_copy(update={"max_tokens": None}) for r in sim_trace]
             res = simulate(sim_trace, load_fleet(fleet_path), PolicyConfig(policy=pol))
-            lt, lp = _stats([live[i]["ttft_s"] for i in ok])
-            le, lq = _stats([live[i]["e2e_s"] for i in ok])
+            per_run = np.asarray(
+                [
+                    _stats([lv[i].get("ttft_s") for i in ok])
+                    + _stats([lv[i].get("e2e_s") for i in ok])
+                    for lv in lives
+                ]
+            )  # [repeats, (mean ttft, p90 ttft, mean e2e, p90 e2e)]
+            lt, lp, le, lq = (float(x) for x in per_run.mean(axis=0))
+            spread = (per_run.max(axis=0) - per_run.min(axis=0)) / per_run.mean(axis=0)
             st, sp = _stats([res.ttft_s[i] for i in ok])
             se, sq = _stats([res.e2e_s[i] for i in ok])
             live_cloud = np.mean([live[i]["tier"] == "cloud" for i in ok]) if ok else math.nan
@@ -258,6 +280,14 @@ def main(argv: list[str] | None = None) -> int:
                 "sim_p90_e2e_s": sq,
                 "err_p90_e2e": sq / lq - 1,
                 "live_cloud_share": float(live_cloud),
+                "repeats": args.repeats,
+                # (max - min) / mean of the live figure over the repeats: the noise floor
+                **{
+                    f"spread_{k}": float(x)
+                    for k, x in zip(
+                        ("mean_ttft", "p90_ttft", "mean_e2e", "p90_e2e"), spread, strict=True
+                    )
+                },
                 "sim_cloud_share": float(sim_cloud),
                 "calibration": factors,
             }
@@ -276,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         "err_p90_e2e",
         "live_cloud_share",
         "sim_cloud_share",
+        "spread_mean_ttft",
+        "spread_mean_e2e",
     ]
     lines = [
         "# Simulator vs live (embedded default on this machine)",
