@@ -16,7 +16,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 python3 bench/random_default_shape.py "$work/smollm2-random" .devmodel
-python3 -c "import gateway.cli as c; c.main()" cloud serve --model "$work/smollm2-random" \
+python3 -m gateway.cli cloud serve --model "$work/smollm2-random" \
     --device cuda --port 8002 ${NODE_ARGS:-} > "$work/node.log" 2>&1 &
 node=$!
 trap 'kill $node 2>/dev/null || true' EXIT
@@ -25,5 +25,5 @@ for _ in $(seq 240); do
     kill -0 $node 2>/dev/null || { cat "$work/node.log"; exit 1; }
     sleep 0.5
 done
-python3 -c "import gateway.cli as c; c.main()" profile --node http://127.0.0.1:8002 --out "$out" "$@"
+python3 -m gateway.cli profile --node http://127.0.0.1:8002 --out "$out" "$@"
 tail -5 "$work/node.log"

@@ -260,4 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m gateway.cli``: run the package's own module, so that the error classes the
+    # commands import (``gateway.cli.CLIError``) are the ones ``main`` catches
+    from gateway.cli import main as package_main
+
+    sys.exit(package_main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -54,3 +55,22 @@ def test_profile_of_an_unreachable_node_is_one_clear_error(url: str, tmp_path: P
     )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert url in done.stderr or "connect" in done.stderr.lower()
+
+
+def test_profile_of_a_node_that_wants_a_token_says_so(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    node = serve_node(
+        tiny_cloud_engine(tiny_model_path), tiny_model_path, "cloud-locked",
+        node_token="profile-test-token-0123456789abcdef",
+    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            cli("profile", "--node", node.url, "--out", str(tmp_path / "p.json")),
+            capture_output=True, text=True, env={**os.environ, "EDGECLOUD_NODE_TOKEN": ""},
+        )  # fmt: skip
+    finally:
+        node.stop()
+    assert done.returncode != 0 and "internal error" not in done.stderr, done.stderr
+    assert "401" in done.stderr and "--node-token" in done.stderr
+    assert not (tmp_path / "p.json").exists()

@@ -119,6 +119,28 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(200, 20000) for _ in range(n)]
 
 
+def _node_state(resp: Any, url: str, token_sent: bool) -> dict[str, Any]:
+    """The node's ``/load`` state, or a :class:`CLIError` saying why it gave none."""
+    from gateway.cli import CLIError
+
+    if resp.status_code in (401, 403):
+        hint = "the node token it was given" if token_sent else "a node token"
+        raise CLIError(
+            f"{url} refused /load ({resp.status_code}): it wants {hint}; pass --node-token "
+            "or set EDGECLOUD_NODE_TOKEN to the token the node was started with"
+        )
+    try:
+        state = resp.json()
+    except ValueError:
+        state = None
+    if resp.status_code != 200 or not isinstance(state, dict) or not state.get("models"):
+        raise CLIError(
+            f"{url}/load answered {resp.status_code} without a node's state: is it an "
+            "edgecloud edge or cloud node (not a gateway)?"
+        )
+    return state
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
@@ -129,7 +151,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     token = args.node_token or os.environ.get("EDGECLOUD_NODE_TOKEN")
     headers = {"x-edgecloud-node-token": token} if token else {}
     async with httpx.AsyncClient(timeout=600.0, headers=headers) as client:
-        state = (await client.get(url + "/load")).json()
+        state = _node_state(await client.get(url + "/load"), url, bool(token))
         model = state["models"][0]
         kind = state["kind"]
         max_ctx = int(state["max_context"])
