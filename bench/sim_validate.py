@@ -157,6 +157,30 @@ def _scaled(fleet_path: Path, out: Path, factors: dict[str, tuple[float, float]]
     return path
 
 
+def _profiled_fleet(fleet_path: Path, out: Path) -> Path:
+    """A copy of the fleet with profiles measured now, by ``edgecloud profile``, on a fresh
+    embedded default (this machine's speed today: profiles of another machine, or of this
+    one under other load, are the largest error there is)."""
+    import subprocess
+
+    import yaml
+
+    data = yaml.safe_load(fleet_path.read_text())
+    with embedded_default([], log_path=out / "profile_serve.log") as url:
+        port = int(url.rsplit(":", 1)[1])
+        for raw in data["nodes"]:
+            off = {"edge": 1, "cloud": 2}[raw["kind"]]
+            path = out / f"profile_{raw['kind']}.json"
+            cmd = [sys.executable, "-m", "gateway.cli", "profile", "--out", str(path)]
+            cmd += ["--node", f"http://127.0.0.1:{port + off}"]
+            cmd += ["--notes", f"{raw['kind']} node of the embedded default, by sim_validate"]
+            subprocess.run(cmd, check=True)
+            raw["profile"] = path.name  # relative to the fleet file beside it
+    path = out / "profiled_fleet.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def _live_run(
     args: argparse.Namespace, fleet: Any, trace: list[TraceRequest], policy: Path, out_dir: Path
 ) -> tuple[list[dict[str, Any]], dict[str, tuple[float, float]]]:
@@ -209,13 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=1, help="live replays per policy and trace (mean taken)"
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="measure the nodes' profiles first (edgecloud profile) and simulate with those",
+    )
     args = ap.parse_args(argv)
     import os
 
     os.environ["EDGECLOUD_NODE_TOKEN"] = NODE_TOKEN
-    fleet = load_fleet(args.fleet)
     out_dir = RESULTS / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        args.fleet = str(_profiled_fleet(Path(args.fleet), out_dir))
+    fleet = load_fleet(args.fleet)
     rows: list[dict[str, Any]] = []
     for tname, trace in traces(args.requests, args.rate).items():
         for pol in args.policies:
