@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.front import fastjson
+from gateway.sse import sse_event
 
 # sampling fields carried to the continuation (both routes accept them)
 _CARRIED = ("temperature", "top_p", "top_k", "seed", "stop", "user")
@@ -178,4 +179,4 @@ def tag_comment(tag: dict[str, Any]) -> bytes:
 
 
 def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return sse_event(obj)

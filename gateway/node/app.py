@@ -26,6 +26,7 @@ from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
+from gateway.sse import sse_event
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
 from routing.engine import PrefixCacheEngine
 from routing.fleet.block_feed import BlockFeed
@@ -35,10 +36,6 @@ from routing.prompt import TOKENIZER_FILES
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def _chunk(
@@ -160,13 +157,13 @@ def create_node_app(
             return Response(status_code=499)
 
         def content(d: Delta) -> bytes:
-            ev = _sse(_chunk(prep, d.text, None))
+            ev = sse_event(_chunk(prep, d.text, None))
             return ids_line(d.token_ids, d.clean) + ev if with_ids else ev
 
         async def body() -> AsyncIterator[bytes]:
             last = first
             try:
-                yield _sse(_chunk(prep, "", None, role=True))
+                yield sse_event(_chunk(prep, "", None, role=True))
                 if first.text:
                     yield content(first)
                 if first.finish_reason is None:
@@ -176,17 +173,17 @@ def create_node_app(
                             yield content(d)
                         if d.finish_reason is not None:
                             break
-                yield _sse(_chunk(prep, None, last.finish_reason or "stop"))
+                yield sse_event(_chunk(prep, None, last.finish_reason or "stop"))
                 if prep.include_usage:
                     ev = last.event
                     u = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
                     obj = _chunk(prep, None, None)
                     obj["choices"] = []
                     obj["usage"] = u.model_dump()
-                    yield _sse(obj)
+                    yield sse_event(obj)
                 yield b"data: [DONE]\n\n"
             except APIError as exc:
-                yield _sse(exc.body())
+                yield sse_event(exc.body())
                 yield b"data: [DONE]\n\n"
             finally:
                 await deltas.aclose()  # type: ignore[attr-defined]
