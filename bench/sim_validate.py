@@ -77,6 +77,23 @@ async def _calibrate(url: str, prof: Any, n: int, seed: int) -> tuple[float, flo
     return t / want_p, (step / cost.decode_ms(1, 80) if math.isfinite(step) else 1.0)
 
 
+async def _warm(url: str) -> None:
+    """Two short streams straight to the node: the simulator's nodes are warm, and a node's
+    first request pays one-off costs (the first torch call of each shape on a CPU cloud node
+    took 0.58 s where a warm one takes 0.1 s)."""
+    import httpx
+
+    from gateway.commands.profile import _ids, _stream
+
+    rng = __import__("random").Random(3)
+    async with httpx.AsyncClient(
+        timeout=300.0, headers={"x-edgecloud-node-token": NODE_TOKEN}
+    ) as c:
+        model = (await c.get(url + "/load")).json()["models"][0]
+        for n in (24, 200):
+            await _stream(c, url, model, _ids(rng, n), 4, 0)
+
+
 async def _replay_sampled(
     url: str, trace: list[TraceRequest], nodes: dict[str, tuple[str, Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, tuple[float, float]]]:
@@ -191,6 +208,9 @@ def _live_run(
     with embedded_default(["--policy-file", str(policy)], log_path=out_dir / "serve.log") as url:
         factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
         port = int(url.rsplit(":", 1)[1])
+        if args.warm:
+            for off in (1, 2):
+                asyncio.run(_warm(f"http://127.0.0.1:{port + off}"))
         if args.calibrate == "probe":
             for kind, off, n in (("edge", 1, 256), ("cloud", 2, 64)):
                 node = next(nd for nd in fleet.nodes if nd.kind == kind)
@@ -235,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="sim_validate")
     ap.add_argument(
         "--repeats", type=int, default=1, help="live replays per policy and trace (mean taken)"
+    )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="send each node two short requests before the replay (the simulator's are warm)",
     )
     ap.add_argument(
         "--profile",
