@@ -19,6 +19,18 @@ COMMON = dict(
 )
 
 
+# Qwen3-MoE: 4 experts, top-2, renormalised
+QWEN3_MOE = dict(
+    COMMON,
+    head_dim=16,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+)
+
+
 def _spread(model: torch.nn.Module) -> None:
     """Weights scaled so logits are well spread (HF's 0.02 init leaves near-ties)."""
     with torch.no_grad():
@@ -57,13 +69,7 @@ def write_moe_models(root: Path) -> dict[str, Path]:
         "qwen3_moe": _write(
             root / "qwen3moe",
             tf.Qwen3MoeConfig(
-                **COMMON,
-                head_dim=16,
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
+                **QWEN3_MOE,
                 mlp_only_layers=[1],
             ),
             tf.Qwen3MoeForCausalLM,
@@ -71,13 +77,7 @@ def write_moe_models(root: Path) -> dict[str, Path]:
         "qwen3_moe_packed": _write(
             root / "qwen3moe-packed",
             tf.Qwen3MoeConfig(
-                **COMMON,
-                head_dim=16,
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=True,
+                **QWEN3_MOE,
             ),
             tf.Qwen3MoeForCausalLM,
             packed=True,

@@ -5,26 +5,18 @@ tensors under ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from moe_checkpoints import VOCAB, write_moe_models
 from parallel_jobs import drive, mixed_requests
+from test_cloud_gpu import DEV, INTERPRET, needs_kernels
 from test_moe_kernel import loop_ref, rel_err
 
 from cloud_engine.config import EngineConfig
-from cloud_engine.kernels import triton_available
 
 pytestmark = pytest.mark.gpu
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not triton_available() or not (torch.cuda.is_available() or INTERPRET),
-    reason="needs Triton and CUDA (or TRITON_INTERPRET=1)",
-)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
