@@ -48,7 +48,7 @@ from cloud_engine.runner import Feed, Launched
 from cloud_engine.sampler import make_generator, sample_batch, to_device
 from cloud_engine.scheduler import ScheduledBatch
 from cloud_engine.sequence import Sequence
-from cloud_engine.step_inputs import StepInputs, build_step_inputs
+from cloud_engine.step_inputs import StepInputs, build_step_inputs, pack_aligned
 
 if TYPE_CHECKING:
     from cloud_engine.parallel.model import ShardedLlama
@@ -224,16 +224,11 @@ class CudaRunner:
             inp.input_ids, inp.positions, inp.slot_mapping, rows, inp.seq_lens, inp.q_start,
             tile_seq, tile_q0, inp.sample_idx,
         ]  # fmt: skip
-        # Every part starts on a 16-byte boundary: Triton specializes kernels on pointer
-        # alignment, and unaligned views would recompile them step after step.
-        sizes = [len(x) for x in parts]
-        starts = np.cumsum([0] + [-(-k // 4) * 4 for k in sizes])
-        packed = np.zeros(int(starts[-1]), dtype=np.int32)
-        for x, a in zip(parts, starts[:-1], strict=True):
-            packed[a : a + len(x)] = x
+        packed, where = pack_aligned(parts)
         dev = self._upload(packed)
-        v = [dev[a : a + k] for a, k in zip(starts[:-1], sizes, strict=True)]
-        ids, pos, slots, seq_rows, seq_lens, q_start, t_seq, t_q0, sample_idx = v
+        ids, pos, slots, seq_rows, seq_lens, q_start, t_seq, t_q0, sample_idx = (
+            dev[sl] for sl in where
+        )
         if fed is not None:
             ids = fed.index_select(0, ids).to(torch.int32)
         meta = None
