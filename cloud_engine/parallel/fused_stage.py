@@ -41,6 +41,7 @@ from cloud_engine.parallel.dist import Rank, backend_for
 from cloud_engine.parallel.model import ShardedLlama
 from cloud_engine.parallel.protocol import StepMeta
 from cloud_engine.parallel.runner import StageExecutor
+from cloud_engine.step_inputs import pack_aligned
 
 
 class PiecewiseGraph:
@@ -48,24 +49,27 @@ class PiecewiseGraph:
     (its all-reduce during capture). ``replay`` runs piece 0, ``collective(cuts[0])``, piece 1,
     and so on: the model's reduction happens between the pieces, in place."""
 
-    def __init__(self, device: torch.device, collective: Callable[[torch.Tensor], object]) -> None:
-        self.device, self.collective = device, collective
+    def __init__(
+        self, device: torch.device, collective: Callable[[torch.Tensor], object], pool: object
+    ) -> None:
+        """``pool``: the graph memory pool every piece allocates from (shared with the other
+        graphs of the stage, which are replayed one at a time)."""
+        self.device, self.collective, self.pool = device, collective, pool
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.cuts: list[torch.Tensor] = []
 
-    def _begin(self, pool: object) -> None:
+    def _begin(self) -> None:
         g = torch.cuda.CUDAGraph()
-        g.capture_begin(pool=pool)  # type: ignore[arg-type]
+        g.capture_begin(pool=self.pool)  # type: ignore[arg-type]
         self.pieces.append(g)
 
-    def capture(self, fn: Callable[[], torch.Tensor], pool: object) -> torch.Tensor:
-        """Capture ``fn`` (warmed up before) into pieces sharing ``pool``; its output tensor."""
-        self._pool = pool
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Capture ``fn`` (warmed up before) into pieces; its output tensor."""
         torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._begin(pool)
+            self._begin()
             out = fn()
             self.pieces[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -75,7 +79,7 @@ class PiecewiseGraph:
         """End the piece being captured at ``x`` (reduced between it and the next on replay)."""
         self.pieces[-1].capture_end()
         self.cuts.append(x)
-        self._begin(self._pool)
+        self._begin()
         return x
 
     def replay(self) -> None:
@@ -174,16 +178,9 @@ class FusedStage(StageExecutor):
             meta.input_ids, meta.positions, meta.slot_mapping, np.arange(s), meta.seq_lens,
             q_start, tile_seq, tile_q0,
         ]  # fmt: skip
-        # every part on a 16-byte boundary: Triton specializes kernels on pointer alignment
-        sizes = [len(x) for x in parts]
-        starts = np.cumsum([0] + [-(-k // 4) * 4 for k in sizes])
-        packed = np.zeros(int(starts[-1]), dtype=np.int32)
-        for x, a0 in zip(parts, starts[:-1], strict=True):
-            packed[a0 : a0 + len(x)] = x
+        packed, where = pack_aligned(parts)
         dev = torch.from_numpy(packed).to(self.device)
-        ids, pos, slots, rows, lens, qs, ts, tq = (
-            dev[a0 : a0 + k] for a0, k in zip(starts[:-1], sizes, strict=True)
-        )
+        ids, pos, slots, rows, lens, qs, ts, tq = (dev[sl] for sl in where)
         tmeta = None
         if self.torch_ops:
             tmeta = make_meta(
@@ -244,12 +241,12 @@ class FusedStage(StageExecutor):
             for _ in range(2):  # compile and warm up, the real collectives included
                 step()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        pg = PiecewiseGraph(self.device, self.rank.all_reduce)
+        pg = PiecewiseGraph(self.device, self.rank.all_reduce, self._graph_pool)
         reduce = fm.reduce
         if reduce is not None and not self.capture_collectives:
             fm.reduce = pg.cut
         try:
-            out = pg.capture(step, self._graph_pool)
+            out = pg.capture(step)
         finally:
             fm.reduce = reduce
         return _StageGraph(pg, ints, hidden_in, out, a)
