@@ -81,11 +81,13 @@ async def _warm(url: str) -> None:
     """Two short streams straight to the node: the simulator's nodes are warm, and a node's
     first request pays one-off costs (the first torch call of each shape on a CPU cloud node
     took 0.58 s where a warm one takes 0.1 s)."""
+    import random
+
     import httpx
 
     from gateway.commands.profile import _ids, _stream
 
-    rng = __import__("random").Random(3)
+    rng = random.Random(3)
     async with httpx.AsyncClient(
         timeout=300.0, headers={"x-edgecloud-node-token": NODE_TOKEN}
     ) as c:

@@ -521,12 +521,12 @@ class TritonOps(TorchOps):
             return super().moe_block(pending, residual, norm, eps, moe, reduce)
         if pending is not None:
             residual.add_(pending)
-        dst = None if reduce is None else torch.zeros_like(residual)
+        dst = residual if reduce is None else torch.zeros_like(residual)
         self._moe.moe_residual(
             residual, norm, eps, moe.router, moe.w_gate_up, moe.w_down, moe.cfg.top_k,
             moe.cfg.norm_topk, moe.e0, dst,
         )  # fmt: skip
-        return None if reduce is None or dst is None else reduce(dst)
+        return None if reduce is None else reduce(dst)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if not self._skinny(x) or x.stride(1) != 1:

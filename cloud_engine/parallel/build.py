@@ -53,8 +53,7 @@ def single_process_core(folder: str | Path, identity: str, cfg: EngineConfig) ->
     if rank.device.type == "cuda":
         return EngineCore(model, identity, cfg, pool=pool)  # type: ignore[arg-type]
     cfg = replace(cfg, overlap=False)
-    runner = DistRunner(model, pool, rank, replace(cfg, fused_shards=False))
-    return EngineCore(model, identity, cfg, runner)  # type: ignore[arg-type]
+    return EngineCore(model, identity, cfg, DistRunner(model, pool, rank, cfg))  # type: ignore[arg-type]
 
 
 def run_worker(folder: str | Path, rank: Rank, cfg: EngineConfig) -> None:
