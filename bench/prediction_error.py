@@ -96,6 +96,9 @@ class Sample:
     cached_tokens: int
     completion_tokens: int
     max_tokens: int
+    predicted_queue_ms: float = float("nan")
+    in_hand: int = -1
+    expected_output_tokens: float = float("nan")
 
 
 # Policy files for --variants (the default policy is the gateway's own).
@@ -104,6 +107,10 @@ VARIANTS = {
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
+    # the requests expected after the decision in its replay (not only those in hand)
+    "future_arrivals": "latency:\n  future_arrivals: true\n",
+    # the delay its prefill adds to the requests decoding on a node counted beside its own
+    "interference": "interference_weight: 1\n",
 }
 
 
@@ -179,6 +186,9 @@ async def send(
         "tier": h.get("x-edgecloud-tier", "?"),
         "predicted_ttft_ms": float(h.get("x-edgecloud-predicted-ttft-ms", "nan")),
         "predicted_e2e_ms": float(h.get("x-edgecloud-predicted-e2e-ms", "nan")),
+        "predicted_queue_ms": float(h.get("x-edgecloud-predicted-queue-ms", "nan")),
+        "in_hand": int(h.get("x-edgecloud-in-hand", "-1")),
+        "expected_output_tokens": float(h.get("x-edgecloud-expected-output-tokens", "nan")),
         "measured_ttft_ms": ttft,
         "measured_e2e_ms": e2e,
         "cached_tokens": int(

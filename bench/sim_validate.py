@@ -176,6 +176,44 @@ def _scaled(fleet_path: Path, out: Path, factors: dict[str, tuple[float, float]]
     return path
 
 
+async def _gateway_overhead(url: str, port: int, n: int = 32, pairs: int = 8) -> float:
+    """The gateway's own time to first token (ms): the median, over ``pairs`` prompts of ``n``
+    token ids with one output token, of the TTFT through the gateway less that of the same
+    prompt sent straight to the node the gateway chose (decision, relay, the extra hop). The
+    profiles time the nodes alone; the replay goes through the gateway."""
+    import random
+    import time
+
+    import httpx
+
+    from gateway.commands.profile import _ids
+
+    rng = random.Random(11)
+    nodes = {"edge": f"http://127.0.0.1:{port + 1}", "cloud": f"http://127.0.0.1:{port + 2}"}
+    headers = {"x-edgecloud-node-token": NODE_TOKEN}
+
+    async def ttft(client: httpx.AsyncClient, base: str, ids: list[int]) -> tuple[float, str]:
+        body = {"model": model, "prompt": ids, "max_tokens": 1, "stream": True}
+        t0 = time.perf_counter()
+        async with client.stream("POST", base + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break
+            return time.perf_counter() - t0, r.headers.get("x-edgecloud-tier", "")
+
+    diffs: list[float] = []
+    async with httpx.AsyncClient(timeout=120.0, headers=headers) as client:
+        model = (await client.get(nodes["edge"] + "/load")).json()["models"][0]
+        for _ in range(pairs):
+            ids = _ids(rng, n)
+            via, tier = await ttft(client, url, ids)
+            ids = _ids(rng, n)  # a fresh prompt: no prefix hit on either side
+            direct, _ = await ttft(client, nodes.get(tier, nodes["edge"]), ids)
+            diffs.append(1000.0 * (via - direct))
+    return max(0.0, float(np.median(diffs)))
+
+
 def _profiled_fleet(fleet_path: Path, out: Path) -> Path:
     """A copy of the fleet with profiles measured now, by ``edgecloud profile``, on a fresh
     embedded default (this machine's speed today: profiles of another machine, or of this
@@ -198,6 +236,10 @@ def _profiled_fleet(fleet_path: Path, out: Path) -> Path:
             cmd += ["--batches", "1", "2", "4", "8"]
             subprocess.run(cmd, check=True)
             raw["profile"] = path.name  # relative to the fleet file beside it
+        overhead = asyncio.run(_gateway_overhead(url, port))
+        print(f"gateway overhead: {overhead:.1f} ms to the first token", flush=True)
+        for gw in data["gateways"]:
+            gw["overhead_ms"] = round(overhead, 2)
     path = out / "profiled_fleet.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

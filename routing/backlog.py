@@ -17,6 +17,12 @@ Invariants:
 - Runs of identical decode steps are jumped over in one move (to the next finish), so the loop
   runs once per prefill chunk and once per finish, not once per token, and each run costs
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
+- ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
+  the requests decoding while it ran: the delay its prefill adds to the others.
+- With :class:`Arrivals` the node keeps the population it usually has: whenever fewer than
+  ``population`` requests are left (the new one included), one more with the usual work joins
+  the queue, behind the new request and never ahead of it. Requests that come later can only
+  slow its decode (their prefill chunks between its steps, their rows in its batch).
 """
 
 from __future__ import annotations
@@ -35,6 +41,21 @@ class Work:
     prefill_tokens: float
     decode_steps: float
     started: bool = False  # its prefill is under way (its fixed cost is paid)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrivals:
+    """The requests expected on the node after the decision: it is kept at ``population``
+    requests in hand (what it has had on average lately), each newcomer with ``work`` (the mean
+    of what was sent there lately). A closed loop of clients replaces each finished request
+    this way, and an open stream at a steady rate holds its population near its mean."""
+
+    population: int
+    work: Work
+
+    def __post_init__(self) -> None:
+        if not self.work.prefill_tokens >= 1:
+            raise ValueError("an arriving request computes at least one prompt token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +81,9 @@ class Replayed:
     first_token_ms: float
     last_token_ms: float
     mean_batch: float  # mean rows of the decode steps it took part in (itself included)
+    # the time its own prefill chunks held up the others' decode steps: each chunk's time
+    # times the requests decoding while it ran (what it costs them, summed)
+    stalled_others_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -81,15 +105,24 @@ def _run_chunk(r: _Req, shape: EngineShape, chunk: int) -> float:
     return ms
 
 
-def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int = 4096) -> Replayed:
-    """Run the engine forward over ``ahead`` (in arrival order) and then ``new``.
+def replay(
+    shape: EngineShape,
+    ahead: Sequence[Work],
+    new: Work,
+    max_loops: int = 4096,
+    arrivals: Arrivals | None = None,
+) -> Replayed:
+    """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
+    ``arrivals`` that keep the node's population.
 
     Every decoding request advances one step per decode step, so they share one step counter
     (``done``) and each is a heap entry keyed by the count at which it finishes: a step, a jump
     to the next finish and a finish each cost O(log rows), never a pass over the rows.
     """
     waiting = deque(
-        _Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps), started=w.started) for w in ahead
+        _Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps), started=w.started)
+        for w in ahead
+        if w.prefill_tokens > 0 or w.decode_steps > 0
     )
     target = _Req(max(1.0, new.prefill_tokens), max(0.0, new.decode_steps), new=True)
     waiting.append(target)
@@ -99,7 +132,7 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
     t = done = 0.0
     queue_ms = first = -1.0
     target_end = -1.0  # the step count the target finishes at, once it decodes
-    row_steps = steps = 0.0
+    row_steps = steps = stall = 0.0
     seq = 0
 
     def start_decoding(r: _Req) -> None:
@@ -109,7 +142,12 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
         if r.new:
             target_end = done + r.steps
 
+    keep = arrivals.population if arrivals is not None else 0
+    later = arrivals.work if arrivals is not None else Work(1.0, 0.0)
+
     for _ in range(max_loops):
+        for _ in range(keep - len(waiting) - len(prefilling) - len(decoding)):
+            waiting.append(_Req(later.prefill_tokens, max(0.0, later.decode_steps)))
         while waiting and len(prefilling) + len(decoding) < slots:
             r = waiting.popleft()
             if r.new:
@@ -120,13 +158,16 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
                 start_decoding(r)
         pre = prefilling[0] if prefilling else None
         if pre is not None:
-            t += _run_chunk(pre, shape, chunk)
+            ms = _run_chunk(pre, shape, chunk)
+            t += ms
+            if pre.new:
+                stall += ms * len(decoding)
             if pre.prefill <= 0:
                 prefilling.popleft()
                 if pre.new:
                     first = t
                     if target.steps <= 0:
-                        return Replayed(queue_ms, first, first, 1.0)
+                        return Replayed(queue_ms, first, first, 1.0, stall)
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
                     start_decoding(pre)
         if not decoding:
@@ -146,7 +187,7 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
             steps += k
         done = after
         if target_end >= 0 and target_end <= done:
-            return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0)
+            return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0, stall)
         while decoding and decoding[0][0] <= done:
             heapq.heappop(decoding)
     # Out of loops (a pathological backlog): finish the target alone from here.
@@ -155,11 +196,15 @@ def replay(shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int 
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
     left = target_end - done if target_end >= 0 else target.steps
     last = first + left * shape.decode_step_ms(rows or 1)
-    return Replayed(max(queue_ms, 0.0), first, last, float(rows or 1))
+    return Replayed(max(queue_ms, 0.0), first, last, float(rows or 1), stall)
 
 
 def replay_literal(
-    shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int = 4096
+    shape: EngineShape,
+    ahead: Sequence[Work],
+    new: Work,
+    max_loops: int = 4096,
+    arrivals: Arrivals | None = None,
 ) -> Replayed:
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
@@ -176,8 +221,12 @@ def replay_literal(
     slots, chunk = max(1, shape.slots), max(1, shape.chunk_tokens)
     t = 0.0
     queue_ms = first = -1.0
-    row_steps = steps = 0.0
+    row_steps = steps = stall = 0.0
     for _ in range(max_loops):
+        if arrivals is not None:
+            w = arrivals.work
+            for _ in range(arrivals.population - len(waiting) - len(running)):
+                waiting.insert(0, _Req(w.prefill_tokens, max(0.0, w.decode_steps)))
         while waiting and len(running) < slots:
             r = waiting.pop()
             if r.new:
@@ -185,11 +234,14 @@ def replay_literal(
             running.append(r)
         pre = next((r for r in running if r.prefill > 0), None)
         if pre is not None:
-            t += _run_chunk(pre, shape, chunk)
+            rows = sum(1 for r in running if r.prefill <= 0 and r.steps > 0) if pre.new else 0
+            ms = _run_chunk(pre, shape, chunk)
+            t += ms
+            stall += ms * rows
             if pre.prefill <= 0 and pre.new:
                 first = t
                 if target.steps <= 0:
-                    return Replayed(queue_ms, first, first, 1.0)
+                    return Replayed(queue_ms, first, first, 1.0, stall)
         decoding = [r for r in running if r.prefill <= 0 and r.steps > 0 and r is not pre]
         if pre is not None and pre.prefill <= 0 and pre.steps > 0:
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
@@ -211,10 +263,10 @@ def replay_literal(
                 row_steps += k * n
                 steps += k
             if target.steps <= 0:
-                return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0)
+                return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0, stall)
         running = [r for r in running if r.prefill > 0 or r.steps > 0]
     # Out of loops (a pathological backlog): finish the target alone from here.
     if first < 0:
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
     last = first + target.steps * shape.decode_step_ms(len(running) or 1)
-    return Replayed(max(queue_ms, 0.0), first, last, float(len(running) or 1))
+    return Replayed(max(queue_ms, 0.0), first, last, float(len(running) or 1), stall)

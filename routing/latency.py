@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.backlog import EngineShape, Work, replay
+from routing.backlog import Arrivals, EngineShape, Work, replay
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState
 
@@ -62,6 +62,14 @@ class LatencyKnobs(BaseModel):
         default=True,
         description="fit the time a prompt's cached tokens still take (attention over them); "
         "off: a prefix hit costs only its new tokens",
+    )
+    future_arrivals: bool = Field(
+        default=False,
+        description="replay the requests this gateway is expected to send a node while one "
+        "runs there (the node kept at its recent mean population, newcomers with the mean work)",
+    )
+    arrival_window_s: float = Field(
+        default=10.0, gt=0, description="the recent dispatches a node's arrival rate is taken over"
     )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
@@ -105,6 +113,11 @@ class Estimate:
     # its prefill as work at the node's per-token rate: the uncached tokens plus the cost of
     # attending to the cached ones (``LatencyModel.prefill_cost``), in token equivalents
     prefill_work_tokens: float = 0.0
+    # one decode step's own time at ``mean_batch``; ``decode_ms_per_token`` beyond it is the
+    # predicted stall per token (other requests' prefill chunks between its steps)
+    step_ms: float = 0.0
+    # the delay its prefill chunks add to the requests decoding beside it, summed over them
+    stalled_others_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,6 +452,7 @@ class LatencyModel:
         rtt_ms: float,
         extra_inflight: int = 0,
         ahead: Sequence[Work] | None = None,
+        arrivals: Arrivals | None = None,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -448,7 +462,8 @@ class LatencyModel:
         arrival order (``routing.router.DispatchLedger.work``); ``extra_inflight`` counts
         requests on the node that ``ahead`` does not describe (other gateways', or, without
         ``ahead``, everything beyond the node's own running and waiting counts): each is taken
-        as half of a typical request's decoding.
+        as half of a typical request's decoding. ``arrivals`` are the requests expected after
+        this one (``DispatchLedger.arrivals``); they queue behind it.
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -474,11 +489,12 @@ class LatencyModel:
         # the cached tokens' cost as prefill work of the same rate (what replay schedules)
         per_cached = self.prefill_cost(node)[2]
         work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
-        r = replay(shape, work, Work(work_tokens, out - 1.0))
+        r = replay(shape, work, Work(work_tokens, out - 1.0), arrivals=arrivals)
         own_prefill = shape.prefill_fixed_ms + work_tokens * shape.prefill_ms_per_token
         rtt = max(0.0, rtt_ms)
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
+        step_ms = shape.decode_step_ms_b1 * (1.0 + shape.batch_slope * max(0.0, r.mean_batch - 1))
         if per_token <= 0:
             per_token = shape.decode_step_ms(max(1, round(r.mean_batch)))
         return Estimate(
@@ -497,6 +513,8 @@ class LatencyModel:
             mean_batch=r.mean_batch,
             in_hand=len(work),
             prefill_work_tokens=work_tokens,
+            step_ms=step_ms,
+            stalled_others_ms=r.stalled_others_ms,
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -505,7 +523,8 @@ class LatencyModel:
 
         Prefill is learned only from requests predicted to start at once with little else
         running (their TTFT is mostly their own prefill); decode ms/token is fitted against
-        the mean batch the request was predicted to decode in.
+        the mean batch the request was predicted to decode in, less the stall per token the
+        prediction put between its steps (other requests' prefill chunks).
         """
         k = self.knobs
         rates = self.rates.get(obs.node_id)
@@ -533,6 +552,10 @@ class LatencyModel:
             ttft_at_gateway = est.ttft_ms - est.rtt_ms + net
         if ttft_at_gateway is not None and obs.completion_tokens >= k.min_decode_tokens:
             per_token = (obs.e2e_ms - ttft_at_gateway) / (obs.completion_tokens - 1)
+            if est is not None and est.step_ms > 0:
+                # the decode steps' own time: less the stall that was predicted between them
+                stall = max(0.0, est.decode_ms_per_token - est.step_ms)
+                per_token = max(per_token - stall, 0.3 * per_token)
             if per_token > 0:
                 batch = est.mean_batch if est else 1.0
                 rates.decode_ms_per_token_b1.add(

@@ -72,6 +72,7 @@ class Candidate:
             "batch": e.batch,
             "in_hand": e.in_hand,
             "load": round(e.load, 3),
+            "stalled_others_ms": round(e.stalled_others_ms, 2),
         }
 
 
@@ -139,6 +140,9 @@ class Decision:
             "x-edgecloud-reason": self.reason,
             "x-edgecloud-predicted-ttft-ms": f"{self.estimate.ttft_ms:.1f}",
             "x-edgecloud-predicted-e2e-ms": f"{self.estimate.e2e_ms:.1f}",
+            "x-edgecloud-predicted-queue-ms": f"{self.estimate.queue_ms:.1f}",
+            "x-edgecloud-in-hand": str(self.estimate.in_hand),
+            "x-edgecloud-expected-output-tokens": f"{self.expected_output_tokens:.1f}",
             "x-edgecloud-cached-tokens": str(self.estimate.cached_tokens),
             "x-edgecloud-credited-tokens": str(self.estimate.cached_tokens),
         }
@@ -198,6 +202,7 @@ def _describe(c: Candidate) -> str:
         f"= rtt {e.rtt_ms:.0f} + queue {e.queue_ms:.0f} + prefill {e.prefill_ms:.0f} "
         f"({e.uncached_tokens} uncached, {e.cached_tokens} cached tokens); "
         f"e2e {e.e2e_ms:.0f} ms at {e.decode_ms_per_token:.1f} ms/token, batch {e.batch}"
+        + (f"; holds up others {e.stalled_others_ms:.0f} ms" if e.stalled_others_ms > 0 else "")
     )
 
 
@@ -221,7 +226,10 @@ def _decision(
 # ---- policies ----------------------------------------------------------------------------------
 @dataclass
 class LatencyPolicy:
-    """Least predicted end-to-end time (TTFT for streams under ``objective: auto``)."""
+    """Least predicted end-to-end time (TTFT for streams under ``objective: auto``), plus
+    ``interference_weight`` times the delay the request's prefill would add to the requests
+    decoding on the node: greedy for each request alone, a long prompt would land where its
+    own prefill is fastest and stall every answer streaming there."""
 
     name: str = "latency"
 
@@ -229,13 +237,18 @@ class LatencyPolicy:
         objective = inp.config.objective
         if objective == "auto":
             objective = "ttft" if inp.profile.stream else "e2e"
-        key: Callable[[Candidate], tuple[float, float, str]] = (
-            _by_ttft if objective == "ttft" else _by_e2e
-        )
+        w = inp.config.interference_weight
+        by = _by_ttft if objective == "ttft" else _by_e2e
+
+        def key(c: Candidate) -> tuple[float, float, str]:
+            first, second, node = by(c)
+            return (first + w * c.estimate.stalled_others_ms, second, node)
+
         ordered = sorted(inp.candidates, key=key)
-        return _decision(
-            self.name, inp, ordered, f"latency_{objective}", f"least predicted {objective}"
-        )
+        why = f"least predicted {objective}"
+        if w > 0:
+            why += f" + {w:g} x the delay to requests decoding there"
+        return _decision(self.name, inp, ordered, f"latency_{objective}", why)
 
 
 @dataclass

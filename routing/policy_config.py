@@ -53,6 +53,13 @@ class PolicyConfig(BaseModel):
     objective: Literal["auto", "e2e", "ttft"] = Field(
         default="auto", description="what `latency` minimizes; auto: TTFT for streams, else e2e"
     )
+    interference_weight: float = Field(
+        default=0.0,
+        ge=0,
+        description="what `latency` adds to a node's prediction per ms its prefill would hold "
+        "up the requests decoding there (summed over them); 0: each request for itself. "
+        "Helps where nodes have their own machines; not where the tiers share one CPU",
+    )
     default_region: str = Field(default="local", description="clients of unknown location")
     gateway_region: str | None = Field(default=None, description="where the gateway runs")
     expected_output: OutputKnobs = Field(default_factory=OutputKnobs)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from routing.backlog import Work
+from routing.backlog import Arrivals, Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeState
 from routing.fleet.store import FleetView
@@ -90,6 +90,10 @@ class DispatchLedger:
         # they finished still counts them as running
         self._finished: dict[str, collections.deque[tuple[float, float]]] = {}
         self.keep_finished_s = keep_finished_s
+        # (dispatched at, prefill work tokens, decode steps) of recent dispatches per node, and
+        # when the first one went: the node's usual population and mean work (``arrivals``)
+        self._sent: dict[str, collections.deque[tuple[float, float, float]]] = {}
+        self._first_sent: dict[str, float] = {}
 
     def add(
         self,
@@ -102,6 +106,10 @@ class DispatchLedger:
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
         if estimate is not None:
             self._entries[ticket_id] = _InFlight(at, estimate, output_tokens)
+            work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
+            sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
+            sent.append((at, work, max(0.0, output_tokens - 1.0)))
+            self._first_sent.setdefault(node_id, at)
 
     def remove(self, node_id: str, at: float, ticket_id: int, now: float | None = None) -> bool:
         self._entries.pop(ticket_id, None)
@@ -138,6 +146,30 @@ class DispatchLedger:
 
     def in_flight(self, node_id: str) -> int:
         return len(self._times.get(node_id, ()))
+
+    def arrivals(self, node_id: str, now: float, window_s: float) -> Arrivals | None:
+        """What this gateway is expected to keep on the node: the mean number of its requests
+        in flight there over the last ``window_s`` (or since the first, when more recent),
+        rounded, each newcomer with the mean prefill work and decode steps of the requests
+        sent in that time; None when nothing was sent in it."""
+        sent = self._sent.get(node_id)
+        window_s = min(window_s, self.keep_finished_s)
+        start = now - window_s
+        while sent and sent[0][0] < start:
+            sent.popleft()
+        if not sent:
+            return None
+        start = max(start, self._first_sent[node_id])
+        span = now - start
+        if span <= 0:
+            return None
+        busy = sum(now - max(at, start) for at, _ in self._times.get(node_id, ()))
+        for at, finished in self._finished.get(node_id, ()):
+            if finished > start:
+                busy += finished - max(at, start)
+        n = len(sent)
+        work = Work(max(1.0, sum(w for _, w, _ in sent) / n), sum(d for _, _, d in sent) / n)
+        return Arrivals(int(busy / span + 0.5), work)
 
     def since(self, node_id: str, t: float) -> int:
         """In-flight requests dispatched after ``t`` (not yet visible in a state taken at ``t``)."""
@@ -242,6 +274,7 @@ class Router:
         out: list[Candidate] = []
         left_out: dict[str, str] = {}
         need = profile.context_needed
+        window = cfg.latency.arrival_window_s
         for node in view.nodes:
             if profile.model not in node.models and (
                 profile.model_identity not in node.model_identities.values()
@@ -262,6 +295,9 @@ class Router:
                     # what other gateways sent it: its own counts beyond ours it had seen
                     extra_inflight=max(0, node.running + node.waiting - seen),
                     ahead=self.ledger.work(node.id, now),
+                    arrivals=self.ledger.arrivals(node.id, now, window)
+                    if cfg.latency.future_arrivals
+                    else None,
                 )
                 out.append(Candidate(node, est))
         out.sort(key=lambda c: c.node.id)

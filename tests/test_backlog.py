@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing.backlog import EngineShape, Replayed, Work, replay, replay_literal
+from routing.backlog import Arrivals, EngineShape, Replayed, Work, replay, replay_literal
 
 SHAPE = EngineShape(
     slots=2, chunk_tokens=100, prefill_ms_per_token=1.0, decode_step_ms_b1=10.0, batch_slope=0.5
@@ -23,7 +23,8 @@ def test_hand_computed_two_slots():
     # first token out, A and B step at 2 rows (t=175): B is done, the new request takes its slot
     # at 175; loop 3: its 50 tokens (t=225, first token), it steps with A's last (t=240);
     # loop 4: its last step alone (t=250). It decoded at 2 rows, then 1: mean 1.5.
-    assert r == Replayed(queue_ms=175.0, first_token_ms=225.0, last_token_ms=250.0, mean_batch=1.5)
+    assert r == Replayed(queue_ms=175.0, first_token_ms=225.0, last_token_ms=250.0, mean_batch=1.5,
+                        stalled_others_ms=50.0)  # A decoded through its 50 ms chunk  # fmt: skip
 
 
 def test_identical_steps_are_jumped_without_rounding_an_extra_step():
@@ -63,3 +64,46 @@ def test_replay_equals_the_literal_loop(
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
     assert got.mean_batch == pytest.approx(want.mean_batch)
+    assert got.stalled_others_ms == pytest.approx(want.stalled_others_ms)
+
+
+def test_arrivals_keep_the_population_and_slow_the_decode():
+    # Two slots, a population of two. In hand: A decoding 1 step. New: 10 tokens, 4 steps.
+    # Every request that finishes is replaced by one of 50 tokens and 1 step.
+    shape = EngineShape(slots=2, chunk_tokens=100, prefill_ms_per_token=1.0,
+                        decode_step_ms_b1=10.0, batch_slope=0.5)  # fmt: skip
+    alone = replay(shape, [Work(0, 1)], Work(10, 4))
+    assert alone.last_token_ms == 55.0  # 10 ms prefill; a step of 2 rows (15), 3 alone (30)
+    r = replay(shape, [Work(0, 1)], Work(10, 4), arrivals=Arrivals(2, Work(50, 1)))
+    # t=10 its first token; a step of 2 rows (t=25): A is done, B (50, 1) takes its slot;
+    # B's 50 tokens (t=75), a step of 2 rows (t=90): B is done, C takes its slot; C's 50
+    # (t=140), a step of 2 rows (t=155): C is done, D comes; D's 50 (t=205), the new
+    # request's last step, with D (t=220). It decoded at 2 rows throughout.
+    assert r == Replayed(queue_ms=0.0, first_token_ms=10.0, last_token_ms=220.0, mean_batch=2.0,
+                         stalled_others_ms=10.0)  # A decoding through its 10 ms  # fmt: skip
+    # a population the node already has brings nobody: the same as without arrivals
+    assert replay(shape, [Work(0, 1)], Work(10, 4), arrivals=Arrivals(1, Work(50, 1))) == alone
+    with pytest.raises(ValueError):
+        Arrivals(2, Work(0, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ahead=works,
+    new=st.builds(Work, st.sampled_from([1.0, 30.0, 512.0]), st.sampled_from([0.0, 1.0, 15.0])),
+    slots=st.sampled_from([1, 2, 4, 64]),
+    population=st.sampled_from([0, 1, 3, 8, 70]),
+    later=st.builds(Work, st.sampled_from([1.0, 64.0, 300.0]), st.sampled_from([0.0, 2.0, 20.0])),
+)
+def test_replay_with_arrivals_equals_the_literal_loop(
+    ahead: Sequence[Work], new: Work, slots: int, population: int, later: Work
+):
+    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0)
+    arr = Arrivals(population, later)
+    got = replay(shape, ahead, new, arrivals=arr)
+    want = replay_literal(shape, ahead, new, arrivals=arr)
+    assert got.queue_ms == pytest.approx(want.queue_ms)
+    assert got.first_token_ms == pytest.approx(want.first_token_ms)
+    assert got.last_token_ms == pytest.approx(want.last_token_ms)
+    assert got.mean_batch == pytest.approx(want.mean_batch)
+    assert got.stalled_others_ms == pytest.approx(want.stalled_others_ms)

@@ -119,7 +119,14 @@ def test_streams_minimize_time_to_first_token():
     p = dict(prompt=120, out=64)
     assert r.decide(profile(**p), FLEET).node_id == "edge-eu"
     assert r.decide(profile(**p, stream=True), FLEET).node_id == "cloud-us"
-    assert router(objective="e2e").decide(profile(**p, stream=True), FLEET).node_id == "edge-eu"
+    e2e = router(objective="e2e")
+    assert e2e.decide(profile(**p, stream=True), FLEET).node_id == "edge-eu"
+    # The cloud's 10 decoding requests would each wait out its 15 ms prefill (150 ms in all):
+    # counted, they outweigh the stream's own 143 ms gain there.
+    assert (
+        router(interference_weight=1.0).decide(profile(**p, stream=True), FLEET).node_id
+        == "edge-eu"
+    )
 
 
 def crossover(r: Router, fleet: FleetView) -> int:
@@ -359,3 +366,48 @@ def test_a_node_state_taken_before_our_requests_finished_is_not_double_counted()
     other = cloud() if node == "edge-eu" else edge()
     cands = {c.node.id: c for c in r.candidates(profile(40), view(stale, other))[0]}
     assert cands[node].estimate.in_hand == 0
+
+
+def test_the_population_a_node_usually_has_is_expected_to_stay():
+    clock = [NOW]
+    on = PolicyConfig(policy="edge_first", latency=LatencyKnobs(future_arrivals=True))
+    r = Router(on, clock=lambda: clock[0])
+    fleet = view(edge(max_batch=64))
+    quiet = r.candidates(profile(40, out=64), fleet)[0][0].estimate
+    tickets = []
+    for _ in range(40):  # 8 of ours in flight: each 200-token prompt lasts 4 s, one every 0.5 s
+        p = profile(200, out=16)
+        tickets.append(r.begin(r.decide(p, fleet), profile=p))
+        clock[0] += 0.5
+        if len(tickets) == 8:
+            r.finish(tickets.pop(0))
+    arr = r.ledger.arrivals("edge-eu", clock[0], window_s=10.0)
+    assert arr is not None and arr.population == 8
+    assert arr.work.prefill_tokens == pytest.approx(200.0) and arr.work.decode_steps == 15.0
+    for t in tickets:  # now none in flight, but 7 on average: replaced as they would be
+        r.finish(t)
+    busy = r.candidates(profile(40, out=64), fleet)[0][0].estimate
+    # the same request, with 7 more of 200 tokens kept beside it (each finish replaced):
+    # their prefill chunks between its decode steps and their rows in its batch
+    assert busy.ttft_ms == pytest.approx(quiet.ttft_ms)
+    assert busy.decode_ms_per_token > 2.5 * quiet.decode_ms_per_token
+    off = Router(PolicyConfig(), clock=lambda: clock[0])  # off by default
+    off.ledger = r.ledger
+    assert off.candidates(profile(40, out=64), fleet)[0][0].estimate == quiet
+    clock[0] += 11.0  # nothing sent for longer than the window: nothing expected
+    assert r.ledger.arrivals("edge-eu", clock[0], window_s=10.0) is None
+
+
+def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():
+    busy = edge("edge-a", prefill_tokens_per_s=1000.0, running=3)  # three answers streaming
+    idle = edge("edge-b", prefill_tokens_per_s=500.0)
+    fleet = view(busy, idle)
+    alone = router().decide(profile(1000), fleet)  # the default: each request for itself
+    assert alone.node_id == "edge-a"  # its own prefill is twice as fast there
+    # there, its 1 s of prefill would hold up each of the three for 1 s: 3 s in all
+    d = router(interference_weight=1.0).decide(profile(1000), fleet)
+    assert d.node_id == "edge-b"
+    held = d.fallbacks[0].estimate.stalled_others_ms
+    assert held == pytest.approx(3 * d.fallbacks[0].estimate.own_prefill_ms)
+    assert d.estimate.stalled_others_ms == 0.0
+    assert "holds up others 3000 ms" in d.detail

@@ -36,6 +36,8 @@ def decision_headers(
                 "x-edgecloud-reason": "failover",
                 "x-edgecloud-predicted-ttft-ms": f"{est.ttft_ms:.1f}",
                 "x-edgecloud-predicted-e2e-ms": f"{est.e2e_ms:.1f}",
+                "x-edgecloud-predicted-queue-ms": f"{est.queue_ms:.1f}",
+                "x-edgecloud-in-hand": str(est.in_hand),
                 "x-edgecloud-cached-tokens": str(est.cached_tokens),
                 "x-edgecloud-credited-tokens": str(est.cached_tokens),
             }

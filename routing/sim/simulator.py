@@ -31,7 +31,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from routing.backlog import Work
+from routing.backlog import Arrivals, Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.memory_store import PrefixIndex
 from routing.fleet.state import NodeKind, NodeState
@@ -59,6 +59,9 @@ class BlindLedger(DispatchLedger):
 
     def work(self, node_id: str, now: float) -> list[Work]:
         return []
+
+    def arrivals(self, node_id: str, now: float, window_s: float) -> Arrivals | None:
+        return None
 
 
 _GROUP, _UNIQUE = 0x6A09E667, 0x3C6EF372  # tags: keys of int tuples hash the same in every process

@@ -58,6 +58,14 @@ def suggest(
     put("policy", policy)
     if policy == "latency":
         put("objective", trial.suggest_categorical("objective", ["auto", "e2e", "ttft"]))
+        put(
+            "interference_weight",
+            trial.suggest_float("interference_weight", 0.0, 4.0),
+        )
+        put(
+            "latency.future_arrivals",
+            trial.suggest_categorical("latency.future_arrivals", [True, False]),
+        )
         put("latency.prefix_credit", trial.suggest_float("latency.prefix_credit", 0.0, 1.0))
         put(
             "latency.service_output_tokens",
