@@ -69,8 +69,9 @@ class EngineShape:
     batch_slope: float  # a step of b rows takes decode_step_ms_b1 * (1 + slope * (b - 1))
     prefill_fixed_ms: float = 0.0  # once per prompt, with its first chunk
 
-    def decode_step_ms(self, rows: int) -> float:
-        return self.decode_step_ms_b1 * (1.0 + self.batch_slope * max(0, rows - 1))
+    def decode_step_ms(self, rows: float) -> float:
+        """One step of ``rows`` rows (a mean batch may be fractional)."""
+        return self.decode_step_ms_b1 * (1.0 + self.batch_slope * max(0.0, rows - 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,12 +143,11 @@ def replay(
         if r.new:
             target_end = done + r.steps
 
-    keep = arrivals.population if arrivals is not None else 0
-    later = arrivals.work if arrivals is not None else Work(1.0, 0.0)
-
     for _ in range(max_loops):
-        for _ in range(keep - len(waiting) - len(prefilling) - len(decoding)):
-            waiting.append(_Req(later.prefill_tokens, max(0.0, later.decode_steps)))
+        if arrivals is not None:
+            w = arrivals.work
+            for _ in range(arrivals.population - len(waiting) - len(prefilling) - len(decoding)):
+                waiting.append(_Req(w.prefill_tokens, max(0.0, w.decode_steps)))
         while waiting and len(prefilling) + len(decoding) < slots:
             r = waiting.popleft()
             if r.new:

@@ -69,7 +69,10 @@ class LatencyKnobs(BaseModel):
         "runs there (the node kept at its recent mean population, newcomers with the mean work)",
     )
     arrival_window_s: float = Field(
-        default=10.0, gt=0, description="the recent dispatches a node's arrival rate is taken over"
+        default=10.0,
+        gt=0,
+        description="the recent past (at most 30 s) a node's mean population and work are "
+        "taken over (future_arrivals)",
     )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
@@ -494,7 +497,7 @@ class LatencyModel:
         rtt = max(0.0, rtt_ms)
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
-        step_ms = shape.decode_step_ms_b1 * (1.0 + shape.batch_slope * max(0.0, r.mean_batch - 1))
+        step_ms = shape.decode_step_ms(r.mean_batch)
         if per_token <= 0:
             per_token = shape.decode_step_ms(max(1, round(r.mean_batch)))
         return Estimate(

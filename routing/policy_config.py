@@ -58,7 +58,8 @@ class PolicyConfig(BaseModel):
         ge=0,
         description="what `latency` adds to a node's prediction per ms its prefill would hold "
         "up the requests decoding there (summed over them); 0: each request for itself. "
-        "Helps where nodes have their own machines; not where the tiers share one CPU",
+        "Pays in simulated fleets of separate machines; no gain measured where the tiers "
+        "share one CPU",
     )
     default_region: str = Field(default="local", description="clients of unknown location")
     gateway_region: str | None = Field(default=None, description="where the gateway runs")

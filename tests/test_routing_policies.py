@@ -292,6 +292,13 @@ def test_dispatches_since_the_last_heartbeat_count_as_load():
     # A newer heartbeat already includes them: they are not counted twice.
     newer = view(edge(timestamp=clock[0] + 1, running=placed.count("edge-eu")), cloud())
     assert r.candidates(profile(40), newer)[0][1].estimate.load == placed.count("edge-eu") / 4
+    # the next decision names what it assumed: the requests in hand and the wait for a slot
+    d = r.decide(profile(40), fleet)
+    h = d.headers()
+    # ours in flight there, plus the node's own running count (others', as its state predates ours)
+    assert int(h["x-edgecloud-in-hand"]) == r.in_flight(d.node_id) + d.node.running > 0
+    assert float(h["x-edgecloud-predicted-queue-ms"]) == round(d.estimate.queue_ms, 1)
+    assert h["x-edgecloud-expected-output-tokens"] == "16.0"
     for t in tickets:
         r.finish(t)
     assert r.in_flight("edge-eu") == 0
