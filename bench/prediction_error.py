@@ -112,6 +112,13 @@ VARIANTS = {
     # the delay its prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
 }
+# Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
+SERVE_VARIANTS = {
+    # the edge prefills in full 256-token chunks even while answers decode (the old loop)
+    "full_chunks": ["--edge-prefill-stall-ratio", "off"],
+    # a chunk beside decoding rows takes at most half a decode step
+    "stall_half": ["--edge-prefill-stall-ratio", "0.5"],
+}
 
 
 def document(rng: random.Random) -> str:
@@ -296,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         "--variants",
         nargs="+",
         default=["default"],
-        choices=["default", *VARIANTS],
-        help="policy variants to run one after the other, each on a fresh fleet",
+        choices=["default", *VARIANTS, *SERVE_VARIANTS],
+        help="policy or node variants to run one after the other, each on a fresh fleet",
     )
     ap.add_argument("--log", type=Path, default=None, help="write serve's output here")
     ap.add_argument("--out", type=Path, default=RESULTS / "prediction_error.json")
@@ -312,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             policy = Path(tempfile.mkdtemp(prefix="prediction-error-")) / f"{variant}.yaml"
             policy.write_text(VARIANTS[variant])
             extra = ["--policy-file", str(policy)]
+        extra += SERVE_VARIANTS.get(variant, [])
         # every variant gets a fresh fleet (nothing learned or cached carries over), the same mix
         with embedded_default(extra, log_path=args.log) as base:
             asyncio.run(run_level(base, 1, args.warmup, args.seed + 999, variant))

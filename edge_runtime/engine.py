@@ -76,7 +76,10 @@ class EdgeEngineConfig:
     transparent huge pages once loaded, where the kernel allows (``edge_runtime.huge_pages``);
     ``prefix_reuse``: a finished request's KV stays in its slot, and a later request whose
     leading 16-token blocks it holds (multi-turn chat) takes that slot and prefills only the
-    rest (``edge_runtime.slot_cache``); off: no reuse, no block events, no held blocks.
+    rest (``edge_runtime.slot_cache``); off: no reuse, no block events, no held blocks;
+    ``prefill_stall_ratio``: while answers decode, a prompt is prefilled in chunks of at most
+    this many decode steps' time, so a later prompt slows each of their tokens by at most
+    ``1 + ratio`` (``routing.prefill_budget``; None: full ``prefill_chunk`` chunks always).
     """
 
     slots: int = 4
@@ -90,6 +93,7 @@ class EdgeEngineConfig:
     stream_interval_ms: float = 0.0
     huge_pages: bool = True
     prefix_reuse: bool = True
+    prefill_stall_ratio: float | None = 1.0
 
 
 class EdgeEngine:
@@ -185,7 +189,12 @@ class EdgeEngine:
         if cfg.prefix_reuse:
             cache = SlotCache(cfg.slots, model_seed(self.model_id), self.max_context - 1)
         scheduler = SlotScheduler(
-            decoder, cfg.max_waiting, cfg.prefill_chunk, cfg.stream_interval_ms / 1e3, cache
+            decoder,
+            cfg.max_waiting,
+            cfg.prefill_chunk,
+            cfg.stream_interval_ms / 1e3,
+            cache,
+            stall_ratio=cfg.prefill_stall_ratio,
         )
         if cfg.warmup:
             _warm_up(decoder, scheduler)
@@ -269,7 +278,17 @@ class EdgeEngine:
         cfg = self.config
         if self._scheduler is None:
             return EngineStats(
-                self.device, cfg.slots, 0, 0, 0, 0, 0.0, 0.0, prefix_cache=cfg.prefix_reuse
+                self.device,
+                cfg.slots,
+                0,
+                0,
+                0,
+                0,
+                0.0,
+                0.0,
+                prefix_cache=cfg.prefix_reuse,
+                prefill_chunk=cfg.prefill_chunk,
+                prefill_chunk_decoding=cfg.prefill_chunk,
             )
         snap = self._scheduler.snapshot()
         return EngineStats(
@@ -283,6 +302,8 @@ class EdgeEngine:
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
             prefix_cache=cfg.prefix_reuse,
+            prefill_chunk=snap.prefill_chunk,
+            prefill_chunk_decoding=snap.prefill_chunk_decoding,
         )
 
     def drain_block_events(self) -> BlockEvents:

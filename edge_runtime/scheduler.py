@@ -6,6 +6,9 @@ iteration runs at most one prefill chunk (of the oldest request still prefilling
 decode steps that advance every decoding slot by one token in a single batched run: one step
 while a prompt is still prefilling, and otherwise as many as run before anything changes which
 requests run or wait (the plan of rows is kept; only tokens and lengths move between steps).
+While any slot decodes, a chunk is cut to ``stall_ratio`` decode steps' worth of prompt tokens
+(``routing.prefill_budget``): a later prompt slows the answers already decoding by a bounded
+factor instead of holding each of their tokens for a whole 256-token chunk.
 
 Invariants:
 - All bookkeeping (slots, queue, request state) changes under ``lock``; ONNX runs happen outside
@@ -45,6 +48,7 @@ from edge_runtime.decoder import Decoder
 from edge_runtime.sampler import Sampler
 from edge_runtime.slot_cache import SlotCache
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
+from routing.prefill_budget import chunk_beside_decode
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,8 @@ class SchedulerSnapshot:
     decode_ms_per_step: float
     soonest_free_tokens: int  # fewest tokens any running request may still generate
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens of admitted requests
+    prefill_chunk: int = 0  # prompt tokens per chunk with nothing decoding
+    prefill_chunk_decoding: int = 0  # the chunk the measured rates give while rows decode
 
 
 class SlotScheduler:
@@ -133,8 +139,11 @@ class SlotScheduler:
         prefill_chunk: int = 256,
         stream_interval_s: float = 0.0,
         cache: SlotCache | None = None,
+        stall_ratio: float | None = 1.0,
     ) -> None:
         self.decoder = decoder
+        # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
+        self.stall_ratio = stall_ratio
         self.cache = cache  # prefix reuse of kept slot KV; None: off
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
@@ -223,7 +232,17 @@ class SlotScheduler:
                 decode_ms_per_step=self.decode_ms.value,
                 soonest_free_tokens=min(remaining) if remaining else 0,
                 prefix_hit_rate=self.cached_tokens / max(self.prompt_tokens, 1),
+                prefill_chunk=self.prefill_chunk,
+                prefill_chunk_decoding=self._chunk_beside_decode(),
             )
+
+    def _chunk_beside_decode(self) -> int:
+        """Under the lock: the chunk to prefill while rows decode, from the measured rates."""
+        tps = self.prefill_tps.value
+        per_token = 1000.0 / tps if tps > 0 else 0.0
+        return chunk_beside_decode(
+            self.prefill_chunk, self.stall_ratio, self.decode_ms.value, per_token
+        )
 
     def held_blocks(self) -> list[int]:
         """Every block hash the slots hold (see ``SlotCache.held_hashes``); [] when off."""
@@ -264,9 +283,14 @@ class SlotScheduler:
                 self._admit()
                 first = self._oldest_prefilling()
                 plan = None if first is not None else self._plan_decode()
+                size = self.prefill_chunk
+                if first is not None and any(
+                    r is not None and not r.prefilling for r in self.slots
+                ):
+                    size = self._chunk_beside_decode()
             try:
                 if first is not None:
-                    self._prefill_chunk(first)
+                    self._prefill_chunk(first, size)
                     with self.lock:  # the chunk may have finished a prompt, or a cancel came
                         plan = self._plan_decode()
                 if plan is not None:
@@ -317,9 +341,9 @@ class SlotScheduler:
         if self.cache is not None:
             self.cache.release(r.slot, r.written(), r.hashes)
 
-    def _prefill_chunk(self, r: SlotRequest) -> None:
+    def _prefill_chunk(self, r: SlotRequest, size: int) -> None:
         start = r.filled
-        chunk = r.request.prompt_token_ids[start : start + self.prefill_chunk]
+        chunk = r.request.prompt_token_ids[start : start + size]
         t0 = time.perf_counter()
         logits = self.decoder.prefill(r.slot, chunk, start)
         dt = time.perf_counter() - t0

@@ -11,6 +11,8 @@ Invariants:
 - Time only moves forward; each loop costs ``chunk tokens * prefill_ms_per_token`` plus one
   decode step ``decode_step_ms(rows)`` when any request decodes; a prompt's first chunk also
   costs ``prefill_fixed_ms`` (its admission: rendering, tokenizing, the first step's setup).
+  A chunk is ``chunk_tokens`` with nothing decoding and ``chunk_tokens_decoding`` beside
+  decoding rows (what the node reports: ``routing.prefill_budget``).
 - A request's first token comes out when its last prefill chunk is done; it then needs
   ``decode_steps`` more steps (its expected output minus that first token). Work in hand with
   nothing left (predicted done, not yet seen to finish) holds no slot.
@@ -68,6 +70,13 @@ class EngineShape:
     decode_step_ms_b1: float  # one decode step with one row
     batch_slope: float  # a step of b rows takes decode_step_ms_b1 * (1 + slope * (b - 1))
     prefill_fixed_ms: float = 0.0  # once per prompt, with its first chunk
+    chunk_tokens_decoding: int = 0  # the chunk while rows decode (0: ``chunk_tokens``)
+
+    def chunk(self, decoding: int) -> int:
+        """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
+        if decoding and self.chunk_tokens_decoding > 0:
+            return self.chunk_tokens_decoding
+        return max(1, self.chunk_tokens)
 
     def decode_step_ms(self, rows: float) -> float:
         """One step of ``rows`` rows (a mean batch may be fractional)."""
@@ -129,7 +138,7 @@ def replay(
     waiting.append(target)
     prefilling: deque[_Req] = deque()  # in slots, prompt not done, oldest first
     decoding: list[tuple[float, int]] = []  # heap of (step count it finishes at, tiebreak)
-    slots, chunk = max(1, shape.slots), max(1, shape.chunk_tokens)
+    slots = max(1, shape.slots)
     t = done = 0.0
     queue_ms = first = -1.0
     target_end = -1.0  # the step count the target finishes at, once it decodes
@@ -158,7 +167,7 @@ def replay(
                 start_decoding(r)
         pre = prefilling[0] if prefilling else None
         if pre is not None:
-            ms = _run_chunk(pre, shape, chunk)
+            ms = _run_chunk(pre, shape, shape.chunk(len(decoding)))
             t += ms
             if pre.new:
                 stall += ms * len(decoding)
@@ -218,7 +227,7 @@ def replay_literal(
     waiting.append(target)
     waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
-    slots, chunk = max(1, shape.slots), max(1, shape.chunk_tokens)
+    slots = max(1, shape.slots)
     t = 0.0
     queue_ms = first = -1.0
     row_steps = steps = stall = 0.0
@@ -234,10 +243,11 @@ def replay_literal(
             running.append(r)
         pre = next((r for r in running if r.prefill > 0), None)
         if pre is not None:
-            rows = sum(1 for r in running if r.prefill <= 0 and r.steps > 0) if pre.new else 0
-            ms = _run_chunk(pre, shape, chunk)
+            rows = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
+            ms = _run_chunk(pre, shape, shape.chunk(rows))
             t += ms
-            stall += ms * rows
+            if pre.new:
+                stall += ms * rows
             if pre.prefill <= 0 and pre.new:
                 first = t
                 if target.steps <= 0:

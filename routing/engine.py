@@ -105,6 +105,8 @@ class EngineStats:
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel
+    prefill_chunk: int = 0  # prompt tokens per prefill step with nothing decoding (0: unsaid)
+    prefill_chunk_decoding: int = 0  # ... while rows decode (0: as prefill_chunk)
 
 
 @runtime_checkable

@@ -43,7 +43,9 @@ class KindDefaults(BaseModel):
     batch_slope: float = Field(
         ge=0, description="relative decode slowdown per extra sequence, until fitted"
     )
-    prefill_chunk: int = Field(default=256, ge=1, description="prompt tokens per engine step")
+    prefill_chunk: int = Field(
+        default=256, ge=1, description="prompt tokens per engine step, where the node says none"
+    )
 
 
 class LatencyKnobs(BaseModel):
@@ -436,9 +438,11 @@ class LatencyModel:
         kd = self.knobs.defaults(node.kind)
         self._register(node)
         fixed, per_token, _ = self.prefill_cost(node)
+        chunk = node.prefill_chunk or kd.prefill_chunk
         return EngineShape(
             slots=max(1, node.max_batch),
-            chunk_tokens=kd.prefill_chunk,
+            chunk_tokens=chunk,
+            chunk_tokens_decoding=node.prefill_chunk_decoding or chunk,
             prefill_ms_per_token=per_token,
             decode_step_ms_b1=self.decode_ms_per_token_b1(node),
             batch_slope=self.batch_slope(node),

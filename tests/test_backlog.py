@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -52,19 +53,47 @@ works = st.lists(
     new=st.builds(Work, st.sampled_from([1.0, 30.0, 512.0]), st.sampled_from([0.0, 1.0, 15.0])),
     slots=st.sampled_from([1, 2, 4, 64]),
     chunk=st.sampled_from([64, 256]),
+    beside=st.sampled_from([0, 16, 40]),
     fixed=st.sampled_from([0.0, 5.0]),
     slope=st.sampled_from([0.0, 0.4]),
 )
 def test_replay_equals_the_literal_loop(
-    ahead: Sequence[Work], new: Work, slots: int, chunk: int, fixed: float, slope: float
+    ahead: Sequence[Work],
+    new: Work,
+    slots: int,
+    chunk: int,
+    beside: int,
+    fixed: float,
+    slope: float,
 ):
-    shape = EngineShape(slots, chunk, 0.5, 8.0, slope, prefill_fixed_ms=fixed)
+    shape = EngineShape(
+        slots, chunk, 0.5, 8.0, slope, prefill_fixed_ms=fixed, chunk_tokens_decoding=beside
+    )
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
     assert got.mean_batch == pytest.approx(want.mean_batch)
     assert got.stalled_others_ms == pytest.approx(want.stalled_others_ms)
+
+
+def test_a_prompt_beside_decoding_rows_runs_in_the_smaller_chunk():
+    # Two slots; in hand: A decoding 5 steps; new: 30 prompt tokens, 2 steps after its first.
+    # 1 ms a prompt token, 10 ms a decode step whatever its rows.
+    shape = EngineShape(slots=2, chunk_tokens=100, prefill_ms_per_token=1.0,
+                        decode_step_ms_b1=10.0, batch_slope=0.0, chunk_tokens_decoding=10)  # fmt: skip
+    r = replay(shape, [Work(0, 5)], Work(30, 2))
+    # three 10-token chunks, each followed by A's step (t=10, 20 | 30, 40 | 50): the first
+    # token at 50; then two steps with A (60, 70)
+    assert r == Replayed(queue_ms=0.0, first_token_ms=50.0, last_token_ms=70.0, mean_batch=2.0,
+                         stalled_others_ms=30.0)  # fmt: skip
+    assert replay_literal(shape, [Work(0, 5)], Work(30, 2)) == r
+    # full chunks beside A: the whole prompt at once (t=30), then two steps with A (40, 50)
+    full = replay(replace(shape, chunk_tokens_decoding=0), [Work(0, 5)], Work(30, 2))
+    assert (full.first_token_ms, full.last_token_ms, full.stalled_others_ms) == (30.0, 50.0, 30.0)
+    # with nothing decoding the full chunk runs: 30 tokens in one chunk, alone
+    assert replay(shape, [], Work(30, 2)).first_token_ms == 30.0
+    assert (shape.chunk(0), shape.chunk(3)) == (100, 10)
 
 
 def test_arrivals_keep_the_population_and_slow_the_decode():

@@ -511,3 +511,54 @@ def test_sampler_nucleus_and_top_k() -> None:
     k3 = Sampler(SamplingParams(temperature=5.0, top_k=3, seed=1))
     assert {k3(top3) for _ in range(100)} == {3, 30, 300}
     assert Sampler(SamplingParams(temperature=0.0))(top3) == 3
+
+
+async def _beside_a_decoding_answer(folder: Path, ratio: float | None) -> tuple[int, list[int]]:
+    """A decodes; B (160 prompt tokens) arrives. Returns how many of A's tokens came out while
+    B prefilled (after B was submitted, before B's first token), and B's tokens."""
+    engine = EdgeEngine(folder, _config(slots=2, prefill_chunk=256, prefill_stall_ratio=ratio))
+    await engine.start()
+    a_prompt, b_prompt = _prompts([12, 160])
+    seen: list[tuple[str, int]] = []  # (who, completion tokens) in arrival order
+    try:
+        a = engine.generate(GenerationRequest(a_prompt, greedy(200)))
+        while (await anext(a)).completion_tokens < 3:  # A has prefilled and decoded
+            pass
+
+        async def drain_a() -> None:
+            async for event in a:
+                seen.append(("a", event.completion_tokens))
+
+        async def run_b() -> list[int]:
+            seen.append(("b-submitted", 0))
+            tokens: list[int] = []
+            async for event in engine.generate(GenerationRequest(b_prompt, greedy(4))):
+                if not tokens:
+                    seen.append(("b-first", 0))
+                tokens += event.token_ids
+            return tokens
+
+        a_task = asyncio.create_task(drain_a())
+        b_tokens = await run_b()
+        a_task.cancel()
+        stats = engine.stats()
+        assert stats.prefill_chunk == 256
+        assert stats.prefill_chunk_decoding == (16 if ratio == 0 else 256)
+    finally:
+        await engine.shutdown()
+    whos = [who for who, _ in seen]
+    start, first = whos.index("b-submitted"), whos.index("b-first")
+    return whos[start:first].count("a"), b_tokens
+
+
+async def test_a_prompt_beside_decoding_answers_is_prefilled_in_small_chunks(
+    tiny_gqa: Path,
+) -> None:
+    """Stall ratio 0: B's 160 tokens go in 16-token chunks, one of A's decode steps after each
+    (about nine of A's tokens before B's first); off: one 256-token chunk (A waits for all of
+    it). B's greedy tokens are the same either way."""
+    small_steps, small_tokens = await _beside_a_decoding_answer(tiny_gqa, 0.0)
+    full_steps, full_tokens = await _beside_a_decoding_answer(tiny_gqa, None)
+    assert small_steps >= 8
+    assert full_steps <= 2
+    assert small_tokens == full_tokens and len(small_tokens) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from routing.backlog import Work
 from routing.fleet.state import NodeKind, NodeState
 from routing.latency import LatencyKnobs, LatencyModel, Observation
 
@@ -302,3 +303,22 @@ def test_an_unmeasured_replica_borrows_its_peers_rates():
     assert m.prefill_tokens_per_s(node("c3", NodeKind.CLOUD, prefill_tokens_per_s=300.0)) == 300.0
     m.forget("c0")
     assert m.prefill_tokens_per_s(twin) == 6000.0  # nothing left to borrow
+
+
+def test_the_chunks_a_node_reports_are_the_chunks_replayed():
+    """A node that prefills beside decoding rows in 32-token chunks: a 256-token prompt next
+    to one decoding request runs as 8 chunks with a decode step after each, not as one."""
+    m = LatencyModel()
+    reported = node(prefill_chunk=256, prefill_chunk_decoding=32, decode_ms_per_token=10.0)
+    shape = m.shape(reported)
+    assert (shape.chunk_tokens, shape.chunk_tokens_decoding) == (256, 32)
+    assert m.shape(node()).chunk(1) == LatencyKnobs().edge.prefill_chunk  # unsaid: the default
+    ahead = [Work(0.0, 50.0)]  # one request decoding, far from its end
+    small = m.estimate(reported, prompt_tokens=256, cached_tokens=0, expected_output_tokens=1,
+                       rtt_ms=0.0, ahead=ahead)  # fmt: skip
+    whole = m.estimate(node(prefill_chunk=256, decode_ms_per_token=10.0), prompt_tokens=256,
+                       cached_tokens=0, expected_output_tokens=1, rtt_ms=0.0, ahead=ahead)  # fmt: skip
+    # 256 tokens at 500 tok/s = 512 ms either way; 7 decode steps between 8 chunks in the first
+    step = shape.decode_step_ms(1)
+    assert whole.ttft_ms == pytest.approx(512.0)
+    assert small.ttft_ms == pytest.approx(512.0 + 7 * step)

@@ -29,3 +29,10 @@ positive_float = _bounded(float, 1e-9, None, "a number above 0")
 nonneg_float = _bounded(float, 0, None, "a number of at least 0")
 temperature = _bounded(float, 0, 2, "a temperature in [0, 2]")
 probability = _bounded(float, 1e-9, 1, "a probability in (0, 1]")
+
+
+def stall_ratio(text: str) -> float | None:
+    """``--prefill-stall-ratio``: a number of at least 0, or ``off`` (full chunks always)."""
+    if text.strip().lower() == "off":
+        return None
+    return _bounded(float, 0, 1000, "a number in [0, 1000] or 'off'")(text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gateway.commands.argtypes import stall_ratio
 from gateway.commands.node_args import add_node_arguments
 from routing.model_store import DEFAULT_MODEL
 
@@ -99,6 +100,14 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         help="hand a request's tokens over at most this often, grouped (default 0: each token)",
     )
     s.add_argument(
+        "--prefill-stall-ratio",
+        type=stall_ratio,
+        default=1.0,
+        help="while answers decode, prefill a prompt in chunks of at most this many decode "
+        "steps' time, so each of their tokens waits at most 1 + ratio steps (default 1; "
+        "'off': 256-token chunks always)",
+    )
+    s.add_argument(
         "--no-huge-pages",
         dest="huge_pages",
         action="store_false",
@@ -126,6 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         providers=providers,
         stream_interval_ms=args.stream_interval_ms,
         huge_pages=args.huge_pages,
+        prefill_stall_ratio=args.prefill_stall_ratio,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.commands.argtypes import port
+from gateway.commands.argtypes import port, stall_ratio
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
@@ -74,6 +74,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="the edge node's ONNX weights",
     )
     s.add_argument("--edge-threads", type=int, default=None, help="default: half the cores")
+    s.add_argument(
+        "--edge-prefill-stall-ratio",
+        type=stall_ratio,
+        default=1.0,
+        help="the edge node's --prefill-stall-ratio (default 1; 'off': full chunks)",
+    )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(
         "--cloud-device", default="auto", help="the cloud node's device: cuda, cpu, auto"
@@ -188,6 +194,8 @@ def _node_argv(
     argv += ["--body-timeout", str(args.body_timeout)]
     if kind == "edge":
         argv += ["--variant", args.edge_variant]
+        ratio = args.edge_prefill_stall_ratio
+        argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
     else:
         argv += ["--device", args.cloud_device]
     return argv

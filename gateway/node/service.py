@@ -258,5 +258,7 @@ class NodeService:
             tp=s.tp,
             pp=s.pp,
             devices=list(s.devices),
+            prefill_chunk=s.prefill_chunk,
+            prefill_chunk_decoding=s.prefill_chunk_decoding,
             ttl_s=self.config.ttl_s,
         )

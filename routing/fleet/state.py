@@ -42,6 +42,10 @@ class NodeState(BaseModel):
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
+    # prompt tokens its engine prefills per step with nothing decoding, and while rows decode
+    # (``routing.prefill_budget``); 0: not reported, the kind's default is assumed
+    prefill_chunk: int = 0
+    prefill_chunk_decoding: int = 0
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken
     ttl_s: float = 5.0
     version: int = SCHEMA_VERSION

@@ -4,7 +4,8 @@ cut short when something arrives that would change the plan).
 - :class:`EdgeSim` mirrors ``edge_runtime.scheduler``: FCFS admission into ``slots``; a new
   request takes the free slot holding most of its leading blocks (its kept KV), else an empty
   slot, else the least recently freed; each loop runs one prefill chunk of the oldest request
-  still prefilling, then one decode step of every decoding row. A slot keeps its request's
+  still prefilling (cut beside decoding rows as ``routing.prefill_budget`` says, from the
+  node's own EWMAs), then one decode step of every decoding row. A slot keeps its request's
   prompt blocks when it ends (``stored``) and drops those a new occupant does not reuse
   (``removed``), counted per slot.
 - :class:`CloudSim` mirrors ``cloud_engine.scheduler``: continuous batching, decodes first, then
@@ -27,6 +28,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from routing.prefill_budget import chunk_beside_decode
 from routing.sim.profiles import StepCost
 
 BLOCK = 16
@@ -100,6 +102,10 @@ class _Node:
                 else self.decode_ms + 0.2 * (decode_ms - self.decode_ms)
             )
 
+    def reported_chunks(self) -> tuple[int, int]:
+        """(prefill chunk, chunk beside decoding rows) as the node reports them; 0: unsaid."""
+        return 0, 0
+
     def _finish(self, r: SimRequest, t: float) -> None:
         r.end_s = t
         self.served += 1
@@ -120,9 +126,11 @@ class EdgeSim(_Node):
         chunk_tokens: int,
         on_blocks: EventSink,
         prefix_cache: bool = True,
+        stall_ratio: float | None = 1.0,
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
         self.chunk = chunk_tokens
+        self.stall_ratio = stall_ratio
         self.prefix_cache = prefix_cache
         self.occupant: list[SimRequest | None] = [None] * slots
         self.kept: list[Sequence[int]] = [()] * slots  # block keys each slot's KV holds
@@ -137,6 +145,13 @@ class EdgeSim(_Node):
 
     def kv(self) -> tuple[int, int]:
         return 0, 0
+
+    def chunk_beside_decode(self) -> int:
+        per_token = 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
+        return chunk_beside_decode(self.chunk, self.stall_ratio, self.decode_ms, per_token)
+
+    def reported_chunks(self) -> tuple[int, int]:
+        return self.chunk, self.chunk_beside_decode()
 
     def wants_step_on_arrival(self) -> bool:
         return len(self.order) < self.slots
@@ -204,7 +219,9 @@ class EdgeSim(_Node):
         pre_tokens = pre_ms = 0.0
         finished_prefill = False
         if pre is not None:
-            c = min(self.chunk, pre.prompt - pre.filled)
+            decoding = any(not r.prefilling and r.generated < r.output for r in self.order)
+            size = self.chunk_beside_decode() if decoding else self.chunk
+            c = min(size, pre.prompt - pre.filled)
             pre_ms = cost.chunk_ms(pre.filled, c)
             dt += pre_ms
             pre_tokens = c

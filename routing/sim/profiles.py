@@ -56,6 +56,12 @@ class NodeProfile(BaseModel):
     notes: str = ""
     slots: int = Field(gt=0, description="edge slots, or the cloud's max running sequences")
     chunk_tokens: int = Field(default=256, gt=0, description="edge prefill chunk")
+    prefill_stall_ratio: float | None = Field(
+        default=1.0,
+        ge=0,
+        description="edge: a chunk beside decoding rows takes at most this many decode steps "
+        "(routing.prefill_budget); null: full chunks",
+    )
     max_tokens_per_step: int = Field(default=1024, gt=0, description="cloud step token budget")
     kv_blocks: int = Field(default=0, ge=0, description="cloud KV pool (16-token blocks); 0: edge")
     max_context: int = Field(default=8192, gt=0)

@@ -183,7 +183,15 @@ class Simulator:
             sink = self._sink(nid)
             node: EdgeSim | CloudSim
             if spec.kind == "edge":
-                node = EdgeSim(nid, cost, prof.slots, prof.chunk_tokens, sink, spec.prefix_cache)
+                node = EdgeSim(
+                    nid,
+                    cost,
+                    prof.slots,
+                    prof.chunk_tokens,
+                    sink,
+                    spec.prefix_cache,
+                    prof.prefill_stall_ratio,
+                )
             else:
                 node = CloudSim(
                     nid,
@@ -252,6 +260,7 @@ class Simulator:
         n = self.nodes[i]
         used, total = n.kv()
         hit = n.cached_tokens / n.prompt_tokens if n.prompt_tokens else 0.0
+        chunk, chunk_decoding = n.reported_chunks()
         return self._templates[i].model_copy(
             update={
                 "running": n.running,
@@ -261,6 +270,8 @@ class Simulator:
                 "prefill_tokens_per_s": n.prefill_tps,
                 "decode_ms_per_token": n.decode_ms,
                 "prefix_hit_rate": hit,
+                "prefill_chunk": chunk,
+                "prefill_chunk_decoding": chunk_decoding,
                 "timestamp": t,
             }
         )
