@@ -72,6 +72,7 @@ class SlotRequest:
     last_emit: float = 0.0  # perf_counter of the previous hand-over
     hashes: list[int] = field(default_factory=list)  # block hashes of the prompt (prefix reuse)
     cached: int = 0  # leading prompt tokens whose KV the slot already held (whole blocks)
+    prefill_ms: float = 0.0  # compute time of its own prompt chunks
     output: list[int] = field(default_factory=list)  # generated tokens (no stop token)
 
     def __post_init__(self) -> None:
@@ -106,6 +107,7 @@ class SlotRequest:
             prompt_tokens=self.prompt_len,
             cached_tokens=self.cached,
             finish_reason=reason,
+            prefill_ms=self.prefill_ms,
         )
 
 
@@ -354,6 +356,7 @@ class SlotScheduler:
             if self.slots[r.slot] is not r:
                 return  # cancelled while the chunk ran
             r.filled += len(chunk)
+            r.prefill_ms += dt * 1000.0
             self.prefill_tps.update(len(chunk) / max(dt, 1e-9))
             if done:
                 self._accept(r, token)

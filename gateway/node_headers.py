@@ -6,8 +6,29 @@ sent at the first token and its JSON body at the last, marked by :data:`HEADERS_
 a gateway then knows the prompt was prefilled when the headers arrive (its latency model
 learns the request's progress, as it does from a stream), and measures the time to first
 token itself. Without the mark (an older node) it reads ``x-edgecloud-node-e2e-ms`` instead.
+
+:data:`PREFILL_MS_HEADER`, from an engine that measures it (the edge's), is the compute time of
+the request's own prompt chunks; the rest of the node's time to first token is waiting (for a
+slot, behind other prompts, beside their decode steps): :func:`node_wait_ms`. The gateway's
+latency model learns prefill rates from the compute alone, however busy the node was.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 HEADERS_AT_FIRST_TOKEN = "x-edgecloud-headers-at-first-token"
+PREFILL_MS_HEADER = "x-edgecloud-prefill-ms"
+NODE_TTFT_HEADER = "x-edgecloud-measured-ttft-ms"
+
+
+def node_wait_ms(headers: Mapping[str, str]) -> float | None:
+    """The node's time to first token less its own prompt's compute (ms, at least 0); None
+    unless the node sent both."""
+    try:
+        ttft, prefill = float(headers[NODE_TTFT_HEADER]), float(headers[PREFILL_MS_HEADER])
+    except (KeyError, ValueError):
+        return None
+    if not (ttft >= 0 and prefill >= 0):  # NaN too
+        return None
+    return max(0.0, ttft - prefill)

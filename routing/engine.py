@@ -58,6 +58,9 @@ class TokenEvent:
 
     ``prompt_tokens`` and ``cached_tokens`` (prompt tokens served from a prefix cache) are valid
     from the first event on; ``completion_tokens`` counts all tokens generated so far.
+    ``prefill_ms``, from an engine that measures it, is the compute time of the request's own
+    prompt chunks (not its wait, nor other requests' work between them), valid from the first
+    event on; None where the engine cannot tell one request's share of a step.
     """
 
     request_id: str
@@ -66,6 +69,7 @@ class TokenEvent:
     prompt_tokens: int
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    prefill_ms: float | None = None
 
     @property
     def finished(self) -> bool:

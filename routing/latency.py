@@ -528,8 +528,10 @@ class LatencyModel:
     def observe(self, obs: Observation) -> dict[str, float]:
         """Learn from one finished request; returns the prediction errors recorded (ms).
 
-        Prefill is learned only from requests predicted to start at once with little else
-        running (their TTFT is mostly their own prefill); decode ms/token is fitted against
+        Prefill is learned from the node's own account of the wait (``node_queue_ms``: its
+        TTFT less the prompt's compute) when it gives one, whatever else ran; otherwise only
+        from requests predicted to start at once with little else running (their TTFT is then
+        mostly their own prefill). Decode ms/token is fitted against
         the mean batch the request was predicted to decode in, less the stall per token the
         prediction put between its steps (other requests' prefill chunks).
         """
@@ -546,10 +548,12 @@ class LatencyModel:
             others = 0.0
             if est is not None:
                 others = max(0.0, est.ttft_ms - est.rtt_ms - est.own_prefill_ms)
-            if obs.node_queue_ms is not None:
-                others = obs.node_queue_ms
-            if est is None or others <= 0.25 * max(server_ms, 1e-3):
+            prefill_ms: float | None = None
+            if obs.node_queue_ms is not None:  # the node's account: exact
+                prefill_ms = max(server_ms - obs.node_queue_ms, 0.5)
+            elif est is None or others <= 0.25 * max(server_ms, 1e-3):
                 prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
+            if prefill_ms is not None:
                 rates.prefill_fit.add(float(uncached), float(obs.cached_tokens), prefill_ms)
                 if uncached >= k.min_prefill_tokens:
                     rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms, k.rate_alpha)

@@ -59,7 +59,9 @@ class Measured:
     """What the gateway measured for a finished request (times in ms, at the gateway).
 
     ``ttft_ms`` is ``None`` for replies that were not streamed; ``net_rtt_ms`` is the
-    gateway-to-node RTT if measured (else the region table's estimate is used).
+    gateway-to-node RTT if measured (else the region table's estimate is used);
+    ``node_queue_ms`` is what the node said the request waited before its first token (its
+    time to first token less its own prompt's compute), when it said.
     """
 
     e2e_ms: float

@@ -322,3 +322,19 @@ def test_the_chunks_a_node_reports_are_the_chunks_replayed():
     step = shape.decode_step_ms(1)
     assert whole.ttft_ms == pytest.approx(512.0)
     assert small.ttft_ms == pytest.approx(512.0 + 7 * step)
+
+
+def test_the_nodes_account_of_the_wait_teaches_prefill_whatever_ran():
+    """Requests that waited 2 s behind other prompts while the prediction said the node was
+    idle: with the node's account of the wait they teach 2 ms a token and no fixed cost (not
+    a 2 s fixed cost that every later prompt would be charged)."""
+    m = LatencyModel()
+    n = node()
+    for prompt in (40, 200, 400, 800, 100, 600):
+        e = est(m, n, prompt=prompt)
+        ttft = 5.0 + 2000.0 + 2.0 * prompt
+        m.observe(Observation(node_id="e1", kind=NodeKind.EDGE, prompt_tokens=prompt,
+                              cached_tokens=0, completion_tokens=1, e2e_ms=ttft, ttft_ms=ttft,
+                              net_rtt_ms=5.0, node_queue_ms=2000.0, estimate=e))  # fmt: skip
+    fixed, per_token, _ = m.prefill_cost(n)
+    assert per_token == pytest.approx(2.0) and fixed == pytest.approx(0.0, abs=1e-6)

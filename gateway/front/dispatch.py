@@ -39,7 +39,7 @@ from gateway.errors import APIError, too_many_requests
 from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.metrics import GatewayMetrics
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, node_wait_ms
 from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_headers
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
@@ -142,11 +142,19 @@ class Leg:
     tracker: OpenAINodeTracker | None
 
 
-def measured_of(usage: Mapping[str, Any], e2e_ms: float, ttft_ms: float | None) -> Measured:
+def measured_of(
+    usage: Mapping[str, Any],
+    e2e_ms: float,
+    ttft_ms: float | None,
+    node_wait: float | None = None,
+) -> Measured:
+    """``node_wait``: what the node said its time to first token spent waiting
+    (:func:`gateway.node_headers.node_wait_ms`)."""
     details = usage.get("prompt_tokens_details") or {}
     return Measured(
         e2e_ms=e2e_ms,
         ttft_ms=ttft_ms,
+        node_queue_ms=node_wait,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
         cached_tokens=int(details.get("cached_tokens", 0) or 0),
@@ -408,7 +416,7 @@ class Dispatch:
         with contextlib.suppress(ValueError, AttributeError):
             usage = fastjson.usage_of_response(content)
         ttft = set_whole_reply_timings(hdrs, opened.response.headers, e2e, self.first_byte_ms)
-        measured = measured_of(usage, e2e, ttft)
+        measured = measured_of(usage, e2e, ttft, node_wait_ms(opened.response.headers))
         self.end(opened.node_id, measured)
         await self.account(measured, opened.node_id, hdrs)
         return Response(

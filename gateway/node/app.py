@@ -24,7 +24,7 @@ from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, PREFILL_MS_HEADER
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
 from gateway.sse import sse_event
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
@@ -104,7 +104,8 @@ def create_node_app(
 
     def headers(prep: Prepared, first: Delta | None, t0: float, t_first: float) -> dict[str, str]:
         """The node's figures for the gateway (:mod:`gateway.node_headers`): the prefix it
-        reused and its time from the request's arrival to the first token."""
+        reused, its time from the request's arrival to the first token and, from an engine
+        that measures it, the part of that its own prompt's compute took."""
         h = {
             "x-edgecloud-node": service.config.node_id,
             "x-edgecloud-tier": service.engine.kind,
@@ -113,6 +114,8 @@ def create_node_app(
         if first is not None:
             h["x-edgecloud-cached-tokens"] = str(first.event.cached_tokens)
             h["x-edgecloud-measured-ttft-ms"] = f"{(t_first - t0) * 1000:.1f}"
+            if first.event.prefill_ms is not None:
+                h[PREFILL_MS_HEADER] = f"{first.event.prefill_ms:.1f}"
         return h
 
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:

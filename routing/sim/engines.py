@@ -53,6 +53,7 @@ class SimRequest:
     held: int = 0  # cloud: unhashed blocks held
     refs: list[int] = field(default_factory=list)  # cloud: hashed blocks referenced
     preempted: int = 0
+    prefill_ms: float = 0.0  # edge: compute of its own prompt chunks (what the node reports)
     payload: object = None  # the simulator's bookkeeping
 
     @property
@@ -223,6 +224,7 @@ class EdgeSim(_Node):
             size = self.chunk_beside_decode() if decoding else self.chunk
             c = min(size, pre.prompt - pre.filled)
             pre_ms = cost.chunk_ms(pre.filled, c)
+            pre.prefill_ms += pre_ms
             dt += pre_ms
             pre_tokens = c
             pre.filled += c

@@ -412,6 +412,9 @@ class Simulator:
                 router = self.gateways[f.gateway].router
                 back = f.net_s
                 first_gw = r.first_s + back
+                wait_ms = None  # the edge's account of the wait before the first token
+                if self.nodes[f.node].kind == "edge":
+                    wait_ms = max(0.0, (r.first_s - r.node_arrival_s) * 1000.0 - r.prefill_ms)
                 router.finish(
                     f.ticket,  # type: ignore[arg-type]
                     Measured(
@@ -421,6 +424,7 @@ class Simulator:
                         cached_tokens=r.cached,
                         ttft_ms=(first_gw - f.dispatch_s) * 1000.0,
                         net_rtt_ms=2000.0 * back,
+                        node_queue_ms=wait_ms,
                     ),
                 )
                 tr = f.tr
