@@ -249,6 +249,28 @@ class Decoder:
             self.session.run_with_iobinding(io)
         return self._logits_of(io, rows, preallocated=bool(self.vocab))
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy positions ``0..n-1`` of slot ``src``'s cache into slot ``dst`` (a prefix one
+        request holds, given to another that shares it): afterwards ``dst`` holds them as if it
+        had prefilled them, and ``src`` is untouched. Requires ``src`` to hold ``n`` positions;
+        called between runs (on the thread that runs them)."""
+        if src == dst or n <= 0:
+            return
+        if n > self.context:
+            raise ValueError(f"a prefix of {n} positions exceeds context {self.context}")
+        if self.info.attention == "gqa":
+            for buf in self._kv:
+                buf[dst, :, :n, :] = buf[src, :, :n, :]
+            return
+        old = self._len[src]
+        if old < n:
+            raise ValueError(f"slot {src} holds {old} positions, not {n}")
+        h, d = self.info.num_kv_heads, self.info.head_dim
+        from_bufs, to_bufs = self._pp[src][self._cur[src]], self._pp[dst][self._cur[dst]]
+        for a, b in zip(from_bufs, to_bufs, strict=True):
+            b[: h * n * d].reshape(h, n, d)[:] = a[: h * old * d].reshape(h, old, d)[:, :n]
+        self._len[dst] = n
+
     # --- concat graphs ------------------------------------------------------------------------
 
     def _layout(self, slot: int, n: int) -> None:

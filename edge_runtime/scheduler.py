@@ -29,8 +29,12 @@ Invariants:
   KV in its slot; a new request takes the free slot holding the longest run of its leading
   blocks (at most ``(prompt - 1) // 16``, so at least one prompt token is computed), starts
   with ``filled`` = those blocks' tokens and reports them as ``cached_tokens``; without a
-  match it takes an empty slot, else the least recently freed one. A decode step's dummy row
-  of a free slot writes at that slot's kept length, never inside its kept KV.
+  match it takes an empty slot, else the least recently freed one. When a busy slot holds a
+  longer run (a request of the same app running, its prompt written so far), those blocks are
+  copied into the new request's slot instead, after the lock is released and before anything
+  else runs on the loop thread (no run can write the source's prefix meanwhile: only this
+  thread runs or admits). A decode step's dummy row of a free slot writes at that slot's kept
+  length, never inside its kept KV.
 """
 
 from __future__ import annotations
@@ -171,6 +175,8 @@ class SlotScheduler:
         self.prefilled_tokens = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.copied_tokens = 0  # of those cached, copied from a busy slot
+        self._copies: list[tuple[int, int, int]] = []  # (from slot, to slot, positions) due
 
     # --- called from any thread ------------------------------------------------------------
 
@@ -283,6 +289,7 @@ class SlotScheduler:
                     return
                 self._changed = False
                 self._admit()
+                copies, self._copies = self._copies, []
                 first = self._oldest_prefilling()
                 plan = None if first is not None else self._plan_decode()
                 size = self.prefill_chunk
@@ -291,6 +298,8 @@ class SlotScheduler:
                 ):
                     size = self._chunk_beside_decode()
             try:
+                for src, dst, n in copies:  # before any run that reads them
+                    self.decoder.copy_prefix(src, dst, n)
                 if first is not None:
                     self._prefill_chunk(first, size)
                     with self.lock:  # the chunk may have finished a prompt, or a cancel came
@@ -330,6 +339,12 @@ class SlotScheduler:
                 prompt, limit = r.request.prompt_token_ids, (r.prompt_len - 1) // KV_BLOCK
                 slot, blocks = self.cache.choose(free, prompt, r.hashes, limit)
                 self.cache.take(slot, blocks)
+                source, more = self.cache.best_busy(prompt, r.hashes, limit, exclude=slot)
+                if more > blocks:
+                    self.cache.adopt(slot, source, more)
+                    self._copies.append((source, slot, more * KV_BLOCK))
+                    self.copied_tokens += (more - blocks) * KV_BLOCK
+                    blocks = more
             free.remove(slot)
             r.slot, r.filled = slot, blocks * KV_BLOCK
             r.cached = r.filled
@@ -357,6 +372,8 @@ class SlotScheduler:
                 return  # cancelled while the chunk ran
             r.filled += len(chunk)
             r.prefill_ms += dt * 1000.0
+            if self.cache is not None:  # its prompt's blocks written so far: offered to copy
+                self.cache.grow(r.slot, r.request.prompt_token_ids[: r.filled], r.hashes)
             self.prefill_tps.update(len(chunk) / max(dt, 1e-9))
             if done:
                 self._accept(r, token)

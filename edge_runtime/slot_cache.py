@@ -10,9 +10,12 @@ Each slot has one :class:`SlotEntry`: the token ids whose KV is valid at positio
 
 - **free**: it holds the whole kept sequence of the request that last ran in it (or nothing),
   and is offered for reuse (:meth:`SlotCache.match`);
-- **busy**: a request runs in it; the entry keeps only the leading blocks that request reused
-  (its other blocks were reported removed when the slot was taken); they are not offered
-  while it runs, and come back with the request's whole sequence when it ends.
+- **busy**: a request runs in it; the entry keeps the leading blocks that request reused (its
+  other blocks were reported removed when the slot was taken), growing by each full block of
+  its prompt as its prefill writes them (:meth:`SlotCache.grow`). They are never taken from
+  it while it runs, but a new request that shares them may have them copied into its own slot
+  (:meth:`SlotCache.best_busy`, :meth:`SlotCache.adopt`): two users of one system prompt at
+  once both skip it. The request's whole sequence comes back when it ends.
 
 Invariants (checked by :meth:`SlotCache.check_integrity`):
 
@@ -90,8 +93,24 @@ class SlotCache:
         """How many leading blocks of ``tokens`` (whose block hashes are ``hashes``) free
         ``slot`` holds, at most ``limit``; 0 for a busy slot."""
         e = self.entries[slot]
-        if e.busy:
-            return 0
+        return 0 if e.busy else self._leading(e, tokens, hashes, limit)
+
+    def best_busy(
+        self, tokens: Sequence[int], hashes: Sequence[int], limit: int, exclude: int
+    ) -> tuple[int, int]:
+        """``(slot, blocks)``: the busy slot other than ``exclude`` holding the longest run of
+        leading blocks of ``tokens`` (at most ``limit``), to copy from; ``(-1, 0)`` if none."""
+        best, most = -1, 0
+        for slot, e in enumerate(self.entries):
+            if e.busy and slot != exclude and len(e.hashes) > most:
+                n = self._leading(e, tokens, hashes, limit)
+                if n > most:
+                    best, most = slot, n
+        return best, most
+
+    def _leading(
+        self, e: SlotEntry, tokens: Sequence[int], hashes: Sequence[int], limit: int
+    ) -> int:
         bs, n, most = self.block_size, 0, min(limit, len(hashes), len(e.hashes))
         while n < most and e.hashes[n] == hashes[n]:
             n += 1
@@ -136,6 +155,35 @@ class SlotCache:
         e.tokens = e.tokens[: blocks * self.block_size]
         e.hashes = e.hashes[:blocks]
         e.busy = True
+
+    def grow(self, slot: int, tokens: Sequence[int], hashes: Sequence[int]) -> None:
+        """The request in busy ``slot`` has written the KV of ``tokens`` (its prompt so far;
+        ``hashes``: its prompt's block hashes): their full blocks join what the slot keeps."""
+        e = self.entries[slot]
+        if not e.busy:
+            raise IntegrityError(f"slot {slot} grown while free")
+        n = min(len(tokens) // self.block_size, len(hashes))
+        have = len(e.hashes)
+        if n <= have:
+            return
+        self._add(hashes[have:n])
+        e.tokens = list(tokens[: n * self.block_size])
+        e.hashes = list(hashes[:n])
+
+    def adopt(self, slot: int, source: int, blocks: int) -> None:
+        """Busy ``slot`` (just taken) now holds the leading ``blocks`` blocks of busy
+        ``source``, whose KV the caller copies into it before the slot's next run; the blocks
+        ``slot`` kept already must be the same ones."""
+        e, s = self.entries[slot], self.entries[source]
+        if not (e.busy and s.busy):
+            raise IntegrityError(f"adopt from slot {source} into {slot}: both must be busy")
+        if blocks > len(s.hashes) or s.hashes[: len(e.hashes)] != e.hashes:
+            raise IntegrityError(f"slot {source} does not hold {blocks} blocks {slot} extends")
+        if blocks <= len(e.hashes):
+            return
+        self._add(s.hashes[len(e.hashes) : blocks])
+        e.tokens = s.tokens[: blocks * self.block_size]
+        e.hashes = s.hashes[:blocks]
 
     def release(self, slot: int, tokens: Sequence[int], known: Sequence[int] = ()) -> None:
         """The request in ``slot`` ended with the KV of ``tokens`` written (its prompt and the

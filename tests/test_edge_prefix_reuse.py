@@ -15,7 +15,7 @@ import pytest
 
 from edge_runtime.engine import EdgeEngine, EdgeEngineConfig, greedy
 from edge_runtime.export import ensure_export
-from edge_runtime.slot_cache import SlotCache
+from edge_runtime.slot_cache import IntegrityError, SlotCache
 from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
 from routing.engine import FinishReason, GenerationRequest, PrefixCacheEngine
 
@@ -241,3 +241,58 @@ def test_collision_guard_and_integrity() -> None:
     cache.check_integrity()
     ev = cache.drain_events()
     assert ev.removed == [] and len(ev.stored) == 100 // BLOCK_SIZE
+
+
+async def test_a_prefix_a_running_request_holds_is_copied_into_the_next(graph: Path) -> None:
+    """Two users of one app prompt at once: while A (48-token app prompt + question) decodes in
+    slot 0, B (the same app prompt + another question) takes slot 1 with A's three prompt
+    blocks copied into it and prefills only its question; its greedy tokens match a cold run.
+    A's prompt blocks are reported stored as soon as its prefill wrote them."""
+    system, qa, qb = _prompts(48, 10, 12, seed=21)
+    cold = await _engine(graph, prefix_reuse=False, slots=1)
+    warm = await _engine(graph)
+    try:
+        seed = model_seed(warm.model_id)
+        a = warm.generate(GenerationRequest(system + qa, greedy(150)))
+        await anext(a)  # A's prompt is written; it decodes on
+        assert warm.drain_block_events().stored == block_hashes(system + qa, seed)[:3]
+        tb = await _run(warm, system + qb)
+        assert (tb.cached, tb.prefilled) == (48, 12)
+        assert warm._require_started().copied_tokens == 48
+        assert warm.stats().running == 1  # A still runs, its slot untouched
+        await a.aclose()
+        assert tb.tokens == (await _run(cold, system + qb)).tokens
+        # A's own answer was not disturbed by the copy out of its slot
+        ta = await _run(warm, system + qa, new=6)
+        assert ta.cached == 48 and ta.tokens == (await _run(cold, system + qa)).tokens
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()
+
+
+def test_grow_adopt_and_the_busy_slot_to_copy_from() -> None:
+    cache = SlotCache(slots=3, seed=model_seed("m"), max_kept=200)
+    prompt = list(range(3, 3 + 50))
+    hashes = cache.hashes(prompt)
+    cache.take(0, 0)
+    cache.grow(0, prompt[:20], hashes)  # one full block written so far
+    assert cache.best_busy(prompt, hashes, limit=3, exclude=1) == (0, 1)
+    cache.grow(0, prompt[:50], hashes)
+    cache.check_integrity()
+    assert cache.best_busy(prompt, hashes, limit=3, exclude=1) == (0, 3)
+    assert cache.best_busy(prompt, hashes, limit=2, exclude=1) == (0, 2)  # the limit holds
+    assert cache.best_busy(prompt, hashes, limit=3, exclude=0) == (-1, 0)
+    assert cache.choose([1, 2], prompt, hashes, limit=3) == (1, 0)  # busy: never chosen
+    cache.take(1, 0)
+    cache.adopt(1, 0, 3)
+    cache.check_integrity()
+    assert cache.drain_events().stored == hashes[:3]  # once, however many slots hold them
+    cache.release(0, [*prompt, 9])
+    cache.release(1, [*prompt[:48], 8, 8])
+    cache.check_integrity()
+    with pytest.raises(IntegrityError):
+        cache.grow(2, prompt, hashes)  # free
+    cache.take(2, 0)
+    cache.take(0, 3)
+    with pytest.raises(IntegrityError):
+        cache.adopt(2, 0, 4)  # slot 0 now keeps only 3 blocks

@@ -92,6 +92,15 @@ def test_edge_prompt_beside_a_decoding_answer_goes_in_small_chunks(tmp_path: Pat
     assert res.ttft_s[1] == pytest.approx(0.206 - 0.1, abs=1e-6)
 
 
+def test_edge_copies_a_prefix_from_a_running_request(tmp_path: Path) -> None:
+    g = {"prefix_group": "sys", "prefix_tokens": 48}
+    trace = [_req(0, 64, 100, **g), _req(0.2, 64, 2, **g)]
+    res = _run(_fleet(tmp_path, "edge", slots=2), trace)
+    # A runs in slot 0 with its prompt written; B takes slot 1 with A's three shared blocks
+    # copied (as the edge engine does) and prefills only its last 16 tokens
+    assert res.cached_tokens == [0, 48]
+
+
 def test_cloud_prefix_cache_hit(tmp_path: Path) -> None:
     g = {"prefix_group": "sys", "prefix_tokens": 320}
     res = _run(_fleet(tmp_path, "cloud"), [_req(0, 320, 2, **g), _req(1.0, 320, 2, **g)])

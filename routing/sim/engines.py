@@ -3,7 +3,9 @@ cut short when something arrives that would change the plan).
 
 - :class:`EdgeSim` mirrors ``edge_runtime.scheduler``: FCFS admission into ``slots``; a new
   request takes the free slot holding most of its leading blocks (its kept KV), else an empty
-  slot, else the least recently freed; each loop runs one prefill chunk of the oldest request
+  slot, else the least recently freed, with a longer run a busy slot holds copied into it (a
+  running request offers its prompt's blocks as its prefill writes them); each loop runs one
+  prefill chunk of the oldest request
   still prefilling (cut beside decoding rows as ``routing.prefill_budget`` says, from the
   node's own EWMAs), then one decode step of every decoding row. A slot keeps its request's
   prompt blocks when it ends (``stored``) and drops those a new occupant does not reuse
@@ -175,8 +177,18 @@ class EdgeSim(_Node):
                 stored.append(k)
             c[k] = n + 1
 
+    @staticmethod
+    def _leading(kept: Sequence[int], blocks: Sequence[int], limit: int) -> int:
+        n = 0
+        for a, b in zip(kept, blocks, strict=False):
+            if a != b or n >= limit:
+                break
+            n += 1
+        return n
+
     def _admit(self) -> None:
         removed: list[int] = []
+        stored: list[int] = []
         while self.waiting and len(self.order) < self.slots:
             r = self.waiting.popleft()
             free = [i for i, o in enumerate(self.occupant) if o is None]
@@ -184,12 +196,7 @@ class EdgeSim(_Node):
             limit = reusable(r.prompt)
             if self.prefix_cache:
                 for i in free:
-                    kept = self.kept[i]
-                    n = 0
-                    for a, b in zip(kept, r.blocks, strict=False):
-                        if a != b or n >= limit:
-                            break
-                        n += 1
+                    n = self._leading(self.kept[i], r.blocks, limit)
                     if n > best_n:
                         best, best_n = i, n
             if best < 0:
@@ -200,12 +207,20 @@ class EdgeSim(_Node):
             if len(kept) > best_n:
                 self._drop(kept[best_n:], removed)
             self.kept[best] = kept[:best_n]
+            if self.prefix_cache:  # a longer run in a busy slot is copied into this one
+                for i, o in enumerate(self.occupant):
+                    if o is not None and len(self.kept[i]) > best_n:
+                        n = self._leading(self.kept[i], r.blocks, limit)
+                        if n > best_n:
+                            self._keep(self.kept[i][best_n:n], stored)
+                            self.kept[best] = list(self.kept[i][:n])
+                            best_n = n
             self.occupant[best] = r
             r.slot = best
             r.cached = r.filled = best_n * BLOCK
             self.order.append(r)
-        if removed:
-            self.on_blocks([], removed)
+        if removed or stored:
+            self.on_blocks(stored, removed)
 
     def step(self, t: float) -> float | None:
         """Run one loop (or a run of identical decode steps) from ``t``; returns when it ends,
@@ -228,6 +243,8 @@ class EdgeSim(_Node):
             dt += pre_ms
             pre_tokens = c
             pre.filled += c
+            if self.prefix_cache:  # its prompt's blocks written so far: offered to copy
+                self._grow(pre)
             finished_prefill = not pre.prefilling
         rows = [r for r in self.order if not r.prefilling and r.generated < r.output]
         if pre is not None and finished_prefill:
@@ -257,6 +274,16 @@ class EdgeSim(_Node):
         self._pending_rows = rows
         self._pending_pre = pre
         return end
+
+    def _grow(self, r: SimRequest) -> None:
+        kept = self.kept[r.slot]
+        n = min(r.filled // BLOCK, len(r.blocks))
+        if n > len(kept):
+            stored: list[int] = []
+            self._keep(r.blocks[len(kept) : n], stored)
+            self.kept[r.slot] = list(r.blocks[:n])
+            if stored:
+                self.on_blocks(stored, [])
 
     def waiting_admissible(self) -> bool:
         return bool(self.waiting) and len(self.order) < self.slots
