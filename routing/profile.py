@@ -51,13 +51,17 @@ class OutputKnobs(BaseModel):
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens per (API key, route, max_tokens, whole prompt), per (API key,
-    route, max_tokens, first prompt block), per (API key, route, max_tokens) and per (API key,
-    route), LRU-bounded; a default until learned.
+    """EWMA of completion tokens per (API key, route, whole prompt), per (API key, route,
+    max_tokens, first prompt block), per (API key, route, max_tokens) and per (API key, route),
+    LRU-bounded; a default until learned.
 
     A prompt sent again (an automation's fixed request, a retried question) is best predicted
     by its own earlier answers: under greedy decoding the length repeats exactly, so that
-    statistic answers after one sample. Otherwise apps send one ``max_tokens`` per feature (a
+    statistic answers after one sample, whatever ``max_tokens`` the request sets. It keeps
+    answers that ended on their own (fewer tokens than their ``max_tokens``) apart from answers
+    cut at their cap, which only say the natural length is at least that cap: a prompt that
+    stopped at 7 tokens under a cap of 16 is predicted at 7 under a cap of 32, and one cut at
+    16 is predicted at 16 or more. Otherwise apps send one ``max_tokens`` per feature (a
     one-line answer, a summary, code) and one system prompt per feature, whose first block
     hash names it; requests alike in both are the best guide to each other. The most specific
     statistic with enough samples answers (``min_samples`` for all but the whole prompt).
@@ -91,8 +95,8 @@ class OutputLengthEstimator:
         key, any_ = api_key or "", cls._ANY
         cap = max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else any_
         out = []
-        if prompt is not None:
-            out.append((key, route + "#prompt", cap, prompt))
+        if prompt is not None:  # answers that ended on their own, under any cap
+            out.append((key, route + "#prompt", any_, prompt))
         if cap != any_ and prefix is not None:
             out.append((key, route, cap, prefix))
         if cap != any_:
@@ -111,12 +115,17 @@ class OutputLengthEstimator:
         value = self.knobs.default_tokens
         if not self.knobs.whole_prompt:
             prompt = None
+        at_least = 0.0  # the longest cap this prompt's answers were cut at
+        if prompt is not None:
+            cut = self._stats.get(self._cut_key(api_key, route, prompt))
+            at_least = cut[0] if cut is not None else 0.0
         for i, k in enumerate(self._keys(api_key, route, max_tokens, prefix, prompt)):
             stat = self._stats.get(k)
             need = 1 if i == 0 and prompt is not None else self.knobs.min_samples
             if stat is not None and stat[1] >= need:
                 value = stat[0]
                 break
+        value = max(value, at_least)
         if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
             value = float(max_tokens)
         return max(1.0, value)
@@ -133,13 +142,23 @@ class OutputLengthEstimator:
         x = float(completion_tokens)
         if not self.knobs.whole_prompt:
             prompt = None
-        for k in self._keys(api_key, route, max_tokens, prefix, prompt):
+        keys = self._keys(api_key, route, max_tokens, prefix, prompt)
+        if prompt is not None and max_tokens is not None and completion_tokens >= max_tokens:
+            keys = keys[1:]  # cut at its cap: not its own length, only a bound on it
+            cut = self._cut_key(api_key, route, prompt)
+            prev_cut = self._stats.pop(cut, None)
+            self._stats[cut] = (max(x, prev_cut[0]) if prev_cut else x, 1)
+        for k in keys:
             prev = self._stats.pop(k, None)
             if prev is None:
                 self._stats[k] = (x, 1)
             else:
                 self._stats[k] = (prev[0] + self.knobs.alpha * (x - prev[0]), prev[1] + 1)
         self._trim()
+
+    @classmethod
+    def _cut_key(cls, api_key: str | None, route: str, prompt: int) -> tuple[str, str, int, int]:
+        return (api_key or "", route + "#prompt-cut", cls._ANY, prompt)
 
     def __len__(self) -> int:
         return len(self._stats)

@@ -220,3 +220,20 @@ def test_the_whole_prompt_key_can_be_turned_off():
     est.observe("a", "chat", 3, 64, prefix=1, prompt=42)
     assert est.expected("a", "chat", 64, prefix=1, prompt=42) == 3  # the app's statistic
     assert len(est) == 3  # (cap, first block), (cap), (route): no whole-prompt entry
+
+
+def test_a_prompts_own_length_holds_under_any_cap_and_a_cut_answer_is_a_bound():
+    """An answer that ended on its own (7 tokens under a cap of 16) predicts the same prompt
+    under a cap of 32; one cut at its cap (16 of 16) says only 'at least 16'."""
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0, min_samples=3))
+    est.observe("a", "chat", 7, 16, prefix=1, prompt=42)
+    assert est.expected("a", "chat", 32, prefix=1, prompt=42) == 7
+    assert est.expected("a", "chat", 4, prefix=1, prompt=42) == 4  # the cap still caps
+    est.observe("a", "chat", 16, 16, prefix=1, prompt=43)  # cut: no length of its own
+    assert est.expected("a", "chat", 32, prefix=1, prompt=43) == 32  # default 100, capped
+    est.observe("a", "chat", 20, 32, prefix=2, prompt=44)
+    est.observe("a", "chat", 20, 32, prefix=2, prompt=45)
+    est.observe("a", "chat", 20, 32, prefix=2, prompt=46)  # the cap-32 statistic: 20
+    assert est.expected("a", "chat", 32, prefix=3, prompt=43) == 20  # ... but at least 16
+    est.observe("a", "chat", 24, 24, prefix=1, prompt=43)  # cut again, higher
+    assert est.expected("a", "chat", 32, prefix=3, prompt=43) == 24
