@@ -14,7 +14,10 @@ Invariants:
   A chunk is ``chunk_tokens`` with nothing decoding and ``chunk_tokens_decoding`` beside
   decoding rows (what the node reports: ``routing.prefill_budget``).
 - A request's first token comes out when its last prefill chunk is done; it then needs
-  ``decode_steps`` more steps (its expected output minus that first token). Work in hand with
+  ``decode_steps`` more steps (its expected output minus that first token). With
+  ``mixed_steps`` (the cloud engine: one forward pass holds the decode rows and the chunk) the
+  chunk's loop is one step: its first token comes at the end of that loop's decode step, and
+  it decodes from the next loop on. Work in hand with
   nothing left (predicted done, not yet seen to finish) holds no slot.
 - Runs of identical decode steps are jumped over in one move (to the next finish), so the loop
   runs once per prefill chunk and once per finish, not once per token, and each run costs
@@ -71,6 +74,7 @@ class EngineShape:
     batch_slope: float  # a step of b rows takes decode_step_ms_b1 * (1 + slope * (b - 1))
     prefill_fixed_ms: float = 0.0  # once per prompt, with its first chunk
     chunk_tokens_decoding: int = 0  # the chunk while rows decode (0: ``chunk_tokens``)
+    mixed_steps: bool = False  # a chunk and the decode rows run as one step (first token after)
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -166,6 +170,8 @@ def replay(
             elif r.steps > 0:
                 start_decoding(r)
         pre = prefilling[0] if prefilling else None
+        done_step = False
+        joining: _Req | None = None
         if pre is not None:
             ms = _run_chunk(pre, shape, shape.chunk(len(decoding)))
             t += ms
@@ -173,12 +179,31 @@ def replay(
                 stall += ms * len(decoding)
             if pre.prefill <= 0:
                 prefilling.popleft()
+                if shape.mixed_steps and decoding:  # its first token ends this loop's step
+                    t += shape.decode_step_ms(len(decoding))
+                    done_step = True
                 if pre.new:
                     first = t
                     if target.steps <= 0:
                         return Replayed(queue_ms, first, first, 1.0, stall)
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
-                    start_decoding(pre)
+                    if done_step:
+                        joining = pre
+                    else:
+                        start_decoding(pre)
+        if done_step:  # the mixed step ran this loop's decode step already
+            n = len(decoding)
+            if target_end >= 0:
+                row_steps += n
+                steps += 1.0
+            done += 1.0
+            if target_end >= 0 and target_end <= done:
+                return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0, stall)
+            while decoding and decoding[0][0] <= done:
+                heapq.heappop(decoding)
+            if joining is not None:
+                start_decoding(joining)
+            continue
         if not decoding:
             if pre is None and not waiting:
                 break
@@ -242,18 +267,20 @@ def replay_literal(
                 queue_ms = t
             running.append(r)
         pre = next((r for r in running if r.prefill > 0), None)
+        mixed = False  # this loop's chunk and decode rows are one step (the first token after)
         if pre is not None:
             rows = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
             ms = _run_chunk(pre, shape, shape.chunk(rows))
             t += ms
             if pre.new:
                 stall += ms * rows
+            mixed = shape.mixed_steps and pre.prefill <= 0 and rows > 0
             if pre.prefill <= 0 and pre.new:
-                first = t
+                first = t + (shape.decode_step_ms(rows) if mixed else 0.0)
                 if target.steps <= 0:
                     return Replayed(queue_ms, first, first, 1.0, stall)
         decoding = [r for r in running if r.prefill <= 0 and r.steps > 0 and r is not pre]
-        if pre is not None and pre.prefill <= 0 and pre.steps > 0:
+        if pre is not None and pre.prefill <= 0 and pre.steps > 0 and not mixed:
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
         if not decoding:
             running = [r for r in running if r.prefill > 0 or r.steps > 0]

@@ -2,7 +2,8 @@
 
 For one node and one request::
 
-    ttft = rtt(client region, node region) + queue wait + uncached prompt tokens / prefill rate
+    ttft = rtt(client region, node region) + queue wait (the step in flight, the requests
+           ahead) + uncached prompt tokens / prefill rate
     e2e  = ttft + expected output tokens * decode ms per token at the batch it will run in
 
 Invariants:
@@ -46,6 +47,11 @@ class KindDefaults(BaseModel):
     prefill_chunk: int = Field(
         default=256, ge=1, description="prompt tokens per engine step, where the node says none"
     )
+    mixed_steps: bool = Field(
+        default=False,
+        description="its engine runs a prompt's chunk and the decode rows as one step, so the "
+        "first token comes after the decode rows' time too (the cloud engine)",
+    )
 
 
 class LatencyKnobs(BaseModel):
@@ -83,7 +89,11 @@ class LatencyKnobs(BaseModel):
         prefill_tokens_per_s=400.0, decode_ms_per_token=30.0, batch_slope=0.6, prefill_chunk=256
     )
     cloud: KindDefaults = KindDefaults(
-        prefill_tokens_per_s=6000.0, decode_ms_per_token=20.0, batch_slope=0.03, prefill_chunk=1024
+        prefill_tokens_per_s=6000.0,
+        decode_ms_per_token=20.0,
+        batch_slope=0.03,
+        prefill_chunk=1024,
+        mixed_steps=True,
     )
     openai: KindDefaults = KindDefaults(
         prefill_tokens_per_s=3000.0, decode_ms_per_token=25.0, batch_slope=0.0
@@ -447,6 +457,7 @@ class LatencyModel:
             decode_step_ms_b1=self.decode_ms_per_token_b1(node),
             batch_slope=self.batch_slope(node),
             prefill_fixed_ms=fixed,
+            mixed_steps=kd.mixed_steps,
         )
 
     def estimate(
@@ -470,7 +481,8 @@ class LatencyModel:
         requests on the node that ``ahead`` does not describe (other gateways', or, without
         ``ahead``, everything beyond the node's own running and waiting counts): each is taken
         as half of a typical request's decoding. ``arrivals`` are the requests expected after
-        this one (``DispatchLedger.arrivals``); they queue behind it.
+        this one (``DispatchLedger.arrivals``); they queue behind it. On a node with work in
+        hand the request first waits for the step in flight (half a decode step, on average).
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -498,6 +510,16 @@ class LatencyModel:
         work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
         r = replay(shape, work, Work(work_tokens, out - 1.0), arrivals=arrivals)
         own_prefill = shape.prefill_fixed_ms + work_tokens * shape.prefill_ms_per_token
+        # a busy engine takes a new request in between steps: half the step in flight, on
+        # average, before anything of the replay (100+ ms a step on a CPU cloud node)
+        if work:
+            in_flight = 0.5 * shape.decode_step_ms(min(len(work), shape.slots))
+            r = replace(
+                r,
+                queue_ms=r.queue_ms + in_flight,
+                first_token_ms=r.first_token_ms + in_flight,
+                last_token_ms=r.last_token_ms + in_flight,
+            )
         rtt = max(0.0, rtt_ms)
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0

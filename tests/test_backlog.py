@@ -56,6 +56,7 @@ works = st.lists(
     beside=st.sampled_from([0, 16, 40]),
     fixed=st.sampled_from([0.0, 5.0]),
     slope=st.sampled_from([0.0, 0.4]),
+    mixed=st.booleans(),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -65,9 +66,17 @@ def test_replay_equals_the_literal_loop(
     beside: int,
     fixed: float,
     slope: float,
+    mixed: bool,
 ):
     shape = EngineShape(
-        slots, chunk, 0.5, 8.0, slope, prefill_fixed_ms=fixed, chunk_tokens_decoding=beside
+        slots,
+        chunk,
+        0.5,
+        8.0,
+        slope,
+        prefill_fixed_ms=fixed,
+        chunk_tokens_decoding=beside,
+        mixed_steps=mixed,
     )
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
@@ -94,6 +103,21 @@ def test_a_prompt_beside_decoding_rows_runs_in_the_smaller_chunk():
     # with nothing decoding the full chunk runs: 30 tokens in one chunk, alone
     assert replay(shape, [], Work(30, 2)).first_token_ms == 30.0
     assert (shape.chunk(0), shape.chunk(3)) == (100, 10)
+
+
+def test_a_mixed_step_gives_the_first_token_after_the_decode_rows():
+    # The cloud's step holds A's decode row and the new prompt's 30 tokens: its first token
+    # comes when the step ends (30 + 10 = 40), and it decodes from the next step (50, 60).
+    shape = EngineShape(slots=2, chunk_tokens=100, prefill_ms_per_token=1.0,
+                        decode_step_ms_b1=10.0, batch_slope=0.0, mixed_steps=True)  # fmt: skip
+    r = replay(shape, [Work(0, 5)], Work(30, 2))
+    assert (r.first_token_ms, r.last_token_ms, r.mean_batch) == (40.0, 60.0, 2.0)
+    assert replay_literal(shape, [Work(0, 5)], Work(30, 2)) == r
+    # separate steps (the edge): the first token at the chunk's end, then two steps with A
+    edge = replay(replace(shape, mixed_steps=False), [Work(0, 5)], Work(30, 2))
+    assert (edge.first_token_ms, edge.last_token_ms) == (30.0, 50.0)
+    # nothing decoding: the chunk is the whole step either way
+    assert replay(shape, [], Work(30, 2)).first_token_ms == 30.0
 
 
 def test_arrivals_keep_the_population_and_slow_the_decode():
@@ -127,7 +151,7 @@ def test_arrivals_keep_the_population_and_slow_the_decode():
 def test_replay_with_arrivals_equals_the_literal_loop(
     ahead: Sequence[Work], new: Work, slots: int, population: int, later: Work
 ):
-    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0)
+    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2)
     arr = Arrivals(population, later)
     got = replay(shape, ahead, new, arrivals=arr)
     want = replay_literal(shape, ahead, new, arrivals=arr)

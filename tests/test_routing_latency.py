@@ -85,7 +85,8 @@ def test_batch_slows_decode_and_a_full_node_queues():
     busy = node(running=2)
     d1 = 20.0 / 1.6
     e = est(m, busy)
-    assert e.batch == 3 and e.queue_ms == 0.0
+    # a new request waits for the step in flight: half a step of 2 rows, on average
+    assert e.batch == 3 and e.queue_ms == pytest.approx(0.5 * d1 * 1.6)
     assert e.decode_ms_per_token == pytest.approx(d1 * (1 + 0.6 * 2))
 
     full = node(running=4, waiting=1)  # 4 slots, 1 waiting: we are second in line
@@ -93,14 +94,15 @@ def test_batch_slows_decode_and_a_full_node_queues():
     d1 = 20.0 / (1 + 0.6 * 3)
     # Requests we know only by count are half-way through a typical (128-token) answer: the
     # four running ones decode 64 more steps at batch 4, then two slots are free.
-    wait = 64 * d1 * (1 + 0.6 * 3)
+    wait = (64 + 0.5) * d1 * (1 + 0.6 * 3)
     assert e.queue_ms == pytest.approx(wait)
     assert e.ttft_ms == pytest.approx(5 + wait + 200)
     assert e.load == pytest.approx(5 / 4)
 
     # Requests this gateway sent after the state was taken count too.
-    assert est(m, node(running=3), extra=1).queue_ms > 0
-    assert est(m, node(running=3), extra=0).queue_ms == 0
+    three = est(m, node(running=3), extra=0).queue_ms
+    assert three == pytest.approx(0.5 * 20.0)  # the step in flight only (20 ms at 3 rows)
+    assert est(m, node(running=3), extra=1).queue_ms > three + 100
 
 
 def test_no_kv_room_means_waiting_for_a_finish():
@@ -111,8 +113,8 @@ def test_no_kv_room_means_waiting_for_a_finish():
     tight = node(
         "c", NodeKind.CLOUD, max_batch=64, running=2, kv_blocks_total=1000, kv_blocks_used=995
     )
-    assert est(m, roomy).queue_ms == 0.0
-    assert est(m, tight).queue_ms > 0.0
+    assert est(m, roomy).queue_ms < 20.0  # the step in flight only
+    assert est(m, tight).queue_ms > est(m, roomy).queue_ms + 100
 
 
 def test_defaults_when_nothing_is_known_then_measurements_take_over():
@@ -318,10 +320,11 @@ def test_the_chunks_a_node_reports_are_the_chunks_replayed():
                        rtt_ms=0.0, ahead=ahead)  # fmt: skip
     whole = m.estimate(node(prefill_chunk=256, decode_ms_per_token=10.0), prompt_tokens=256,
                        cached_tokens=0, expected_output_tokens=1, rtt_ms=0.0, ahead=ahead)  # fmt: skip
-    # 256 tokens at 500 tok/s = 512 ms either way; 7 decode steps between 8 chunks in the first
+    # 256 tokens at 500 tok/s = 512 ms either way, after half the step in flight; 7 decode
+    # steps between 8 chunks in the first
     step = shape.decode_step_ms(1)
-    assert whole.ttft_ms == pytest.approx(512.0)
-    assert small.ttft_ms == pytest.approx(512.0 + 7 * step)
+    assert whole.ttft_ms == pytest.approx(0.5 * step + 512.0)
+    assert small.ttft_ms == pytest.approx(0.5 * step + 512.0 + 7 * step)
 
 
 def test_the_nodes_account_of_the_wait_teaches_prefill_whatever_ran():
