@@ -209,6 +209,7 @@ class CloudEngine:
             decode_ms_per_token=c.counters.decode_ms,
             prefix_hit_rate=c.prefix_hit_rate,
             prefix_cache=True,
+            prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
             **getattr(self, "parallel_stats", {}),
         )
 

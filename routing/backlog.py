@@ -15,9 +15,10 @@ Invariants:
   decoding rows (what the node reports: ``routing.prefill_budget``).
 - A request's first token comes out when its last prefill chunk is done; it then needs
   ``decode_steps`` more steps (its expected output minus that first token). With
-  ``mixed_steps`` (the cloud engine: one forward pass holds the decode rows and the chunk) the
-  chunk's loop is one step: its first token comes at the end of that loop's decode step, and
-  it decodes from the next loop on. Work in hand with
+  ``mixed_steps`` (the cloud engine: one forward pass holds the decode rows and chunks) a loop
+  is one step that prefills the oldest prompts, several if they fit, in what the step's
+  ``chunk(rows)`` tokens leave beside its decode rows (one token each); the prompts it finishes get their first
+  tokens at the end of that step and decode from the next. Work in hand with
   nothing left (predicted done, not yet seen to finish) holds no slot.
 - Runs of identical decode steps are jumped over in one move (to the next finish), so the loop
   runs once per prefill chunk and once per finish, not once per token, and each run costs
@@ -170,8 +171,42 @@ def replay(
             elif r.steps > 0:
                 start_decoding(r)
         pre = prefilling[0] if prefilling else None
-        done_step = False
-        joining: _Req | None = None
+        if pre is not None and shape.mixed_steps:
+            # one step: chunks of the oldest prompts under the budget, and the decode rows
+            budget = float(max(1, shape.chunk(len(decoding)) - len(decoding)))
+            finished: list[_Req] = []
+            for r in prefilling:
+                c = min(budget, r.prefill)
+                ms = _run_chunk(r, shape, c)
+                t += ms
+                if r.new:
+                    stall += ms * len(decoding)
+                budget -= c
+                if r.prefill <= 0:
+                    finished.append(r)
+                if budget <= 0:
+                    break
+            for _ in finished:  # the finished ones are the oldest
+                prefilling.popleft()
+            n = len(decoding)
+            if n:
+                t += shape.decode_step_ms(n)
+                if target_end >= 0:
+                    row_steps += n
+                    steps += 1.0
+                done += 1.0
+                if target_end >= 0 and target_end <= done:
+                    return Replayed(queue_ms, first, t, row_steps / steps, stall)
+                while decoding and decoding[0][0] <= done:
+                    heapq.heappop(decoding)
+            for r in finished:  # their first tokens end the step; they decode from the next
+                if r.new:
+                    first = t
+                    if target.steps <= 0:
+                        return Replayed(queue_ms, first, first, 1.0, stall)
+                if r.steps > 0:
+                    start_decoding(r)
+            continue
         if pre is not None:
             ms = _run_chunk(pre, shape, shape.chunk(len(decoding)))
             t += ms
@@ -179,31 +214,12 @@ def replay(
                 stall += ms * len(decoding)
             if pre.prefill <= 0:
                 prefilling.popleft()
-                if shape.mixed_steps and decoding:  # its first token ends this loop's step
-                    t += shape.decode_step_ms(len(decoding))
-                    done_step = True
                 if pre.new:
                     first = t
                     if target.steps <= 0:
                         return Replayed(queue_ms, first, first, 1.0, stall)
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
-                    if done_step:
-                        joining = pre
-                    else:
-                        start_decoding(pre)
-        if done_step:  # the mixed step ran this loop's decode step already
-            n = len(decoding)
-            if target_end >= 0:
-                row_steps += n
-                steps += 1.0
-            done += 1.0
-            if target_end >= 0 and target_end <= done:
-                return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0, stall)
-            while decoding and decoding[0][0] <= done:
-                heapq.heappop(decoding)
-            if joining is not None:
-                start_decoding(joining)
-            continue
+                    start_decoding(pre)
         if not decoding:
             if pre is None and not waiting:
                 break
@@ -267,20 +283,50 @@ def replay_literal(
                 queue_ms = t
             running.append(r)
         pre = next((r for r in running if r.prefill > 0), None)
-        mixed = False  # this loop's chunk and decode rows are one step (the first token after)
+        if pre is not None and shape.mixed_steps:
+            rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
+            budget = float(max(1, shape.chunk(len(rows)) - len(rows)))
+            finished = []
+            for r in running:
+                if r.prefill <= 0:
+                    continue
+                c = min(budget, r.prefill)
+                ms = _run_chunk(r, shape, c)
+                t += ms
+                if r.new:
+                    stall += ms * len(rows)
+                budget -= c
+                if r.prefill <= 0:
+                    finished.append(r)
+                if budget <= 0:
+                    break
+            if rows:
+                t += shape.decode_step_ms(len(rows))
+                for r in rows:
+                    r.steps -= 1.0
+                if target in rows:
+                    row_steps += len(rows)
+                    steps += 1.0
+                    if target.steps <= 0:
+                        return Replayed(queue_ms, first, t, row_steps / steps, stall)
+            if target in finished:
+                first = t
+                if target.steps <= 0:
+                    return Replayed(queue_ms, first, first, 1.0, stall)
+            running = [r for r in running if r.prefill > 0 or r.steps > 0]
+            continue
         if pre is not None:
-            rows = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
-            ms = _run_chunk(pre, shape, shape.chunk(rows))
+            rows_n = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
+            ms = _run_chunk(pre, shape, shape.chunk(rows_n))
             t += ms
             if pre.new:
-                stall += ms * rows
-            mixed = shape.mixed_steps and pre.prefill <= 0 and rows > 0
+                stall += ms * rows_n
             if pre.prefill <= 0 and pre.new:
-                first = t + (shape.decode_step_ms(rows) if mixed else 0.0)
+                first = t
                 if target.steps <= 0:
                     return Replayed(queue_ms, first, first, 1.0, stall)
         decoding = [r for r in running if r.prefill <= 0 and r.steps > 0 and r is not pre]
-        if pre is not None and pre.prefill <= 0 and pre.steps > 0 and not mixed:
+        if pre is not None and pre.prefill <= 0 and pre.steps > 0:
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
         if not decoding:
             running = [r for r in running if r.prefill > 0 or r.steps > 0]

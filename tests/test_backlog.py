@@ -118,6 +118,14 @@ def test_a_mixed_step_gives_the_first_token_after_the_decode_rows():
     assert (edge.first_token_ms, edge.last_token_ms) == (30.0, 50.0)
     # nothing decoding: the chunk is the whole step either way
     assert replay(shape, [], Work(30, 2)).first_token_ms == 30.0
+    # two prompts ahead (40 tokens each): the cloud packs all three into one step under a
+    # 151-token budget (A's row takes one: 110 ms of prefill, A's row: 120); the edge runs one
+    # prompt per loop, a decode step after each (40, 50 | 90, 100 | 130)
+    wide = replace(shape, chunk_tokens=151, slots=4)
+    ahead = [Work(0, 5), Work(40, 1), Work(40, 1)]
+    assert replay(wide, ahead, Work(30, 2)).first_token_ms == 120.0
+    assert replay_literal(wide, ahead, Work(30, 2)) == replay(wide, ahead, Work(30, 2))
+    assert replay(replace(wide, mixed_steps=False), ahead, Work(30, 2)).first_token_ms == 130.0
 
 
 def test_arrivals_keep_the_population_and_slow_the_decode():

@@ -454,6 +454,9 @@ class CloudSim(_Node):
         self._pending_rows: list[SimRequest] = []
         self._pending_pre: list[tuple[SimRequest, int]] = []
 
+    def reported_chunks(self) -> tuple[int, int]:
+        return self.budget, 0  # one step's token budget, as the cloud engine reports it
+
     @property
     def running(self) -> int:
         return len(self.order)
