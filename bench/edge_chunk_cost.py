@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, machine, recorded_command, table
+from bench._common import machine, recorded_command, table, write_results
 
 FULL = 256
 
@@ -76,19 +75,19 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rows = asyncio.run(bench(args))
-    print(
-        f"# Prefill of {args.tokens} tokens by chunk size ({args.variant}, {args.threads} thread)"
+    command = recorded_command("edge_chunk_cost.py", sys.argv[1:], ())
+    markdown = "\n".join(
+        [
+            f"# Prefill of {args.tokens} tokens by chunk size ({args.variant}, "
+            f"{args.threads} thread)",
+            "",
+            f"`{command}`",
+            "",
+            table(rows, ["chunk_tokens", "ttft_ms_best", "ms_per_token", "vs_full_chunk"]),
+        ]
     )
-    print(table(rows, ["chunk_tokens", "ttft_ms_best", "ms_per_token", "vs_full_chunk"]))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "edge_chunk_cost.json"
-    meta = {
-        **machine(),
-        **vars(args),
-        "command": recorded_command("edge_chunk_cost.py", sys.argv[1:], ()),
-    }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results("edge_chunk_cost", {"meta": {**machine(), **vars(args), "command": command},
+                                      "rows": rows}, markdown)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -30,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, machine, recorded_command, table
+from bench._common import machine, recorded_command, table, write_results
 
 WORDS = [
     "office",
@@ -156,21 +155,22 @@ def main() -> None:
     args = ap.parse_args()
     result = asyncio.run(bench(args))
     load = result["meta"]["load_avg_1min"]
-    print(
-        f"# A second user's TTFT beside a decoding one ({args.variant}, {args.threads} "
-        f"thread(s); 1-min load average {load[0]:.1f} before, {load[1]:.1f} after)"
-    )
     cols = ["engine", "prompt_tokens", "cached_tokens_median", "ttft_ms_median", "ttft_ms_min",
             "ttft_ms_max"]  # fmt: skip
-    print(table(result["rows"], cols))
-    print(
-        f"\ncold / warm TTFT, paired median: {result['speedup_paired_median']:.2f}x; "
-        f"same first token: {result['same_first_token']}"
+    markdown = "\n".join(
+        [
+            f"# A second user's TTFT beside a decoding one ({args.variant}, {args.threads} "
+            f"thread(s); 1-min load average {load[0]:.1f} before, {load[1]:.1f} after)",
+            "",
+            f"`{result['meta']['command']}`",
+            "",
+            table(result["rows"], cols),
+            "",
+            f"cold / warm TTFT, paired median: {result['speedup_paired_median']:.2f}x; "
+            f"same first token: {result['same_first_token']}",
+        ]
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "edge_shared_prompt.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results("edge_shared_prompt", result, markdown)
 
 
 if __name__ == "__main__":

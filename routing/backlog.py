@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -120,6 +120,29 @@ def _run_chunk(r: _Req, shape: EngineShape, chunk: int) -> float:
     return ms
 
 
+def _run_step_chunks(
+    prompts: Iterable[_Req], shape: EngineShape, rows: int
+) -> tuple[float, float, list[_Req]]:
+    """A mixed step's prefill: chunks of ``prompts`` (oldest first) in what the step's token
+    budget leaves beside ``rows`` decode rows. Returns its time, the new request's share of it
+    (0 when it got none) and the prompts it finished, in order."""
+    budget = float(max(1, shape.chunk(rows) - rows))
+    total = own = 0.0
+    finished: list[_Req] = []
+    for r in prompts:
+        c = min(budget, r.prefill)
+        ms = _run_chunk(r, shape, c)
+        total += ms
+        if r.new:
+            own = ms
+        budget -= c
+        if r.prefill <= 0:
+            finished.append(r)
+        if budget <= 0:
+            break
+    return total, own, finished
+
+
 def replay(
     shape: EngineShape,
     ahead: Sequence[Work],
@@ -173,19 +196,9 @@ def replay(
         pre = prefilling[0] if prefilling else None
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
-            budget = float(max(1, shape.chunk(len(decoding)) - len(decoding)))
-            finished: list[_Req] = []
-            for r in prefilling:
-                c = min(budget, r.prefill)
-                ms = _run_chunk(r, shape, c)
-                t += ms
-                if r.new:
-                    stall += ms * len(decoding)
-                budget -= c
-                if r.prefill <= 0:
-                    finished.append(r)
-                if budget <= 0:
-                    break
+            ms, own, finished = _run_step_chunks(prefilling, shape, len(decoding))
+            t += ms
+            stall += own * len(decoding)
             for _ in finished:  # the finished ones are the oldest
                 prefilling.popleft()
             n = len(decoding)
@@ -285,21 +298,10 @@ def replay_literal(
         pre = next((r for r in running if r.prefill > 0), None)
         if pre is not None and shape.mixed_steps:
             rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
-            budget = float(max(1, shape.chunk(len(rows)) - len(rows)))
-            finished = []
-            for r in running:
-                if r.prefill <= 0:
-                    continue
-                c = min(budget, r.prefill)
-                ms = _run_chunk(r, shape, c)
-                t += ms
-                if r.new:
-                    stall += ms * len(rows)
-                budget -= c
-                if r.prefill <= 0:
-                    finished.append(r)
-                if budget <= 0:
-                    break
+            prompts = (r for r in running if r.prefill > 0)
+            ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
+            t += ms
+            stall += own * len(rows)
             if rows:
                 t += shape.decode_step_ms(len(rows))
                 for r in rows:
