@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from routing.prefill_budget import short_chunk_extra_ms
+
 
 @dataclass(frozen=True, slots=True)
 class Work:
@@ -109,14 +111,18 @@ class _Req:
     started: bool = False  # its first prefill chunk has run (the fixed cost is paid)
 
 
-def _run_chunk(r: _Req, shape: EngineShape, chunk: int) -> float:
-    """Prefill ``r``'s next chunk; returns the time it takes (its fixed cost with the first)."""
+def _run_chunk(r: _Req, shape: EngineShape, chunk: float) -> float:
+    """Prefill ``r``'s next chunk (at most ``chunk`` tokens); returns the time it takes: its
+    tokens at the fitted rate, the prompt's fixed cost with its first chunk, and, for a later
+    chunk cut short beside decoding rows as its own run, what the short run adds."""
     c = min(float(chunk), r.prefill)
     r.prefill -= c
     ms = c * shape.prefill_ms_per_token
     if not r.started:
         r.started = True
         ms += shape.prefill_fixed_ms
+    elif not shape.mixed_steps:
+        ms += short_chunk_extra_ms(chunk, shape.chunk_tokens, shape.decode_step_ms_b1)
     return ms
 
 

@@ -7,8 +7,15 @@ then decodes at between one and ``1 + stall_ratio`` step times per token whateve
 it, which is what lets a router predict its end (see ``routing.backlog``). The edge scheduler,
 the simulator's edge node and the router's replay all size chunks with this one rule.
 
-Invariants: the result lies in ``[min(MIN_CHUNK, prefill_chunk), prefill_chunk]``; with no
-ratio, or no measured step time or prefill rate yet, it is ``prefill_chunk``.
+A short chunk is dearer per token: each run of the graph streams the weights once (about one
+decode step of one row on a CPU), which a full chunk spreads over all its tokens. Rates fitted
+on whole prompts (full chunks) carry that cost already; :func:`short_chunk_extra_ms` is what a
+shorter chunk adds beyond its tokens' share (``bench/edge_chunk_cost.py``: 16-token chunks cost
+3.5 ms a token on the test machine, 256-token ones 2.4).
+
+Invariants: the chunk lies in ``[min(MIN_CHUNK, prefill_chunk), prefill_chunk]``; with no
+ratio, or no measured step time or prefill rate yet, it is ``prefill_chunk``; the extra cost is
+0 for a full chunk and at most ``run_ms``.
 """
 
 from __future__ import annotations
@@ -29,3 +36,13 @@ def chunk_beside_decode(
         return full
     fits = int(stall_ratio * decode_step_ms / prefill_ms_per_token)
     return max(min(MIN_CHUNK, full), min(full, fits))
+
+
+def short_chunk_extra_ms(chunk: float, prefill_chunk: int, run_ms: float) -> float:
+    """What a chunk of ``chunk`` tokens costs beyond ``chunk`` tokens at a full chunk's
+    per-token rate: the share of one run's fixed cost (``run_ms``) the full chunk would have
+    spread over the tokens this one lacks."""
+    full = max(1, prefill_chunk)
+    if chunk >= full or run_ms <= 0:
+        return 0.0
+    return run_ms * (1.0 - max(0.0, chunk) / full)

@@ -81,12 +81,14 @@ def test_edge_slot_queueing(tmp_path: Path) -> None:
 
 def test_edge_prompt_beside_a_decoding_answer_goes_in_small_chunks(tmp_path: Path) -> None:
     trace = [_req(0, 16, 100), _req(0.1, 100, 2)]
-    res = _run(_fleet(tmp_path, "edge", slots=2, prefill_stall_ratio=3.0), trace)
+    res = _run(_fleet(tmp_path, "edge", slots=2, prefill_stall_ratio=1.0), trace)
     # A: prefill 16 ms and a decode step (26), then steps every 10 ms. B arrives at 100 ms and
-    # is admitted at the boundary at 106 ms. Beside A's row a chunk takes at most 3 decode
-    # steps: 30 tokens at the measured 1 ms a token. 30 + A's step, three times (226), then
-    # its last 10 tokens: B's first token at 236 ms.
-    assert res.ttft_s[1] == pytest.approx(0.236 - 0.1, abs=1e-6)
+    # is admitted at the boundary at 106 ms. Beside A's row a chunk takes at most one decode
+    # step: 10 tokens at the measured 1 ms a token, raised to the 16-token minimum. B's first
+    # chunk (16 ms) and A's step: 132; five more, each a run of its own 1/16 of a full chunk
+    # long (16 ms + 15/16 of a 10 ms run's fixed cost) and A's step: 308.875; its last 4
+    # tokens (4 + 9.375): B's first token at 322.25 ms.
+    assert res.ttft_s[1] == pytest.approx(0.32225 - 0.1, abs=1e-6)
     # full chunks: all 100 tokens at once, first token at 206 ms
     res = _run(_fleet(tmp_path, "edge", slots=2, prefill_stall_ratio=None), trace)
     assert res.ttft_s[1] == pytest.approx(0.206 - 0.1, abs=1e-6)

@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from routing.prefill_budget import chunk_beside_decode
+from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms
 from routing.sim.profiles import StepCost
 
 BLOCK = 16
@@ -239,6 +239,8 @@ class EdgeSim(_Node):
             size = self.chunk_beside_decode() if decoding else self.chunk
             c = min(size, pre.prompt - pre.filled)
             pre_ms = cost.chunk_ms(pre.filled, c)
+            if pre.filled > pre.cached:  # a later chunk, its own run: dearer when short
+                pre_ms += short_chunk_extra_ms(size, self.chunk, cost.decode_ms(1, pre.filled))
             pre.prefill_ms += pre_ms
             dt += pre_ms
             pre_tokens = c
