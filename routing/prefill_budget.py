@@ -8,10 +8,12 @@ it, which is what lets a router predict its end (see ``routing.backlog``). The e
 the simulator's edge node and the router's replay all size chunks with this one rule.
 
 A short chunk is dearer per token: each run of the graph streams the weights once (about one
-decode step of one row on a CPU), which a full chunk spreads over all its tokens. Rates fitted
-on whole prompts (full chunks) carry that cost already; :func:`short_chunk_extra_ms` is what a
-shorter chunk adds beyond its tokens' share (``bench/edge_chunk_cost.py``: 16-token chunks cost
-3.5 ms a token on the test machine, 256-token ones 2.4).
+decode step of one row on a CPU), which a full chunk spreads over all its tokens. Costs taken
+from whole prompts (a profile's full chunks: the simulator's edge) carry that cost already;
+:func:`short_chunk_extra_ms` is what a shorter chunk adds beyond its tokens' share
+(``bench/edge_chunk_cost.py``: 16-token chunks cost 1.3-1.5x a 256-token one per token). The
+router's rates are fitted on what the node says each prompt took, short chunks included, so
+its replay adds nothing.
 
 Invariants: the chunk lies in ``[min(MIN_CHUNK, prefill_chunk), prefill_chunk]``; with no
 ratio, or no measured step time or prefill rate yet, it is ``prefill_chunk``; the extra cost is

@@ -92,11 +92,10 @@ def test_a_prompt_beside_decoding_rows_runs_in_the_smaller_chunk():
     shape = EngineShape(slots=2, chunk_tokens=100, prefill_ms_per_token=1.0,
                         decode_step_ms_b1=10.0, batch_slope=0.0, chunk_tokens_decoding=10)  # fmt: skip
     r = replay(shape, [Work(0, 5)], Work(30, 2))
-    # three 10-token chunks, each followed by A's step; the second and third are runs of their
-    # own a tenth of a full chunk long, so each adds 90% of a run's fixed cost (a decode step
-    # of one row, 10 ms): 10, 20 | 39, 49 | 68: the first token at 68; then two steps with A
-    assert r == Replayed(queue_ms=0.0, first_token_ms=68.0, last_token_ms=88.0, mean_batch=2.0,
-                         stalled_others_ms=48.0)  # fmt: skip
+    # three 10-token chunks, each followed by A's step (t=10, 20 | 30, 40 | 50): the first
+    # token at 50; then two steps with A (60, 70)
+    assert r == Replayed(queue_ms=0.0, first_token_ms=50.0, last_token_ms=70.0, mean_batch=2.0,
+                         stalled_others_ms=30.0)  # fmt: skip
     assert replay_literal(shape, [Work(0, 5)], Work(30, 2)) == r
     # full chunks beside A: the whole prompt at once (t=30), then two steps with A (40, 50)
     full = replay(replace(shape, chunk_tokens_decoding=0), [Work(0, 5)], Work(30, 2))

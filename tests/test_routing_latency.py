@@ -320,12 +320,11 @@ def test_the_chunks_a_node_reports_are_the_chunks_replayed():
                        rtt_ms=0.0, ahead=ahead)  # fmt: skip
     whole = m.estimate(node(prefill_chunk=256, decode_ms_per_token=10.0), prompt_tokens=256,
                        cached_tokens=0, expected_output_tokens=1, rtt_ms=0.0, ahead=ahead)  # fmt: skip
-    # 256 tokens at 500 tok/s = 512 ms either way, after half the step in flight; in the
-    # first, 7 decode steps between 8 chunks, and the 7 later chunks each add 7/8 of a run's
-    # fixed cost (one decode step of one row): an eighth of a full chunk each
+    # 256 tokens at 500 tok/s = 512 ms either way, after half the step in flight; 7 decode
+    # steps between 8 chunks in the first
     step = shape.decode_step_ms(1)
     assert whole.ttft_ms == pytest.approx(0.5 * step + 512.0)
-    assert small.ttft_ms == pytest.approx(0.5 * step + 512.0 + 7 * step + 7 * 0.875 * step)
+    assert small.ttft_ms == pytest.approx(0.5 * step + 512.0 + 7 * step)
 
 
 def test_the_nodes_account_of_the_wait_teaches_prefill_whatever_ran():
