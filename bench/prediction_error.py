@@ -116,8 +116,6 @@ VARIANTS = {
 SERVE_VARIANTS = {
     # the edge prefills in full 256-token chunks even while answers decode (the old loop)
     "full_chunks": ["--edge-prefill-stall-ratio", "off"],
-    # a chunk beside decoding rows takes at most half a decode step
-    "stall_half": ["--edge-prefill-stall-ratio", "0.5"],
 }
 
 

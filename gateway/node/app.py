@@ -24,7 +24,7 @@ from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, PREFILL_MS_HEADER
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, NODE_TTFT_HEADER, PREFILL_MS_HEADER
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
 from gateway.sse import sse_event
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
@@ -113,7 +113,7 @@ def create_node_app(
         }
         if first is not None:
             h["x-edgecloud-cached-tokens"] = str(first.event.cached_tokens)
-            h["x-edgecloud-measured-ttft-ms"] = f"{(t_first - t0) * 1000:.1f}"
+            h[NODE_TTFT_HEADER] = f"{(t_first - t0) * 1000:.1f}"
             if first.event.prefill_ms is not None:
                 h[PREFILL_MS_HEADER] = f"{first.event.prefill_ms:.1f}"
         return h
