@@ -357,9 +357,13 @@ class EngineCore:
         return outputs
 
     def _account(self, batch: ScheduledBatch, dt: float) -> None:
+        """Count the step, and give each prompt chunk in it its share of the step's time
+        (``Sequence.prefill_ms``): what the step took beyond the time its decode rows alone
+        take (the decode-only steps' average, at most half the step), split by tokens."""
         c = self.counters
         c.steps += 1
-        prefill = 0
+        prefill = decode_rows = 0
+        chunks: list[tuple[Sequence, int]] = []
         for it in batch.items:
             seq = it.seq
             if not seq.counted:  # first time in a batch: its first admission
@@ -368,12 +372,20 @@ class EngineCore:
                 c.cached_prompt_tokens += seq.num_cached
             prompt_part = max(0, min(it.num_new, seq.num_prompt - it.start))
             prefill += prompt_part
+            if prompt_part:
+                chunks.append((seq, prompt_part))
+            elif it.num_new == 1 and it.samples:
+                decode_rows += 1
             c.recomputed_tokens += max(0, it.num_new - prompt_part - (1 if it.samples else 0))
         c.prefill_tokens += prefill
         sampled = sum(1 for it in batch.items if it.samples)
         c.decode_tokens += sampled
         if prefill > 0:
             c.prefill_tok_s = _ewma(c.prefill_tok_s, prefill / dt)
+            rows_ms = min(c.decode_ms, 500.0 * dt) if decode_rows else 0.0
+            per_token_ms = (1000.0 * dt - rows_ms) / prefill
+            for seq, n in chunks:
+                seq.prefill_ms += n * per_token_ms
         elif sampled:
             c.decode_ms = _ewma(c.decode_ms, dt * 1000.0)
         used = self.blocks.num_used

@@ -55,6 +55,7 @@ def _event(seq: Sequence, tokens: list[int], reason: FinishReason | None) -> Tok
         prompt_tokens=seq.num_prompt,
         cached_tokens=max(seq.num_cached, 0),
         finish_reason=reason,
+        prefill_ms=seq.prefill_ms,
     )
 
 

@@ -7,8 +7,9 @@ a gateway then knows the prompt was prefilled when the headers arrive (its laten
 learns the request's progress, as it does from a stream), and measures the time to first
 token itself. Without the mark (an older node) it reads ``x-edgecloud-node-e2e-ms`` instead.
 
-:data:`PREFILL_MS_HEADER`, from an engine that measures it (the edge's), is the compute time of
-the request's own prompt chunks; the rest of the node's time to first token is waiting (for a
+:data:`PREFILL_MS_HEADER`, from an engine that measures it (both of ours), is the compute time
+of the request's own prompt chunks (the cloud's: its share of the mixed steps that ran them,
+beyond their decode rows' time); the rest of the node's time to first token is waiting (for a
 slot, behind other prompts, beside their decode steps): :func:`node_wait_ms`. The gateway's
 latency model learns prefill rates from the compute alone, however busy the node was.
 """

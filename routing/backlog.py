@@ -9,7 +9,9 @@ and when its last does.
 
 Invariants:
 - Time only moves forward; each loop costs ``chunk tokens * prefill_ms_per_token`` plus one
-  decode step ``decode_step_ms(rows)`` when any request decodes; a prompt's first chunk also
+  decode step ``decode_step_ms(rows, context)`` when any request decodes, ``context`` being
+  the tokens every decoding row attends to (its prompt and its output so far, summed over the
+  rows: each decode step adds one to each row's); a prompt's first chunk also
   costs ``prefill_fixed_ms`` (its admission: rendering, tokenizing, the first step's setup).
   A chunk is ``chunk_tokens`` with nothing decoding and ``chunk_tokens_decoding`` beside
   decoding rows (what the node reports: ``routing.prefill_budget``).
@@ -42,11 +44,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Work:
     """One request's remaining work on a node: prompt tokens still to prefill, decode steps
-    after its first token."""
+    after its first token, and the tokens its KV holds at its next decode step (its whole
+    prompt and what it has generated: what that step attends to)."""
 
     prefill_tokens: float
     decode_steps: float
     started: bool = False  # its prefill is under way (its fixed cost is paid)
+    context: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +75,13 @@ class EngineShape:
     slots: int
     chunk_tokens: int
     prefill_ms_per_token: float
-    decode_step_ms_b1: float  # one decode step with one row
+    decode_step_ms_b1: float  # one decode step with one row (of no context)
     batch_slope: float  # a step of b rows takes decode_step_ms_b1 * (1 + slope * (b - 1))
     prefill_fixed_ms: float = 0.0  # once per prompt, with its first chunk
     chunk_tokens_decoding: int = 0  # the chunk while rows decode (0: ``chunk_tokens``)
     mixed_steps: bool = False  # a chunk and the decode rows run as one step (first token after)
+    # what one token of context adds to a decode step (reading its KV), summed over the rows
+    decode_ms_per_context_token: float = 0.0
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -83,9 +89,18 @@ class EngineShape:
             return self.chunk_tokens_decoding
         return max(1, self.chunk_tokens)
 
-    def decode_step_ms(self, rows: float) -> float:
-        """One step of ``rows`` rows (a mean batch may be fractional)."""
-        return self.decode_step_ms_b1 * (1.0 + self.batch_slope * max(0.0, rows - 1))
+    def decode_step_ms(self, rows: float, context: float = 0.0) -> float:
+        """One step of ``rows`` rows (a mean batch may be fractional) attending to ``context``
+        tokens in all."""
+        return self.decode_step_ms_b1 * (
+            1.0 + self.batch_slope * max(0.0, rows - 1)
+        ) + self.decode_ms_per_context_token * max(0.0, context)
+
+    def decode_steps_ms(self, k: float, rows: int, context: float) -> tuple[float, float]:
+        """``k`` decode steps of ``rows`` rows, the first attending to ``context`` tokens (one
+        more per row each step): their time and the context they attend to, summed."""
+        ctx = k * context + rows * k * (k - 1.0) / 2.0
+        return k * self.decode_step_ms(rows) + self.decode_ms_per_context_token * ctx, ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +114,7 @@ class Replayed:
     # the time its own prefill chunks held up the others' decode steps: each chunk's time
     # times the requests decoding while it ran (what it costs them, summed)
     stalled_others_ms: float = 0.0
+    mean_context: float = 0.0  # mean context its decode steps attended to (all rows, summed)
 
 
 @dataclass(slots=True)
@@ -107,6 +123,7 @@ class _Req:
     steps: float
     new: bool = False
     started: bool = False  # its first prefill chunk has run (the fixed cost is paid)
+    ctx: float = 0.0  # tokens its next decode step attends to
 
 
 def _run_chunk(r: _Req, shape: EngineShape, chunk: float) -> float:
@@ -159,36 +176,46 @@ def replay(
 
     Every decoding request advances one step per decode step, so they share one step counter
     (``done``) and each is a heap entry keyed by the count at which it finishes: a step, a jump
-    to the next finish and a finish each cost O(log rows), never a pass over the rows.
+    to the next finish and a finish each cost O(log rows), never a pass over the rows. Their
+    context likewise: a row that started decoding at count ``s`` with context ``c`` attends to
+    ``c + done - s`` tokens, so the rows' sum is ``base + rows * done`` with ``base`` the sum
+    of their ``c - s``.
     """
-    waiting = deque(
-        _Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps), started=w.started)
-        for w in ahead
-        if w.prefill_tokens > 0 or w.decode_steps > 0
-    )
-    target = _Req(max(1.0, new.prefill_tokens), max(0.0, new.decode_steps), new=True)
+    waiting = deque(_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0)
+    target = _req(new, new=True)
     waiting.append(target)
     prefilling: deque[_Req] = deque()  # in slots, prompt not done, oldest first
-    decoding: list[tuple[float, int]] = []  # heap of (step count it finishes at, tiebreak)
+    # heap of (step count it finishes at, tiebreak, its context less the count it started at)
+    decoding: list[tuple[float, int, float]] = []
     slots = max(1, shape.slots)
-    t = done = 0.0
+    t = done = base = 0.0
     queue_ms = first = -1.0
     target_end = -1.0  # the step count the target finishes at, once it decodes
-    row_steps = steps = stall = 0.0
+    row_steps = steps = stall = ctx_steps = 0.0
     seq = 0
 
     def start_decoding(r: _Req) -> None:
-        nonlocal seq, target_end
-        heapq.heappush(decoding, (done + r.steps, seq))
+        nonlocal seq, target_end, base
+        heapq.heappush(decoding, (done + r.steps, seq, r.ctx - done))
+        base += r.ctx - done
         seq += 1
         if r.new:
             target_end = done + r.steps
 
+    def finish_decoding() -> None:
+        nonlocal base
+        while decoding and decoding[0][0] <= done:
+            base -= heapq.heappop(decoding)[2]
+
+    def result(last: float) -> Replayed:
+        if steps <= 0:
+            return Replayed(queue_ms, first, last, 1.0, stall)
+        return Replayed(queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps)
+
     for _ in range(max_loops):
         if arrivals is not None:
-            w = arrivals.work
             for _ in range(arrivals.population - len(waiting) - len(prefilling) - len(decoding)):
-                waiting.append(_Req(w.prefill_tokens, max(0.0, w.decode_steps)))
+                waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
             r = waiting.popleft()
             if r.new:
@@ -207,20 +234,21 @@ def replay(
                 prefilling.popleft()
             n = len(decoding)
             if n:
-                t += shape.decode_step_ms(n)
+                ms, ctx = shape.decode_steps_ms(1.0, n, base + n * done)
+                t += ms
                 if target_end >= 0:
                     row_steps += n
+                    ctx_steps += ctx
                     steps += 1.0
                 done += 1.0
                 if target_end >= 0 and target_end <= done:
-                    return Replayed(queue_ms, first, t, row_steps / steps, stall)
-                while decoding and decoding[0][0] <= done:
-                    heapq.heappop(decoding)
+                    return result(t)
+                finish_decoding()
             for r in finished:  # their first tokens end the step; they decode from the next
                 if r.new:
                     first = t
                     if target.steps <= 0:
-                        return Replayed(queue_ms, first, first, 1.0, stall)
+                        return result(first)
                 if r.steps > 0:
                     start_decoding(r)
             continue
@@ -234,7 +262,7 @@ def replay(
                 if pre.new:
                     first = t
                     if target.steps <= 0:
-                        return Replayed(queue_ms, first, first, 1.0, stall)
+                        return result(first)
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
                     start_decoding(pre)
         if not decoding:
@@ -248,22 +276,30 @@ def replay(
         if not prefilling and pre is None:
             after = max(after, decoding[0][0])
         k = after - done
-        t += k * shape.decode_step_ms(n)
+        ms, ctx = shape.decode_steps_ms(k, n, base + n * done)
+        t += ms
         if target_end >= 0:
             row_steps += k * n
+            ctx_steps += ctx
             steps += k
         done = after
         if target_end >= 0 and target_end <= done:
-            return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0, stall)
-        while decoding and decoding[0][0] <= done:
-            heapq.heappop(decoding)
+            return result(t)
+        finish_decoding()
     # Out of loops (a pathological backlog): finish the target alone from here.
     rows = len(prefilling) + len(decoding)
     if first < 0:
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
     left = target_end - done if target_end >= 0 else target.steps
-    last = first + left * shape.decode_step_ms(rows or 1)
+    last = first + left * shape.decode_step_ms(rows or 1, (rows or 1) * target.ctx)
     return Replayed(max(queue_ms, 0.0), first, last, float(rows or 1), stall)
+
+
+def _req(w: Work, new: bool = False) -> _Req:
+    """A replay's request from ``w`` (the new one computes at least one prompt token; work in
+    hand whose prefill is under way has paid its fixed cost)."""
+    prefill = max(1.0, w.prefill_tokens) if new else max(0.0, w.prefill_tokens)
+    return _Req(prefill, max(0.0, w.decode_steps), new, w.started and not new, max(0.0, w.context))
 
 
 def replay_literal(
@@ -276,24 +312,38 @@ def replay_literal(
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    ahead = [w for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0]
-    # requests in hand whose prefill is under way have paid their fixed cost
-    waiting = [
-        _Req(max(0.0, w.prefill_tokens), max(0.0, w.decode_steps), started=w.started) for w in ahead
-    ]
-    target = _Req(max(1.0, new.prefill_tokens), max(0.0, new.decode_steps), new=True)
+    waiting = [_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0]
+    target = _req(new, new=True)
     waiting.append(target)
     waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)
     t = 0.0
     queue_ms = first = -1.0
-    row_steps = steps = stall = 0.0
+    row_steps = steps = stall = ctx_steps = 0.0
+
+    def result(last: float) -> Replayed:
+        if steps <= 0:
+            return Replayed(queue_ms, first, last, 1.0, stall)
+        return Replayed(queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps)
+
+    def decode(rows: list[_Req], k: float) -> None:
+        """``k`` steps of ``rows``: each attends to its context, one token more each step."""
+        nonlocal t, row_steps, steps, ctx_steps
+        ctx = sum(k * r.ctx + k * (k - 1.0) / 2.0 for r in rows)
+        t += k * shape.decode_step_ms(len(rows)) + shape.decode_ms_per_context_token * ctx
+        for r in rows:
+            r.steps -= k
+            r.ctx += k
+        if target in rows:
+            row_steps += k * len(rows)
+            ctx_steps += ctx
+            steps += k
+
     for _ in range(max_loops):
         if arrivals is not None:
-            w = arrivals.work
             for _ in range(arrivals.population - len(waiting) - len(running)):
-                waiting.insert(0, _Req(w.prefill_tokens, max(0.0, w.decode_steps)))
+                waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
             r = waiting.pop()
             if r.new:
@@ -307,18 +357,13 @@ def replay_literal(
             t += ms
             stall += own * len(rows)
             if rows:
-                t += shape.decode_step_ms(len(rows))
-                for r in rows:
-                    r.steps -= 1.0
-                if target in rows:
-                    row_steps += len(rows)
-                    steps += 1.0
-                    if target.steps <= 0:
-                        return Replayed(queue_ms, first, t, row_steps / steps, stall)
+                decode(rows, 1.0)
+                if target in rows and target.steps <= 0:
+                    return result(t)
             if target in finished:
                 first = t
                 if target.steps <= 0:
-                    return Replayed(queue_ms, first, first, 1.0, stall)
+                    return result(first)
             running = [r for r in running if r.prefill > 0 or r.steps > 0]
             continue
         if pre is not None:
@@ -330,7 +375,7 @@ def replay_literal(
             if pre.prefill <= 0 and pre.new:
                 first = t
                 if target.steps <= 0:
-                    return Replayed(queue_ms, first, first, 1.0, stall)
+                    return result(first)
         decoding = [r for r in running if r.prefill <= 0 and r.steps > 0 and r is not pre]
         if pre is not None and pre.prefill <= 0 and pre.steps > 0:
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
@@ -339,23 +384,17 @@ def replay_literal(
             if pre is None and not waiting:
                 break
             continue
-        n = len(decoding)
         # With nothing left to prefill, identical steps repeat until the next finish: jump.
         k = 1.0
         if not any(r.prefill > 0 for r in running) and pre is None:
             k = max(1.0, min(r.steps for r in decoding))
-        t += k * shape.decode_step_ms(n)
-        for r in decoding:
-            r.steps -= k
-        if first >= 0:
-            if target in decoding:
-                row_steps += k * n
-                steps += k
-            if target.steps <= 0:
-                return Replayed(queue_ms, first, t, row_steps / steps if steps else 1.0, stall)
+        decode(decoding, k)
+        if first >= 0 and target.steps <= 0:
+            return result(t)
         running = [r for r in running if r.prefill > 0 or r.steps > 0]
     # Out of loops (a pathological backlog): finish the target alone from here.
     if first < 0:
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
-    last = first + target.steps * shape.decode_step_ms(len(running) or 1)
-    return Replayed(max(queue_ms, 0.0), first, last, float(len(running) or 1), stall)
+    rows_n = len(running) or 1
+    last = first + target.steps * shape.decode_step_ms(rows_n, rows_n * target.ctx)
+    return Replayed(max(queue_ms, 0.0), first, last, float(rows_n), stall)

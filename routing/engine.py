@@ -60,7 +60,8 @@ class TokenEvent:
     from the first event on; ``completion_tokens`` counts all tokens generated so far.
     ``prefill_ms``, from an engine that measures it, is the compute time of the request's own
     prompt chunks (not its wait, nor other requests' work between them), valid from the first
-    event on; None where the engine cannot tell one request's share of a step.
+    event on (the cloud engine's: the request's token share of what each step that ran its
+    chunks took beyond the step's decode rows); None from an engine that does not measure it.
     """
 
     request_id: str

@@ -15,8 +15,10 @@ Invariants:
   the same kind, device and models: replicas of one deployment), before the kind's defaults:
   a fresh replica must not look slower than its busy twin, or it never gets the traffic that
   would measure it.
-- Decode time scales with the batch: ``ms(b) = ms(1) * (1 + batch_slope * (b - 1))``; rates are
-  stored normalized to batch 1, so measurements at different batches are comparable.
+- Decode time scales with the batch and the context its rows attend to: a step of ``b`` rows
+  over ``n`` tokens of context in all takes ``ms(1) * (1 + batch_slope * (b - 1)) + c * n``;
+  rates are stored normalized to batch 1 and no context, so measurements at different batches
+  and prompt lengths are comparable (``c`` is fitted once contexts spread, 0 until then).
 - Predictions are finite and non-negative; a request never has fewer than one uncached token.
 - Predicted-vs-measured error is recorded for every observation that carries a prediction.
 """
@@ -133,6 +135,8 @@ class Estimate:
     step_ms: float = 0.0
     # the delay its prefill chunks add to the requests decoding beside it, summed over them
     stalled_others_ms: float = 0.0
+    # mean tokens of context its decode steps are predicted to attend to (all rows, summed)
+    mean_context: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,42 +170,66 @@ class _Ewma:
         self.n += 1
 
 
-@dataclass(slots=True)
-class LineFit:
-    """``y = a + b x`` by least squares over exponentially forgotten samples.
+@dataclass(frozen=True, slots=True)
+class DecodeCost:
+    """A decode step's cost as :class:`DecodeFit` found it: ``b1_ms`` for one row of no
+    context, ``per_row_ms`` for each further row, ``per_context_ms`` for each token of context
+    over all rows; ``slope_fitted`` is False where the batch never spread and ``per_row_ms``
+    is the assumed slope's."""
 
-    ``solve`` answers only once the samples span ``min_spread`` in x (standard deviation) over
-    at least ``min_samples``: a fit over one batch size says nothing about the slope.
+    b1_ms: float
+    per_row_ms: float
+    per_context_ms: float
+    slope_fitted: bool
+
+
+@dataclass(slots=True)
+class DecodeFit:
+    """Decode ms per token ``y = a + b * (batch - 1) + c * context`` by least squares over
+    exponentially forgotten samples, ``context`` being the tokens a step's rows attend to.
+
+    ``solve`` fits the terms whose regressor spread (``min_spread_batch`` rows,
+    ``min_spread_context`` tokens, standard deviations) over at least ``min_samples``: both,
+    or the batch line (``c = 0``), or the context line over samples of one batch size, which
+    says nothing of the slope (the assumed one then normalizes the intercept to batch 1); a
+    negative context cost is dropped (``c = 0``); None while neither spread.
     """
 
     decay: float = 0.97
     min_samples: int = 6
-    min_spread: float = 0.5
+    min_spread_batch: float = 0.5
+    min_spread_context: float = 64.0
     n: int = 0
-    sw: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    m: list[float] = field(default_factory=lambda: [0.0] * 9)  # w, x, z, xx, xz, zz, y, xy, zy
 
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.sw = d * self.sw + 1.0
-        self.sx = d * self.sx + x
-        self.sy = d * self.sy + y
-        self.sxx = d * self.sxx + x * x
-        self.sxy = d * self.sxy + x * y
+    def add(self, extra_rows: float, context: float, y: float) -> None:
+        d, x, z = self.decay, extra_rows, context
+        terms = (1.0, x, z, x * x, x * z, z * z, y, x * y, z * y)
+        self.m = [d * a + t for a, t in zip(self.m, terms, strict=True)]
         self.n += 1
 
-    def solve(self) -> tuple[float, float] | None:
-        if self.n < self.min_samples or self.sw <= 0:
+    def solve(self, assumed_slope: float) -> DecodeCost | None:
+        w, sx, sz, sxx, sxz, szz, sy, sxy, szy = self.m
+        if self.n < self.min_samples or w <= 0:
             return None
-        mx, my = self.sx / self.sw, self.sy / self.sw
-        var = self.sxx / self.sw - mx * mx
-        if var < self.min_spread**2:
-            return None
-        b = (self.sxy / self.sw - mx * my) / var
-        return my - b * mx, b
+        mx, mz, my = sx / w, sz / w, sy / w
+        vx, vz = sxx / w - mx * mx, szz / w - mz * mz
+        cxz, cxy, czy = sxz / w - mx * mz, sxy / w - mx * my, szy / w - mz * my
+        x_ok, z_ok = vx >= self.min_spread_batch**2, vz >= self.min_spread_context**2
+        det = vx * vz - cxz * cxz
+        if x_ok and z_ok and det > 1e-9 * vx * vz:
+            b = (cxy * vz - czy * cxz) / det
+            c = (czy * vx - cxy * cxz) / det
+            if c >= 0:
+                return DecodeCost(my - b * mx - c * mz, b, c, True)
+        if x_ok:
+            b = cxy / vx
+            return DecodeCost(my - b * mx, b, 0.0, True)
+        if z_ok:
+            c = max(0.0, czy / vz)
+            b1 = (my - c * mz) / (1.0 + assumed_slope * max(0.0, mx))
+            return DecodeCost(b1, b1 * assumed_slope, c, False)
+        return None
 
 
 @dataclass(slots=True)
@@ -210,7 +238,7 @@ class PrefillFit:
     squares over exponentially forgotten samples: new tokens cost ``b`` each, and each cached
     token they attend to (and the engine walks: block tables, KV gathers) ``c``.
 
-    ``solve`` answers once the uncached lengths spread as :class:`LineFit` asks; the cached
+    ``solve`` answers once the uncached lengths spread over ``min_samples``; the cached
     term joins only once the cached lengths spread too (``c = 0`` until then, and whenever the
     fit would make it negative), so a node that never hits a prefix is fitted as a line.
     """
@@ -255,7 +283,8 @@ class NodeRates:
     prefill_tokens_per_s: _Ewma = field(default_factory=_Ewma)
     decode_ms_per_token_b1: _Ewma = field(default_factory=_Ewma)
     output_tokens: _Ewma = field(default_factory=_Ewma)
-    decode_fit: LineFit = field(default_factory=LineFit)  # ms/token against (batch - 1)
+    decode_fit: DecodeFit = field(default_factory=DecodeFit)  # ms/token, batch and context
+    prompt_tokens: _Ewma = field(default_factory=_Ewma)  # of the requests it served
     # a prompt's own time to first token: fixed cost + per uncached token + per cached token
     prefill_fit: PrefillFit = field(default_factory=PrefillFit)
 
@@ -354,6 +383,10 @@ class LatencyModel:
         self._register(node)
         return self._peer_rates(node.id)
 
+    def _peer_ids(self, node: NodeState) -> set[str]:
+        group = self._register(node)
+        return self._groups.get(group, set()) - {node.id}
+
     def _peer_rates(self, node_id: str) -> list[NodeRates]:
         group = self._peer_group.get(node_id)
         members = self._groups.get(group, ()) if group is not None else ()
@@ -369,13 +402,30 @@ class LatencyModel:
         return 1.0 + slope * max(0.0, batch - 1.0)
 
     def _slope(self, node_id: str | None, kind: NodeKind) -> float:
+        assumed = self.knobs.defaults(kind).batch_slope
         if node_id is not None:
             own = self.rates.get(node_id)
             for rates in [own, *self._peer_rates(node_id)]:  # its own fit, else a peer's
-                fit = rates.decode_fit.solve() if rates is not None else None
-                if fit is not None and fit[0] > 0:
-                    return min(max(fit[1] / fit[0], 0.0), 2.0)
-        return self.knobs.defaults(kind).batch_slope
+                fit = rates.decode_fit.solve(assumed) if rates is not None else None
+                if fit is not None and fit.slope_fitted and fit.b1_ms > 0:
+                    return min(max(fit.per_row_ms / fit.b1_ms, 0.0), 2.0)
+        return assumed
+
+    def _decode_cost(self, node_id: str, kind: NodeKind) -> DecodeCost | None:
+        rates = self.rates.get(node_id)
+        if rates is None:
+            return None
+        fit = rates.decode_fit.solve(self.knobs.defaults(kind).batch_slope)
+        return fit if fit is not None and fit.b1_ms > 0 else None
+
+    def context_cost(self, node: NodeState) -> float:
+        """Decode ms per token of context (summed over a step's rows): fitted on this node's
+        requests once their contexts spread, else a peer's, else 0."""
+        for node_id in [node.id, *sorted(self._peer_ids(node))]:
+            fit = self._decode_cost(node_id, node.kind)
+            if fit is not None and fit.per_context_ms > 0:
+                return fit.per_context_ms
+        return 0.0
 
     def _blend(self, measured: _Ewma, reported: float, default: float) -> float:
         k = self.knobs
@@ -407,9 +457,9 @@ class LatencyModel:
         factor = self.batch_factor(node.kind, max(1, node.running), node.id)
         reported = node.decode_ms_per_token / factor
         measured = rates.decode_ms_per_token_b1
-        fit = rates.decode_fit.solve()
-        if fit is not None and fit[0] > 0:  # the fit's intercept is batch 1 itself
-            measured = _Ewma(fit[0], measured.n)
+        fit = self._decode_cost(node.id, node.kind)
+        if fit is not None:  # the fit's intercept is batch 1 itself
+            measured = _Ewma(fit.b1_ms, measured.n)
         if measured.n == 0 and reported <= 0:
             peers = self._peers(node)
             default = (
@@ -419,6 +469,11 @@ class LatencyModel:
                 or default
             )
         return _finite(self._blend(measured, reported, default), default)
+
+    def mean_prompt_tokens(self, node_id: str) -> float:
+        """Prompt tokens of a typical request on the node (0 until one is seen)."""
+        rates = self.rates.get(node_id)
+        return rates.prompt_tokens.value if rates is not None else 0.0
 
     def mean_output_tokens(self, node_id: str) -> float:
         rates = self.rates.get(node_id)
@@ -458,6 +513,7 @@ class LatencyModel:
             batch_slope=self.batch_slope(node),
             prefill_fixed_ms=fixed,
             mixed_steps=kd.mixed_steps,
+            decode_ms_per_context_token=self.context_cost(node),
         )
 
     def estimate(
@@ -497,7 +553,8 @@ class LatencyModel:
             unknown = max(0, extra_inflight)
             work = list(ahead)
         if unknown:
-            typical = Work(0.0, 0.5 * self.mean_output_tokens(node.id))
+            half = 0.5 * self.mean_output_tokens(node.id)
+            typical = Work(0.0, half, context=self.mean_prompt_tokens(node.id) + half)
             work = [typical] * unknown + work
         out = max(1.0, expected_output_tokens)
         if node.kv_blocks_total > 0 and work:
@@ -508,12 +565,15 @@ class LatencyModel:
         # the cached tokens' cost as prefill work of the same rate (what replay schedules)
         per_cached = self.prefill_cost(node)[2]
         work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
-        r = replay(shape, work, Work(work_tokens, out - 1.0), arrivals=arrivals)
+        r = replay(
+            shape, work, Work(work_tokens, out - 1.0, context=prompt_tokens), arrivals=arrivals
+        )
         own_prefill = shape.prefill_fixed_ms + work_tokens * shape.prefill_ms_per_token
         # a busy engine takes a new request in between steps: half the step in flight, on
         # average, before anything of the replay (100+ ms a step on a CPU cloud node)
         if work:
-            in_flight = 0.5 * shape.decode_step_ms(min(len(work), shape.slots))
+            rows = work[: shape.slots]
+            in_flight = 0.5 * shape.decode_step_ms(len(rows), sum(w.context for w in rows))
             r = replace(
                 r,
                 queue_ms=r.queue_ms + in_flight,
@@ -523,9 +583,9 @@ class LatencyModel:
         rtt = max(0.0, rtt_ms)
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
-        step_ms = shape.decode_step_ms(r.mean_batch)
+        step_ms = shape.decode_step_ms(r.mean_batch, r.mean_context)
         if per_token <= 0:
-            per_token = shape.decode_step_ms(max(1, round(r.mean_batch)))
+            per_token = shape.decode_step_ms(max(1, round(r.mean_batch)), r.mean_context)
         return Estimate(
             node_id=node.id,
             rtt_ms=rtt_ms,
@@ -544,6 +604,7 @@ class LatencyModel:
             prefill_work_tokens=work_tokens,
             step_ms=step_ms,
             stalled_others_ms=r.stalled_others_ms,
+            mean_context=r.mean_context,
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -554,8 +615,9 @@ class LatencyModel:
         TTFT less the prompt's compute) when it gives one, whatever else ran; otherwise only
         from requests predicted to start at once with little else running (their TTFT is then
         mostly their own prefill). Decode ms/token is fitted against
-        the mean batch the request was predicted to decode in, less the stall per token the
-        prediction put between its steps (other requests' prefill chunks).
+        the mean batch the request was predicted to decode in and the mean context its steps
+        were predicted to attend to, less the stall per token the prediction put between its
+        steps (other requests' prefill chunks).
         """
         k = self.knobs
         rates = self.rates.get(obs.node_id)
@@ -591,10 +653,16 @@ class LatencyModel:
                 per_token = max(per_token - stall, 0.3 * per_token)
             if per_token > 0:
                 batch = est.mean_batch if est else 1.0
+                context = est.mean_context if est else float(obs.prompt_tokens)
+                fit = self._decode_cost(obs.node_id, obs.kind)
+                own = per_token - (fit.per_context_ms * context if fit is not None else 0.0)
                 rates.decode_ms_per_token_b1.add(
-                    per_token / self.batch_factor(obs.kind, batch, obs.node_id), k.rate_alpha
+                    max(own, 0.3 * per_token) / self.batch_factor(obs.kind, batch, obs.node_id),
+                    k.rate_alpha,
                 )
-                rates.decode_fit.add(batch - 1.0, per_token)
+                rates.decode_fit.add(batch - 1.0, context, per_token)
+        if obs.prompt_tokens > 0:
+            rates.prompt_tokens.add(float(obs.prompt_tokens), k.rate_alpha)
         if obs.completion_tokens > 0:
             rates.output_tokens.add(float(obs.completion_tokens), k.rate_alpha)
 
@@ -629,5 +697,6 @@ class LatencyModel:
                 row["prefill_tokens_per_s"] = self.prefill_tokens_per_s(node)
                 row["decode_ms_per_token_b1"] = self.decode_ms_per_token_b1(node)
                 row["batch_slope"] = self.batch_slope(node)
+                row["decode_ms_per_context_token"] = self.context_cost(node)
             out[node_id] = row
         return out

@@ -92,9 +92,9 @@ class DispatchLedger:
         # they finished still counts them as running
         self._finished: dict[str, collections.deque[tuple[float, float]]] = {}
         self.keep_finished_s = keep_finished_s
-        # (dispatched at, prefill work tokens, decode steps) of recent dispatches per node, and
-        # when the first one went: the node's usual population and mean work (``arrivals``)
-        self._sent: dict[str, collections.deque[tuple[float, float, float]]] = {}
+        # (dispatched at, prefill work tokens, decode steps, prompt tokens) of recent dispatches
+        # per node, and when the first one went: its usual population and work (``arrivals``)
+        self._sent: dict[str, collections.deque[tuple[float, float, float, float]]] = {}
         self._first_sent: dict[str, float] = {}
 
     def add(
@@ -110,7 +110,8 @@ class DispatchLedger:
             self._entries[ticket_id] = _InFlight(at, estimate, output_tokens)
             work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
-            sent.append((at, work, max(0.0, output_tokens - 1.0)))
+            prompt = float(estimate.cached_tokens + estimate.uncached_tokens)
+            sent.append((at, work, max(0.0, output_tokens - 1.0), prompt))
             self._first_sent.setdefault(node_id, at)
 
     def remove(self, node_id: str, at: float, ticket_id: int, now: float | None = None) -> bool:
@@ -170,7 +171,11 @@ class DispatchLedger:
             if finished > start:
                 busy += finished - max(at, start)
         n = len(sent)
-        work = Work(max(1.0, sum(w for _, w, _ in sent) / n), sum(d for _, _, d in sent) / n)
+        work = Work(
+            max(1.0, sum(s[1] for s in sent) / n),
+            sum(s[2] for s in sent) / n,
+            context=sum(s[3] for s in sent) / n,
+        )
         return Arrivals(int(busy / span + 0.5), work)
 
     def since(self, node_id: str, t: float) -> int:
@@ -182,7 +187,8 @@ class DispatchLedger:
 
     def work(self, node_id: str, now: float) -> list[Work]:
         """What each request in flight on the node still has to do, oldest first, as far as
-        its prediction and what was seen of it (its first token) tell."""
+        its prediction and what was seen of it (its first token) tell; its context is its
+        prompt and the tokens it is taken to have generated."""
         out: list[Work] = []
         for _, ticket_id in self._times.get(node_id, ()):
             e = self._entries.get(ticket_id)
@@ -192,18 +198,20 @@ class DispatchLedger:
             elapsed = (now - e.dispatched_at) * 1000.0
             steps = max(0.0, e.output_tokens - 1.0)
             t_first = est.ttft_ms - est.rtt_ms
+            prompt = float(est.cached_tokens + est.uncached_tokens)
             if e.first_token_at is not None or elapsed >= t_first:
                 since_first = (
                     (now - e.first_token_at) * 1000.0
                     if e.first_token_at is not None
                     else elapsed - t_first
                 )
-                done = since_first / max(est.decode_ms_per_token, 1e-3)
-                out.append(Work(0.0, max(1.0, steps - done) if steps else 0.0))
+                done = min(since_first / max(est.decode_ms_per_token, 1e-3), steps)
+                left = max(1.0, steps - done) if steps else 0.0
+                out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
                 tokens = est.prefill_work_tokens or float(est.uncached_tokens)
-                out.append(Work(tokens * min(1.0, left), steps, started=left < 1.0))
+                out.append(Work(tokens * min(1.0, left), steps, started=left < 1.0, context=prompt))
         return out
 
 

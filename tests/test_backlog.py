@@ -25,7 +25,9 @@ def test_hand_computed_two_slots():
     # at 175; loop 3: its 50 tokens (t=225, first token), it steps with A's last (t=240);
     # loop 4: its last step alone (t=250). It decoded at 2 rows, then 1: mean 1.5.
     assert r == Replayed(queue_ms=175.0, first_token_ms=225.0, last_token_ms=250.0, mean_batch=1.5,
-                        stalled_others_ms=50.0)  # A decoded through its 50 ms chunk  # fmt: skip
+                        stalled_others_ms=50.0,  # A decoded through its 50 ms chunk
+                        # its steps attended to A's 2 tokens and its own 0, then its own 1
+                        mean_context=1.5)  # fmt: skip
 
 
 def test_identical_steps_are_jumped_without_rounding_an_extra_step():
@@ -42,6 +44,7 @@ works = st.lists(
         st.sampled_from([0.0, 1.0, 16.0, 100.0, 250.0, 700.0]),
         st.sampled_from([0.0, 1.0, 3.0, 7.5, 16.0, 31.0, 127.0]),
         st.booleans(),
+        st.sampled_from([0.0, 40.0, 1200.0]),
     ),
     max_size=40,
 )
@@ -50,13 +53,19 @@ works = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(
     ahead=works,
-    new=st.builds(Work, st.sampled_from([1.0, 30.0, 512.0]), st.sampled_from([0.0, 1.0, 15.0])),
+    new=st.builds(
+        Work,
+        st.sampled_from([1.0, 30.0, 512.0]),
+        st.sampled_from([0.0, 1.0, 15.0]),
+        context=st.sampled_from([0.0, 700.0]),
+    ),
     slots=st.sampled_from([1, 2, 4, 64]),
     chunk=st.sampled_from([64, 256]),
     beside=st.sampled_from([0, 16, 40]),
     fixed=st.sampled_from([0.0, 5.0]),
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
+    per_context=st.sampled_from([0.0, 0.01]),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -67,6 +76,7 @@ def test_replay_equals_the_literal_loop(
     fixed: float,
     slope: float,
     mixed: bool,
+    per_context: float,
 ):
     shape = EngineShape(
         slots,
@@ -77,6 +87,7 @@ def test_replay_equals_the_literal_loop(
         prefill_fixed_ms=fixed,
         chunk_tokens_decoding=beside,
         mixed_steps=mixed,
+        decode_ms_per_context_token=per_context,
     )
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
@@ -84,6 +95,26 @@ def test_replay_equals_the_literal_loop(
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
     assert got.mean_batch == pytest.approx(want.mean_batch)
     assert got.stalled_others_ms == pytest.approx(want.stalled_others_ms)
+    assert got.mean_context == pytest.approx(want.mean_context)
+
+
+def test_each_decode_step_reads_the_context_of_its_rows():
+    # 10 ms a step plus 0.01 ms per token of context. In hand: A decoding 2 steps at context
+    # 1000. New: a 500-token prompt (0.1 ms a token: 50 ms), 3 steps after its first token.
+    shape = EngineShape(slots=2, chunk_tokens=1000, prefill_ms_per_token=0.1,
+                        decode_step_ms_b1=10.0, batch_slope=0.0,
+                        decode_ms_per_context_token=0.01)  # fmt: skip
+    r = replay(shape, [Work(0, 2, context=1000)], Work(500, 3, context=500))
+    # its prompt (t=50), a step with A: 1000 + 500 tokens (t=75); A's last step with it: 1001 +
+    # 501 (t=100.02); its last alone at 502 (t=115.04)
+    assert (r.first_token_ms, r.mean_batch) == (50.0, pytest.approx(5 / 3))
+    assert r.last_token_ms == pytest.approx(115.04)
+    assert r.mean_context == pytest.approx((1500 + 1502 + 502) / 3)
+    assert replay_literal(shape, [Work(0, 2, context=1000)], Work(500, 3, context=500)) == r
+    # identical steps are jumped with their growing context: 100 steps alone from 500 tokens
+    alone = replay(shape, [], Work(1, 100, context=500))
+    assert alone.last_token_ms == pytest.approx(0.1 + 100 * 10 + 0.01 * (100 * 500 + 4950))
+    assert shape.decode_step_ms(2, 1500) == pytest.approx(25.0)
 
 
 def test_a_prompt_beside_decoding_rows_runs_in_the_smaller_chunk():
@@ -95,7 +126,8 @@ def test_a_prompt_beside_decoding_rows_runs_in_the_smaller_chunk():
     # three 10-token chunks, each followed by A's step (t=10, 20 | 30, 40 | 50): the first
     # token at 50; then two steps with A (60, 70)
     assert r == Replayed(queue_ms=0.0, first_token_ms=50.0, last_token_ms=70.0, mean_batch=2.0,
-                         stalled_others_ms=30.0)  # fmt: skip
+                         stalled_others_ms=30.0,
+                         mean_context=3.0)  # A's 2 tokens and its 0, then 3 and 1  # fmt: skip
     assert replay_literal(shape, [Work(0, 5)], Work(30, 2)) == r
     # full chunks beside A: the whole prompt at once (t=30), then two steps with A (40, 50)
     full = replay(replace(shape, chunk_tokens_decoding=0), [Work(0, 5)], Work(30, 2))
@@ -141,7 +173,8 @@ def test_arrivals_keep_the_population_and_slow_the_decode():
     # (t=140), a step of 2 rows (t=155): C is done, D comes; D's 50 (t=205), the new
     # request's last step, with D (t=220). It decoded at 2 rows throughout.
     assert r == Replayed(queue_ms=0.0, first_token_ms=10.0, last_token_ms=220.0, mean_batch=2.0,
-                         stalled_others_ms=10.0)  # A decoding through its 10 ms  # fmt: skip
+                         stalled_others_ms=10.0,  # A decoding through its 10 ms
+                         mean_context=1.5)  # its own 0..3 beside newcomers of 0  # fmt: skip
     # a population the node already has brings nobody: the same as without arrivals
     assert replay(shape, [Work(0, 1)], Work(10, 4), arrivals=Arrivals(1, Work(50, 1))) == alone
     with pytest.raises(ValueError):
@@ -159,7 +192,8 @@ def test_arrivals_keep_the_population_and_slow_the_decode():
 def test_replay_with_arrivals_equals_the_literal_loop(
     ahead: Sequence[Work], new: Work, slots: int, population: int, later: Work
 ):
-    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2)
+    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
+                        decode_ms_per_context_token=0.01)  # fmt: skip
     arr = Arrivals(population, later)
     got = replay(shape, ahead, new, arrivals=arr)
     want = replay_literal(shape, ahead, new, arrivals=arr)
@@ -168,3 +202,4 @@ def test_replay_with_arrivals_equals_the_literal_loop(
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
     assert got.mean_batch == pytest.approx(want.mean_batch)
     assert got.stalled_others_ms == pytest.approx(want.stalled_others_ms)
+    assert got.mean_context == pytest.approx(want.mean_context)

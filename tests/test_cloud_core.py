@@ -203,6 +203,37 @@ def test_measured_rates_match_the_wall_clock(
     assert c.decode_ms == pytest.approx(DECODE_STEP_S * 1e3, rel=1e-6)
 
 
+def test_each_prompt_is_charged_its_share_of_the_steps_that_ran_it(
+    tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's own compute (what the node reports as ``prefill_ms``): alone, the steps that
+    ran its chunks; beside decode rows, what the step took beyond their decode (the
+    decode-only steps' time), split by prompt tokens between the prompts of the step."""
+    import cloud_engine.core as core_module
+
+    clock = _FakeTime()
+    monkeypatch.setattr(core_module, "time", clock)
+    core = make_core(tiny, "reference", max_kv_blocks=200, overlap=False)
+    launch = core.runner.launch
+
+    def timed_launch(batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prompt = sum(max(0, min(it.num_new, it.seq.num_prompt - it.start)) for it in batch.items)
+        decoding = any(it.num_new == 1 and it.seq.num_output > 0 for it in batch.items)
+        cost = prompt * PREFILL_S_PER_TOKEN + (DECODE_STEP_S if decoding else 0.0)
+        return _Timed(launch(batch, *args, **kwargs), cost, clock)
+
+    monkeypatch.setattr(core.runner, "launch", timed_launch)
+    a = core.add(GenerationRequest(list(range(1, 101)), greedy(40), request_id="a"))
+    for _ in range(5):  # a's prompt (one step), then 4 decode-only steps
+        core.step()
+    b = core.add(GenerationRequest(list(range(3, 63)), greedy(4), request_id="b"))
+    c = core.add(GenerationRequest(list(range(5, 25)), greedy(4), request_id="c"))
+    core.step()  # b's and c's prompts beside a's decode row
+    assert a.prefill_ms == pytest.approx(100 * PREFILL_S_PER_TOKEN * 1e3)
+    assert b.prefill_ms == pytest.approx(60 * PREFILL_S_PER_TOKEN * 1e3)
+    assert c.prefill_ms == pytest.approx(20 * PREFILL_S_PER_TOKEN * 1e3)
+
+
 def test_measured_rates_are_real_numbers_on_the_real_clock(tiny: LlamaForCausalLM) -> None:
     """Without the injected clock the counters are measured (positive, finite); no bound on
     their values: that would test the machine's load, not the code."""

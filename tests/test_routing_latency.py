@@ -341,3 +341,29 @@ def test_the_nodes_account_of_the_wait_teaches_prefill_whatever_ran():
                               net_rtt_ms=5.0, node_queue_ms=2000.0, estimate=e))  # fmt: skip
     fixed, per_token, _ = m.prefill_cost(n)
     assert per_token == pytest.approx(2.0) and fixed == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_cost_of_reading_the_context_in_decode_is_fitted():
+    """A decode step reads every row's KV: 14 ms a step plus 0.008 ms per token of context
+    (the edge node's figures on this machine). Requests of one batch size at different prompt
+    lengths teach the per-token context cost; a long prompt is then predicted to decode slower
+    than a short one, and the intercept is the step of no context."""
+    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    n = node(decode_ms_per_token=0.0)
+    for prompt in (30, 250, 500, 1000, 1800, 60, 700, 1500):
+        e = est(m, n, prompt=prompt, out=33)
+        assert e.mean_batch == 1.0
+        per_token = 14.0 + 0.008 * e.mean_context
+        m.observe(
+            Observation(
+                node_id="e1", kind=NodeKind.EDGE, prompt_tokens=prompt, cached_tokens=0,
+                completion_tokens=33, ttft_ms=e.ttft_ms, e2e_ms=e.ttft_ms + 32 * per_token,
+                estimate=e,
+            )
+        )  # fmt: skip
+    assert m.context_cost(n) == pytest.approx(0.008, rel=1e-6)
+    assert m.decode_ms_per_token_b1(n) == pytest.approx(14.0, rel=1e-6)
+    assert m.batch_slope(n) == pytest.approx(0.6)  # one batch size: the slope stays assumed
+    short, long = est(m, n, prompt=100, out=33), est(m, n, prompt=1900, out=33)
+    assert short.decode_ms_per_token == pytest.approx(14.0 + 0.008 * (100 + 15.5), rel=1e-6)
+    assert long.decode_ms_per_token == pytest.approx(14.0 + 0.008 * (1900 + 15.5), rel=1e-6)
