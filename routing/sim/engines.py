@@ -55,7 +55,9 @@ class SimRequest:
     held: int = 0  # cloud: unhashed blocks held
     refs: list[int] = field(default_factory=list)  # cloud: hashed blocks referenced
     preempted: int = 0
-    prefill_ms: float = 0.0  # edge: compute of its own prompt chunks (what the node reports)
+    # compute of its own prompt chunks, as the node reports it (the cloud: its token share of
+    # each step that ran them, beyond the decode rows' time)
+    prefill_ms: float = 0.0
     payload: object = None  # the simulator's bookkeeping
 
     @property
@@ -562,6 +564,10 @@ class CloudSim(_Node):
             ctx = sum(r.prompt + r.generated for r in rows) / len(rows) + 0.5 * k
             dec = cost.decode_ms(len(rows), ctx)
         step_ms = cost.overhead_ms + pre_ms + dec
+        if pre_tokens:
+            beside = cost.overhead_ms + dec if rows else 0.0
+            for r, c in pre:
+                r.prefill_ms += (step_ms - beside) * c / pre_tokens
         self.run = (t, step_ms / 1000.0, k) if k > 1 else None
         for r in rows:
             r.generated += k

@@ -412,9 +412,8 @@ class Simulator:
                 router = self.gateways[f.gateway].router
                 back = f.net_s
                 first_gw = r.first_s + back
-                wait_ms = None  # the edge's account of the wait before the first token
-                if self.nodes[f.node].kind == "edge":
-                    wait_ms = max(0.0, (r.first_s - r.node_arrival_s) * 1000.0 - r.prefill_ms)
+                # the node's account of the wait before the first token (both kinds report it)
+                wait_ms = max(0.0, (r.first_s - r.node_arrival_s) * 1000.0 - r.prefill_ms)
                 router.finish(
                     f.ticket,  # type: ignore[arg-type]
                     Measured(
