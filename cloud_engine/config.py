@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
@@ -29,6 +30,10 @@ class EngineConfig:
     overlap: bool | None = None
     debug_checks: bool = False  # run the block integrity check around every step
     threads: int | None = None  # CPU: torch intra-op threads (None leaves torch's choice)
+    # while rows decode, a step's prompt tokens are cut to what takes this many decode steps
+    # (``routing.prefill_budget``); "off": the whole step budget; None: 1 on CPU, off on CUDA
+    # (where a decode step is cheap beside any chunk and the step budget bounds it)
+    prefill_stall_ratio: float | Literal["off"] | None = None
 
     def resolved(self) -> EngineConfig:
         """Fill the per-device defaults."""
@@ -43,5 +48,8 @@ class EngineConfig:
             max_running=self.max_running or (256 if cuda else 64),
             max_tokens_per_step=self.max_tokens_per_step or (8192 if cuda else 1024),
             overlap=cuda if self.overlap is None else self.overlap,
+            prefill_stall_ratio=self.prefill_stall_ratio
+            if self.prefill_stall_ratio is not None
+            else ("off" if cuda else 1.0),
             debug_checks=debug,
         )

@@ -47,6 +47,7 @@ from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, Sche
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
 from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
+from routing.prefill_budget import chunk_beside_decode
 
 if TYPE_CHECKING:
     from cloud_engine.parallel.model import ShardedLlama
@@ -88,6 +89,7 @@ class CoreCounters:
     ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
     prefill_tok_s: float = 0.0
     decode_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0  # a prompt token's share of a step (see ``_account``)
     peak_blocks_used: int = 0
     kv_waste_at_peak: float = 0.0  # allocated slots holding no token / allocated slots
 
@@ -267,6 +269,7 @@ class EngineCore:
         if self._ahead is not None:
             cur, self._ahead = self._ahead, None
         else:
+            self.scheduler.prefill_beside_decode = self.chunk_beside_decode()
             batch = self.scheduler.schedule()
             for seq in batch.preempted:
                 self.runner.release(seq)
@@ -287,6 +290,15 @@ class EngineCore:
         if self.config.debug_checks:
             self.blocks.check_integrity()
         return outputs
+
+    def chunk_beside_decode(self) -> int | None:
+        """Prompt tokens a step takes while rows decode: ``prefill_stall_ratio`` decode steps'
+        worth at the measured rates (None: the whole step budget)."""
+        ratio = self.config.prefill_stall_ratio
+        if ratio is None or ratio == "off":
+            return None
+        c, full = self.counters, self.scheduler.config.max_tokens_per_step
+        return chunk_beside_decode(full, ratio, c.decode_ms, c.prefill_ms_per_token)
 
     def _launch_ahead(self, cur: _Launch) -> _Launch | None:
         """Launch the decode step after ``cur`` before ``cur``'s tokens are read, or None where
@@ -386,6 +398,7 @@ class EngineCore:
             per_token_ms = (1000.0 * dt - rows_ms) / prefill
             for seq, n in chunks:
                 seq.prefill_ms += n * per_token_ms
+            c.prefill_ms_per_token = _ewma(c.prefill_ms_per_token, per_token_ms)
         elif sampled:
             c.decode_ms = _ewma(c.decode_ms, dt * 1000.0)
         used = self.blocks.num_used

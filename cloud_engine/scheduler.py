@@ -13,6 +13,12 @@ One :meth:`Scheduler.schedule` call plans one forward pass under a token budget:
    prefix cache and prefills (a chunk of) the rest. The first sequence that does not fit stops
    admission (no overtaking), so the queue order is honoured.
 
+While any running sequence decodes, the prompt tokens of a batch (chunks of running prompts
+and admissions) are capped at ``prefill_beside_decode`` when the engine sets it (the stall
+ratio of ``routing.prefill_budget``): each decode row then waits at most that chunk's time
+between two of its tokens, whatever arrives. A prompt the cap leaves out waits for the next
+step; it never blocks the decode rows behind it.
+
 Invariants: a sequence appears at most once in a batch, and never in a batch while it is
 ``in_flight`` in an earlier one (pipeline parallelism keeps several batches in flight); after ``schedule`` every scheduled
 sequence owns blocks for ``num_computed + num_new`` tokens; a batch never exceeds
@@ -69,6 +75,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap; lazy deletion
         self._num_waiting = 0
+        self.prefill_beside_decode: int | None = None  # set by the engine before each step
 
     # -- queue -----------------------------------------------------------------------------
     @property
@@ -126,10 +133,18 @@ class Scheduler:
         budget = cfg.max_tokens_per_step
         # A sequence in a batch still in the pipe is neither planned again nor preempted.
         queue = sorted((s for s in self.running if not s.in_flight), key=lambda s: s.sort_key)
+        prompt_budget = budget
+        cut = self.prefill_beside_decode
+        if cut is not None and any(s.num_tokens - s.num_computed == 1 for s in queue):
+            prompt_budget = min(budget, max(1, cut))
         i = 0
         while i < len(queue) and budget > 0 and len(batch.items) < cap:
             seq = queue[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            left = seq.num_tokens - seq.num_computed
+            n = min(left, budget) if left == 1 else min(left, budget, prompt_budget)
+            if n <= 0:  # a prompt beyond this step's prompt tokens: the next step
+                i += 1
+                continue
             need = self._blocks_needed(seq, n)
             while need > self.blocks.num_available:
                 victim = queue.pop()
@@ -145,14 +160,21 @@ class Scheduler:
                 ScheduledSeq(seq, n, seq.num_computed, seq.num_computed + n == seq.num_tokens)
             )
             budget -= n
+            if left > 1:
+                prompt_budget -= n
             i += 1
         if batch.preempted:
             return batch
-        while budget > 0 and len(self.running) < cfg.max_running and len(batch.items) < cap:
+        while (
+            min(budget, prompt_budget) > 0
+            and len(self.running) < cfg.max_running
+            and len(batch.items) < cap
+        ):
             seq = self._peek_waiting()
-            if seq is None or not self._admit(seq, budget, batch):
+            if seq is None or not self._admit(seq, min(budget, prompt_budget), batch):
                 break
             budget -= batch.items[-1].num_new
+            prompt_budget -= batch.items[-1].num_new
         return batch
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> bool:

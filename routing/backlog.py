@@ -145,9 +145,12 @@ def _run_step_chunks(
     prompts: Iterable[_Req], shape: EngineShape, rows: int
 ) -> tuple[float, float, list[_Req]]:
     """A mixed step's prefill: chunks of ``prompts`` (oldest first) in what the step's token
-    budget leaves beside ``rows`` decode rows. Returns its time, the new request's share of it
-    (0 when it got none) and the prompts it finished, in order."""
-    budget = float(max(1, shape.chunk(rows) - rows))
+    budget leaves beside ``rows`` decode rows, at most ``chunk_tokens_decoding`` prompt tokens
+    beside any (the cloud engine's cut). Returns its time, the new request's share of it (0
+    when it got none) and the prompts it finished, in order."""
+    budget = float(max(1, shape.chunk_tokens - rows))
+    if rows and shape.chunk_tokens_decoding > 0:
+        budget = min(budget, float(shape.chunk_tokens_decoding))
     total = own = 0.0
     finished: list[_Req] = []
     for r in prompts:

@@ -213,7 +213,7 @@ def test_each_prompt_is_charged_its_share_of_the_steps_that_ran_it(
 
     clock = _FakeTime()
     monkeypatch.setattr(core_module, "time", clock)
-    core = make_core(tiny, "reference", max_kv_blocks=200, overlap=False)
+    core = make_core(tiny, "reference", max_kv_blocks=200, overlap=False, prefill_stall_ratio="off")
     launch = core.runner.launch
 
     def timed_launch(batch, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -232,6 +232,58 @@ def test_each_prompt_is_charged_its_share_of_the_steps_that_ran_it(
     assert a.prefill_ms == pytest.approx(100 * PREFILL_S_PER_TOKEN * 1e3)
     assert b.prefill_ms == pytest.approx(60 * PREFILL_S_PER_TOKEN * 1e3)
     assert c.prefill_ms == pytest.approx(20 * PREFILL_S_PER_TOKEN * 1e3)
+
+
+@pytest.mark.parametrize("ratio", [4.05, "off"])
+def test_prompts_beside_decode_rows_take_the_stall_ratios_tokens(
+    tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, ratio: float | str
+) -> None:
+    """While a row decodes, a step's prompt tokens are cut to ``ratio`` decode steps' worth at
+    the measured rates (4.05 x 4.5 ms / 0.5 ms: 36 tokens), oldest prompt first; the decode row
+    is in every step, and the tokens are those of the dense reference. Off: the step budget."""
+    import cloud_engine.core as core_module
+
+    clock = _FakeTime()
+    monkeypatch.setattr(core_module, "time", clock)
+    core = make_core(tiny, "reference", max_kv_blocks=200, overlap=False, prefill_stall_ratio=ratio)
+    launch = core.runner.launch
+    steps: list[dict[str, int]] = []
+
+    def timed_launch(batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        steps.append({it.seq.request_id: it.num_new for it in batch.items})
+        prompt = sum(max(0, min(it.num_new, it.seq.num_prompt - it.start)) for it in batch.items)
+        decoding = any(it.num_new == 1 and it.seq.num_output > 0 for it in batch.items)
+        cost = prompt * PREFILL_S_PER_TOKEN + (DECODE_STEP_S if decoding else 0.0)
+        return _Timed(launch(batch, *args, **kwargs), cost, clock)
+
+    monkeypatch.setattr(core.runner, "launch", timed_launch)
+    reqs = [
+        GenerationRequest(list(range(1, 101)), greedy(30), request_id="a"),
+        GenerationRequest(list(range(3, 63)), greedy(4), request_id="b"),
+        GenerationRequest(list(range(5, 25)), greedy(4), request_id="c"),
+    ]
+    core.add(reqs[0])
+    for _ in range(5):  # a's prompt, then 4 decode-only steps (the rates are measured)
+        core.step()
+    assert core.chunk_beside_decode() == (None if ratio == "off" else 36)
+    core.add(reqs[1])
+    core.add(reqs[2])
+    out: dict[str, list[int]] = {}
+    while core.has_work():
+        for o in core.step():
+            out.setdefault(o.seq.request_id, []).extend(o.new_token_ids)
+    if ratio == "off":
+        assert steps[5] == {"a": 1, "b": 60, "c": 20}
+    else:
+        assert steps[5:8] == [
+            {"a": 1, "b": 36},
+            {"a": 1, "b": 24, "c": 12},
+            {"a": 1, "b": 1, "c": 8},
+        ]
+        assert core.chunk_beside_decode() == 36
+    ref = reference(tiny, reqs)
+    assert out["b"] == ref["b"] and out["c"] == ref["c"]
+    core.blocks.check_integrity()
 
 
 def test_measured_rates_are_real_numbers_on_the_real_clock(tiny: LlamaForCausalLM) -> None:

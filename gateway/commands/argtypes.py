@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Literal
 
 
 def _bounded(
@@ -29,6 +30,13 @@ positive_float = _bounded(float, 1e-9, None, "a number above 0")
 nonneg_float = _bounded(float, 0, None, "a number of at least 0")
 temperature = _bounded(float, 0, 2, "a temperature in [0, 2]")
 probability = _bounded(float, 1e-9, 1, "a probability in (0, 1]")
+
+
+def cloud_stall_ratio(text: str) -> float | Literal["off"]:
+    """The cloud's ``--prefill-stall-ratio``: as :func:`stall_ratio`, ``off`` kept as said (an
+    unset flag is the device's default)."""
+    ratio = stall_ratio(text)
+    return "off" if ratio is None else ratio
 
 
 def stall_ratio(text: str) -> float | None:

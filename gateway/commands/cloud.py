@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from gateway.commands.argtypes import cloud_stall_ratio
 from gateway.commands.node_args import add_node_arguments
 
 
@@ -25,6 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="layers per stage, e.g. 10,14, or balanced (the LM head counted on the last "
         "stage) (default: even)",
+    )
+    s.add_argument(
+        "--prefill-stall-ratio",
+        type=cloud_stall_ratio,
+        default=None,
+        help="while answers decode, a step takes at most this many decode steps' time of "
+        "prompt tokens, so each of their tokens waits at most 1 + ratio steps ('off': the "
+        "whole step budget; default 1 on CPU, off on CUDA)",
     )
     s.set_defaults(func=run_serve)
 
@@ -54,6 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         max_waiting=args.max_waiting if args.max_waiting is not None else 1024,
         kv_memory_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
+        prefill_stall_ratio=args.prefill_stall_ratio,
     )
     if args.tp * args.pp > 1:  # rank processes on this host, or this rank of a torchrun world
         from cloud_engine.parallel.launch import parallel_engine_for

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.commands.argtypes import port, stall_ratio
+from gateway.commands.argtypes import cloud_stall_ratio, port, stall_ratio
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
@@ -81,6 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="the edge node's --prefill-stall-ratio (default 1; 'off': full chunks)",
     )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
+    s.add_argument(
+        "--cloud-prefill-stall-ratio",
+        type=cloud_stall_ratio,
+        default=None,
+        help="the cloud node's --prefill-stall-ratio (default 1 on CPU, off on CUDA; 'off': "
+        "the whole step budget)",
+    )
     s.add_argument(
         "--cloud-device", default="auto", help="the cloud node's device: cuda, cpu, auto"
     )
@@ -198,6 +205,8 @@ def _node_argv(
         argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
     else:
         argv += ["--device", args.cloud_device]
+        if args.cloud_prefill_stall_ratio is not None:
+            argv += ["--prefill-stall-ratio", str(args.cloud_prefill_stall_ratio)]
     return argv
 
 

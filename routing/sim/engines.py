@@ -449,17 +449,27 @@ class CloudSim(_Node):
         kv_blocks: int,
         on_blocks: EventSink,
         prefix_cache: bool = True,
+        stall_ratio: float | None = None,
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
         self.budget = max_tokens_per_step
+        self.stall_ratio = stall_ratio  # the engine's prefill_stall_ratio (None: off)
         self.pool = KvPool(kv_blocks, on_blocks)
         self.prefix_cache = prefix_cache
         self.order: list[SimRequest] = []
         self._pending_rows: list[SimRequest] = []
         self._pending_pre: list[tuple[SimRequest, int]] = []
 
+    def chunk_beside_decode(self) -> int | None:
+        """Prompt tokens a step takes beside decode rows, as the engine cuts them."""
+        if self.stall_ratio is None:
+            return None
+        per_token = 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
+        return chunk_beside_decode(self.budget, self.stall_ratio, self.decode_ms, per_token)
+
     def reported_chunks(self) -> tuple[int, int]:
-        return self.budget, 0  # one step's token budget, as the cloud engine reports it
+        # one step's token budget and its prompt tokens beside rows, as the engine reports them
+        return self.budget, self.chunk_beside_decode() or 0
 
     @property
     def running(self) -> int:
@@ -519,6 +529,9 @@ class CloudSim(_Node):
             self._preempt_newest()
         reserve = self._grow(rows, 1)
         budget = self.budget - len(rows)
+        cut = self.chunk_beside_decode() if rows else None
+        if cut is not None:
+            budget = min(budget, cut)
         pre: list[tuple[SimRequest, int]] = []
         pre_ms = 0.0
         pre_tokens = 0

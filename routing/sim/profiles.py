@@ -59,8 +59,8 @@ class NodeProfile(BaseModel):
     prefill_stall_ratio: float | None = Field(
         default=1.0,
         ge=0,
-        description="edge: a chunk beside decoding rows takes at most this many decode steps "
-        "(routing.prefill_budget); null: full chunks",
+        description="a chunk beside decoding rows takes at most this many decode steps "
+        "(routing.prefill_budget), on the edge and on a CPU cloud node; null: full chunks",
     )
     max_tokens_per_step: int = Field(default=1024, gt=0, description="cloud step token budget")
     kv_blocks: int = Field(default=0, ge=0, description="cloud KV pool (16-token blocks); 0: edge")

@@ -201,6 +201,8 @@ class Simulator:
                     max(1, prof.kv_blocks),
                     sink,
                     spec.prefix_cache,
+                    # the engine's default: cut beside decode rows on CPU, not on CUDA
+                    prof.prefill_stall_ratio if (prof.device or "").lower() == "cpu" else None,
                 )
                 self._max_kv = max(self._max_kv, node.pool.total)
             node.request_overhead_s = prof.request_overhead_ms / 1000.0  # type: ignore[attr-defined]
