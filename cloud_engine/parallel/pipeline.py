@@ -44,6 +44,7 @@ class PipelineCore(EngineCore):
         while len(self._queue) < self.depth:
             sched = self.scheduler
             share = -(-(sched.num_running + sched.num_waiting) // self.depth)
+            sched.prefill_beside_decode = self.chunk_beside_decode()
             batch = sched.schedule(max_seqs=max(1, share))
             for seq in batch.preempted:
                 self.runner.release(seq)
