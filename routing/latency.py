@@ -238,6 +238,8 @@ class PrefillFit:
     squares over exponentially forgotten samples: new tokens cost ``b`` each, and each cached
     token they attend to (and the engine walks: block tables, KV gathers) ``c``.
 
+    A fit whose fixed cost exceeds the cheapest prompt's whole time is an extrapolation of
+    samples that do not pin it (prompts that all hit a prefix, or all miss): it is not used.
     ``solve`` answers once the uncached lengths spread over ``min_samples``; the cached
     term joins only once the cached lengths spread too (``c = 0`` until then, and whenever the
     fit would make it negative), so a node that never hits a prefix is fitted as a line.
@@ -248,8 +250,10 @@ class PrefillFit:
     min_spread: float = 24.0  # tokens (standard deviation), for each regressor
     n: int = 0
     m: list[float] = field(default_factory=lambda: [0.0] * 9)  # w, x, z, xx, xz, zz, y, xy, zy
+    min_y: float = math.inf  # the cheapest prompt seen: no fixed cost can exceed it
 
     def add(self, uncached: float, cached: float, y: float) -> None:
+        self.min_y = min(self.min_y, y)
         d, x, z = self.decay, uncached, cached
         terms = (1.0, x, z, x * x, x * z, z * z, y, x * y, z * y)
         self.m = [d * a + t for a, t in zip(self.m, terms, strict=True)]
@@ -270,9 +274,11 @@ class PrefillFit:
         if cached_term and vz >= self.min_spread**2 and det > 1e-9 * vx * vz:
             b = (cxy * vz - czy * cxz) / det
             c = (czy * vx - cxy * cxz) / det
-            if c >= 0:
+            if c >= 0 and my - b * mx - c * mz <= self.min_y:
                 return my - b * mx - c * mz, b, c
         b = cxy / vx  # no usable cached term: the line over the uncached lengths
+        if my - b * mx > self.min_y:  # a fixed cost above a whole prompt's time: no fit yet
+            return None
         return my - b * mx, b, 0.0
 
 
@@ -698,5 +704,9 @@ class LatencyModel:
                 row["decode_ms_per_token_b1"] = self.decode_ms_per_token_b1(node)
                 row["batch_slope"] = self.batch_slope(node)
                 row["decode_ms_per_context_token"] = self.context_cost(node)
+                fixed, per_token, per_cached = self.prefill_cost(node)
+                row["prefill_fixed_ms"] = fixed
+                row["prefill_ms_per_token"] = per_token
+                row["prefill_ms_per_cached_token"] = per_cached
             out[node_id] = row
         return out

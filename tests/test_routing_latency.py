@@ -367,3 +367,24 @@ def test_the_cost_of_reading_the_context_in_decode_is_fitted():
     short, long = est(m, n, prompt=100, out=33), est(m, n, prompt=1900, out=33)
     assert short.decode_ms_per_token == pytest.approx(14.0 + 0.008 * (100 + 15.5), rel=1e-6)
     assert long.decode_ms_per_token == pytest.approx(14.0 + 0.008 * (1900 + 15.5), rel=1e-6)
+
+
+def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used():
+    """Prompts whose lengths do not pin the intercept (the long ones slow, the short ones all
+    at one length) can fit a fixed cost above what the cheapest prompt took in all; such a fit
+    is no fit, and the prefill rate answers."""
+    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    n = node()
+    for uncached, ms in ((100, 60.0), (100, 5000.0), (160, 900.0), (160, 950.0), (40, 30.0)):
+        m.observe(
+            Observation(
+                node_id="e1", kind=NodeKind.EDGE, prompt_tokens=uncached, cached_tokens=0,
+                completion_tokens=1, ttft_ms=ms, e2e_ms=ms, node_queue_ms=0.0,
+            )
+        )  # fmt: skip
+    fit = m.rates["e1"].prefill_fit
+    w, sx, _, sxx, _, _, sy, sxy, _ = fit.m
+    b = (sxy / w - sx / w * sy / w) / (sxx / w - (sx / w) ** 2)
+    assert sy / w - b * sx / w > fit.min_y  # the line's intercept: above the 30 ms prompt
+    fixed, per_token, _ = m.prefill_cost(n)
+    assert fixed == 0.0 and per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
