@@ -374,7 +374,8 @@ class EngineCore:
         take (the decode-only steps' average, at most half the step), split by tokens."""
         c = self.counters
         c.steps += 1
-        prefill = decode_rows = 0
+        prefill = 0
+        decoding = False
         chunks: list[tuple[Sequence, int]] = []
         for it in batch.items:
             seq = it.seq
@@ -387,14 +388,14 @@ class EngineCore:
             if prompt_part:
                 chunks.append((seq, prompt_part))
             elif it.num_new == 1 and it.samples:
-                decode_rows += 1
+                decoding = True
             c.recomputed_tokens += max(0, it.num_new - prompt_part - (1 if it.samples else 0))
         c.prefill_tokens += prefill
         sampled = sum(1 for it in batch.items if it.samples)
         c.decode_tokens += sampled
         if prefill > 0:
             c.prefill_tok_s = _ewma(c.prefill_tok_s, prefill / dt)
-            rows_ms = min(c.decode_ms, 500.0 * dt) if decode_rows else 0.0
+            rows_ms = min(c.decode_ms, 500.0 * dt) if decoding else 0.0
             per_token_ms = (1000.0 * dt - rows_ms) / prefill
             for seq, n in chunks:
                 seq.prefill_ms += n * per_token_ms

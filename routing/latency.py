@@ -138,6 +138,10 @@ class Estimate:
     # mean tokens of context its decode steps are predicted to attend to (all rows, summed)
     mean_context: float = 0.0
 
+    @property
+    def prompt_tokens(self) -> int:
+        return self.cached_tokens + self.uncached_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class Observation:
@@ -171,6 +175,56 @@ class _Ewma:
 
 
 @dataclass(frozen=True, slots=True)
+class _Centered:
+    """Weighted means, variances and covariances of samples ``(x, z, y)``."""
+
+    mx: float
+    mz: float
+    my: float
+    vx: float
+    vz: float
+    cxz: float
+    cxy: float
+    czy: float
+
+    def plane(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` of ``y = a + b x + c z`` by least squares, None where x and z are
+        collinear."""
+        det = self.vx * self.vz - self.cxz * self.cxz
+        if det <= 1e-9 * self.vx * self.vz:
+            return None
+        b = (self.cxy * self.vz - self.czy * self.cxz) / det
+        c = (self.czy * self.vx - self.cxy * self.cxz) / det
+        return self.my - b * self.mx - c * self.mz, b, c
+
+
+@dataclass(slots=True)
+class PlaneMoments:
+    """The running moments of samples ``(x, z, y)``, each older sample's weight multiplied by
+    ``decay`` per new one: what a least-squares fit of ``y`` on ``x`` and ``z`` needs."""
+
+    decay: float = 0.97
+    n: int = 0
+    m: list[float] = field(default_factory=lambda: [0.0] * 9)  # w, x, z, xx, xz, zz, y, xy, zy
+
+    def add(self, x: float, z: float, y: float) -> None:
+        d = self.decay
+        terms = (1.0, x, z, x * x, x * z, z * z, y, x * y, z * y)
+        self.m = [d * a + t for a, t in zip(self.m, terms, strict=True)]
+        self.n += 1
+
+    def centered(self) -> _Centered | None:
+        w, sx, sz, sxx, sxz, szz, sy, sxy, szy = self.m
+        if w <= 0:
+            return None
+        mx, mz, my = sx / w, sz / w, sy / w
+        return _Centered(
+            mx, mz, my, sxx / w - mx * mx, szz / w - mz * mz,
+            sxz / w - mx * mz, sxy / w - mx * my, szy / w - mz * my,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeCost:
     """A decode step's cost as :class:`DecodeFit` found it: ``b1_ms`` for one row of no
     context, ``per_row_ms`` for each further row, ``per_context_ms`` for each token of context
@@ -195,39 +249,28 @@ class DecodeFit:
     negative context cost is dropped (``c = 0``); None while neither spread.
     """
 
-    decay: float = 0.97
     min_samples: int = 6
     min_spread_batch: float = 0.5
     min_spread_context: float = 64.0
-    n: int = 0
-    m: list[float] = field(default_factory=lambda: [0.0] * 9)  # w, x, z, xx, xz, zz, y, xy, zy
+    moments: PlaneMoments = field(default_factory=PlaneMoments)
 
     def add(self, extra_rows: float, context: float, y: float) -> None:
-        d, x, z = self.decay, extra_rows, context
-        terms = (1.0, x, z, x * x, x * z, z * z, y, x * y, z * y)
-        self.m = [d * a + t for a, t in zip(self.m, terms, strict=True)]
-        self.n += 1
+        self.moments.add(extra_rows, context, y)
 
     def solve(self, assumed_slope: float) -> DecodeCost | None:
-        w, sx, sz, sxx, sxz, szz, sy, sxy, szy = self.m
-        if self.n < self.min_samples or w <= 0:
+        s = self.moments.centered() if self.moments.n >= self.min_samples else None
+        if s is None:
             return None
-        mx, mz, my = sx / w, sz / w, sy / w
-        vx, vz = sxx / w - mx * mx, szz / w - mz * mz
-        cxz, cxy, czy = sxz / w - mx * mz, sxy / w - mx * my, szy / w - mz * my
-        x_ok, z_ok = vx >= self.min_spread_batch**2, vz >= self.min_spread_context**2
-        det = vx * vz - cxz * cxz
-        if x_ok and z_ok and det > 1e-9 * vx * vz:
-            b = (cxy * vz - czy * cxz) / det
-            c = (czy * vx - cxy * cxz) / det
-            if c >= 0:
-                return DecodeCost(my - b * mx - c * mz, b, c, True)
+        x_ok, z_ok = s.vx >= self.min_spread_batch**2, s.vz >= self.min_spread_context**2
+        plane = s.plane() if x_ok and z_ok else None
+        if plane is not None and plane[2] >= 0:
+            return DecodeCost(*plane, True)
         if x_ok:
-            b = cxy / vx
-            return DecodeCost(my - b * mx, b, 0.0, True)
+            b = s.cxy / s.vx
+            return DecodeCost(s.my - b * s.mx, b, 0.0, True)
         if z_ok:
-            c = max(0.0, czy / vz)
-            b1 = (my - c * mz) / (1.0 + assumed_slope * max(0.0, mx))
+            c = max(0.0, s.czy / s.vz)
+            b1 = (s.my - c * s.mz) / (1.0 + assumed_slope * max(0.0, s.mx))
             return DecodeCost(b1, b1 * assumed_slope, c, False)
         return None
 
@@ -245,41 +288,28 @@ class PrefillFit:
     fit would make it negative), so a node that never hits a prefix is fitted as a line.
     """
 
-    decay: float = 0.97
     min_samples: int = 4
     min_spread: float = 24.0  # tokens (standard deviation), for each regressor
-    n: int = 0
-    m: list[float] = field(default_factory=lambda: [0.0] * 9)  # w, x, z, xx, xz, zz, y, xy, zy
+    moments: PlaneMoments = field(default_factory=PlaneMoments)
     min_y: float = math.inf  # the cheapest prompt seen: no fixed cost can exceed it
 
     def add(self, uncached: float, cached: float, y: float) -> None:
         self.min_y = min(self.min_y, y)
-        d, x, z = self.decay, uncached, cached
-        terms = (1.0, x, z, x * x, x * z, z * z, y, x * y, z * y)
-        self.m = [d * a + t for a, t in zip(self.m, terms, strict=True)]
-        self.n += 1
+        self.moments.add(uncached, cached, y)
 
     def solve(self, cached_term: bool = True) -> tuple[float, float, float] | None:
         """``(a, b, c)`` or None while the samples do not pin the per-token cost down
         (``cached_term=False``: the line over the uncached lengths, ``c = 0``)."""
-        w, sx, sz, sxx, sxz, szz, sy, sxy, szy = self.m
-        if self.n < self.min_samples or w <= 0:
+        s = self.moments.centered() if self.moments.n >= self.min_samples else None
+        if s is None or s.vx < self.min_spread**2:
             return None
-        mx, mz, my = sx / w, sz / w, sy / w
-        vx, vz = sxx / w - mx * mx, szz / w - mz * mz
-        cxz, cxy, czy = sxz / w - mx * mz, sxy / w - mx * my, szy / w - mz * my
-        if vx < self.min_spread**2:
+        plane = s.plane() if cached_term and s.vz >= self.min_spread**2 else None
+        if plane is not None and plane[2] >= 0 and plane[0] <= self.min_y:
+            return plane
+        b = s.cxy / s.vx  # no usable cached term: the line over the uncached lengths
+        if s.my - b * s.mx > self.min_y:  # a fixed cost above a whole prompt's time: no fit yet
             return None
-        det = vx * vz - cxz * cxz
-        if cached_term and vz >= self.min_spread**2 and det > 1e-9 * vx * vz:
-            b = (cxy * vz - czy * cxz) / det
-            c = (czy * vx - cxy * cxz) / det
-            if c >= 0 and my - b * mx - c * mz <= self.min_y:
-                return my - b * mx - c * mz, b, c
-        b = cxy / vx  # no usable cached term: the line over the uncached lengths
-        if my - b * mx > self.min_y:  # a fixed cost above a whole prompt's time: no fit yet
-            return None
-        return my - b * mx, b, 0.0
+        return s.my - b * s.mx, b, 0.0
 
 
 @dataclass(slots=True)

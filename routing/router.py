@@ -110,8 +110,7 @@ class DispatchLedger:
             self._entries[ticket_id] = _InFlight(at, estimate, output_tokens)
             work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
-            prompt = float(estimate.cached_tokens + estimate.uncached_tokens)
-            sent.append((at, work, max(0.0, output_tokens - 1.0), prompt))
+            sent.append((at, work, max(0.0, output_tokens - 1.0), float(estimate.prompt_tokens)))
             self._first_sent.setdefault(node_id, at)
 
     def remove(self, node_id: str, at: float, ticket_id: int, now: float | None = None) -> bool:
@@ -198,7 +197,7 @@ class DispatchLedger:
             elapsed = (now - e.dispatched_at) * 1000.0
             steps = max(0.0, e.output_tokens - 1.0)
             t_first = est.ttft_ms - est.rtt_ms
-            prompt = float(est.cached_tokens + est.uncached_tokens)
+            prompt = float(est.prompt_tokens)
             if e.first_token_at is not None or elapsed >= t_first:
                 since_first = (
                     (now - e.first_token_at) * 1000.0

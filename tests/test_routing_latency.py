@@ -383,7 +383,7 @@ def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used():
             )
         )  # fmt: skip
     fit = m.rates["e1"].prefill_fit
-    w, sx, _, sxx, _, _, sy, sxy, _ = fit.m
+    w, sx, _, sxx, _, _, sy, sxy, _ = fit.moments.m
     b = (sxy / w - sx / w * sy / w) / (sxx / w - (sx / w) ** 2)
     assert sy / w - b * sx / w > fit.min_y  # the line's intercept: above the 30 ms prompt
     fixed, per_token, _ = m.prefill_cost(n)
