@@ -153,6 +153,9 @@ class ExportMeta:
     created_unix: float = 0.0
     tool_versions: dict[str, str] = field(default_factory=dict)
     format: int = META_FORMAT
+    # how an int8 graph was quantized (``edge_runtime.quantize.INT8_METHODS``); "" otherwise,
+    # and in int8 folders written before the field (they are ``per_tensor``)
+    quantization: str = ""
 
     def write(self, folder: Path) -> None:
         (folder / META_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -15,7 +15,13 @@ from whole prompts (a profile's full chunks: the simulator's edge) carry that co
 router's rates are fitted on what the node says each prompt took, short chunks included, so
 its replay adds nothing.
 
-Invariants: the chunk lies in ``[min(MIN_CHUNK, prefill_chunk), prefill_chunk]``; with no
+Chunks beside decoding rows are whole multiples of ``MIN_CHUNK`` (one KV block): a prompt's
+chunks then start on block boundaries (as a cached prefix ends on one), so however the load
+cuts a prompt, each token is computed in the same place within its chunk's rows, which some
+int8 kernels need to give the same logits (``edge_runtime.quantize``: rows in groups of 4).
+
+Invariants: the chunk lies in ``[min(MIN_CHUNK, prefill_chunk), prefill_chunk]``, a multiple
+of ``MIN_CHUNK`` when shorter than ``prefill_chunk``; with no
 ratio, or no measured step time or prefill rate yet, it is ``prefill_chunk``; the extra cost is
 0 for a full chunk and at most ``run_ms``.
 """
@@ -32,12 +38,15 @@ def chunk_beside_decode(
     prefill_ms_per_token: float,
 ) -> int:
     """The chunk to run while rows decode: ``stall_ratio`` decode steps' worth of prompt
-    tokens at the measured prefill rate, within ``[MIN_CHUNK, prefill_chunk]``."""
+    tokens at the measured prefill rate, rounded down to whole blocks of ``MIN_CHUNK``, within
+    ``[MIN_CHUNK, prefill_chunk]``."""
     full = max(1, prefill_chunk)
     if stall_ratio is None or decode_step_ms <= 0 or prefill_ms_per_token <= 0:
         return full
     fits = int(stall_ratio * decode_step_ms / prefill_ms_per_token)
-    return max(min(MIN_CHUNK, full), min(full, fits))
+    if fits >= full:
+        return full
+    return max(min(MIN_CHUNK, full), fits // MIN_CHUNK * MIN_CHUNK)
 
 
 def short_chunk_extra_ms(chunk: float, prefill_chunk: int, run_ms: float) -> float:

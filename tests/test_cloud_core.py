@@ -239,7 +239,8 @@ def test_prompts_beside_decode_rows_take_the_stall_ratios_tokens(
     tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, ratio: float | str
 ) -> None:
     """While a row decodes, a step's prompt tokens are cut to ``ratio`` decode steps' worth at
-    the measured rates (4.05 x 4.5 ms / 0.5 ms: 36 tokens), oldest prompt first; the decode row
+    the measured rates (4.05 x 4.5 ms / 0.5 ms: 36 tokens, in whole 16-token blocks: 32), oldest
+    prompt first; the decode row
     is in every step, and the tokens are those of the dense reference. Off: the step budget."""
     import cloud_engine.core as core_module
 
@@ -265,7 +266,7 @@ def test_prompts_beside_decode_rows_take_the_stall_ratios_tokens(
     core.add(reqs[0])
     for _ in range(5):  # a's prompt, then 4 decode-only steps (the rates are measured)
         core.step()
-    assert core.chunk_beside_decode() == (None if ratio == "off" else 36)
+    assert core.chunk_beside_decode() == (None if ratio == "off" else 32)
     core.add(reqs[1])
     core.add(reqs[2])
     out: dict[str, list[int]] = {}
@@ -276,11 +277,11 @@ def test_prompts_beside_decode_rows_take_the_stall_ratios_tokens(
         assert steps[5] == {"a": 1, "b": 60, "c": 20}
     else:
         assert steps[5:8] == [
-            {"a": 1, "b": 36},
-            {"a": 1, "b": 24, "c": 12},
-            {"a": 1, "b": 1, "c": 8},
+            {"a": 1, "b": 32},
+            {"a": 1, "b": 28, "c": 4},
+            {"a": 1, "b": 1, "c": 16},
         ]
-        assert core.chunk_beside_decode() == 36
+        assert core.chunk_beside_decode() == 32
     ref = reference(tiny, reqs)
     assert out["b"] == ref["b"] and out["c"] == ref["c"]
     core.blocks.check_integrity()

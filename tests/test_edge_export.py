@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from edge_runtime import export as export_mod
 from edge_runtime.decoder import Decoder
 from edge_runtime.export import ensure_export, export_folder
 from edge_runtime.graph_info import META_FILE, ExportMeta, read_graph_info
+from edge_runtime.quantize import INT8_METHOD_ENV, Int8Method, cpu_flags, int8_method
 from routing.model_store import resolve
 
 
@@ -178,25 +180,93 @@ def test_bad_variant_rejected(tiny_model_path: Path, tmp_path: Path) -> None:
         ensure_export(tiny_model_path, "int3", root=tmp_path)
 
 
-@pytest.mark.parametrize(("variant", "op"), [("int8", "MatMulInteger"), ("int4", "MatMulNBits")])
-def test_quantized_variants(tiny_model_path: Path, onnx_root: Path, variant: str, op: str) -> None:
-    graph = ensure_export(tiny_model_path, variant, root=onnx_root)
-    assert graph.meta.variant == variant
+@pytest.mark.parametrize(
+    ("variant", "method", "op"),
+    [
+        ("int8", "per_tensor", "MatMulInteger"),
+        ("int8", "blockwise", "MatMulNBits"),
+        ("int4", None, "MatMulNBits"),
+    ],
+)
+def test_quantized_variants(
+    tiny_model_path: Path, onnx_root: Path, variant: str, method: Int8Method | None, op: str
+) -> None:
+    graph = ensure_export(tiny_model_path, variant, root=onnx_root, int8_method=method)
+    assert graph.meta.variant == variant and graph.meta.quantization == (method or "")
     model = onnx.load(str(graph.graph_path), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
     # every MatMul with a weight is quantized, the LM head included (it is untied)
     assert "MatMul" not in ops and ops.count(op) == 2 * 4 + 1
     if variant == "int4":
         assert "GatherBlockQuantized" in ops
-        for node in model.graph.node:
-            if node.op_type == "MatMulNBits":
-                attrs = {a.name: a.i for a in node.attribute}
-                assert attrs["accuracy_level"] == 4 and attrs["bits"] == 4
-                assert attrs["block_size"] == 32  # larger blocks: faster, less accurate
-                assert len(node.input) < 4 or not node.input[3]  # symmetric: no zero points
+    # int8 blocks: 128, or what fits the narrowest weight input (the tiny model's 64)
+    want = {"int4": (4, 32), "int8": (8, 64)}[variant]
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: a.i for a in node.attribute}
+            assert attrs["accuracy_level"] == 4  # int8 activations: the fast kernels
+            assert (attrs["bits"], attrs["block_size"]) == want  # larger: faster, less accurate
+            assert len(node.input) < 4 or not node.input[3]  # symmetric: no zero points
     decoder = Decoder(_session(graph.graph_path), read_graph_info(graph.graph_path), 1, 64)
     logits = decoder.prefill(0, [5, 6, 7, 8], 0)
     assert logits.shape == (49152,) and np.isfinite(logits).all()
+
+
+def test_int8_folder_made_by_another_method_is_rebuilt(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    first = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="per_tensor")
+    again = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="per_tensor")
+    assert again.meta.created_unix == first.meta.created_unix  # reused
+    other = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="blockwise")
+    assert other.folder == first.folder and other.meta.quantization == "blockwise"
+    ops = {n.op_type for n in onnx.load(str(other.graph_path), load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops and "MatMulInteger" not in ops
+    # a folder written before the field existed is a per_tensor one
+    data = json.loads((first.folder / META_FILE).read_text())
+    del data["quantization"]
+    (first.folder / META_FILE).write_text(json.dumps(data))
+    assert ExportMeta.read(first.folder).quantization == ""  # type: ignore[union-attr]
+    rebuilt = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="blockwise")
+    assert rebuilt.meta.quantization == "blockwise"
+
+
+@pytest.mark.parametrize(("method", "invariant"), [("blockwise", True), ("per_tensor", False)])
+def test_int8_logits_and_prompt_chunking(
+    tiny_model_path: Path, onnx_root: Path, method: Int8Method, invariant: bool
+) -> None:
+    """A prompt prefilled in one chunk or in two gives the same last logits with ``blockwise``
+    int8 (each token's activations quantized on their own), not with ``per_tensor`` (one scale
+    over the chunk): under the latter a greedy answer depends on how the engine chunked it."""
+    graph = ensure_export(tiny_model_path, "int8", root=onnx_root, int8_method=method)
+    info = read_graph_info(graph.graph_path)
+    whole = Decoder(_session(graph.graph_path), info, 1, 256)
+    split = Decoder(_session(graph.graph_path), info, 1, 256)
+    ids = np.random.default_rng(3).integers(3, 49152, 120).tolist()
+    ref = whole.prefill(0, ids, 0).copy()
+    split.prefill(0, ids[:37], 0)
+    got = split.prefill(0, ids[37:], 37)
+    diff = float(np.abs(got - ref).max())
+    assert (diff == 0.0) is invariant, diff
+
+
+def test_int8_method_by_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(INT8_METHOD_ENV, raising=False)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert int8_method(frozenset({"avx2", "avx512_vnni"})) == "blockwise"
+    assert int8_method(frozenset({"avx2", "avx_vnni"})) == "blockwise"
+    assert int8_method(frozenset({"avx2", "fma"})) == "per_tensor"
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert int8_method(frozenset({"asimddp"})) == "per_tensor"
+    monkeypatch.setenv(INT8_METHOD_ENV, "blockwise")
+    assert int8_method(frozenset()) == "blockwise"
+    monkeypatch.setenv(INT8_METHOD_ENV, "int7")
+    with pytest.raises(ValueError, match=INT8_METHOD_ENV):
+        int8_method(frozenset())
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\n")
+    assert cpu_flags(info) == {"fpu", "avx2", "avx512_vnni"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()
 
 
 def test_cli_export_prints_folder(

@@ -14,7 +14,9 @@ from gateway.commands.argtypes import stall_ratio
 from gateway.commands.node_args import add_node_arguments
 from routing.model_store import DEFAULT_MODEL
 
-VARIANTS = ("fp32", "int8", "int4")
+VARIANTS = ("fp32", "int8", "int4")  # edge_runtime.export's (not imported: it loads onnx)
+INT8_METHODS = ("blockwise", "per_tensor")  # edge_runtime.quantize's
+INT8_METHOD_ENV = "EDGECLOUD_INT8_METHOD"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +48,18 @@ def add_export(esub: argparse._SubParsersAction) -> None:
         "-p",
         choices=VARIANTS,
         default="int8",
-        help="weights: fp32, int8 (dynamic, per-channel) or int4 (4-bit blocks); default int8",
+        help="weights: fp32, int8 (8-bit) or int4 (4-bit blocks); default int8",
+    )
+    e.add_argument(
+        "--int8-method",
+        choices=INT8_METHODS,
+        default=None,
+        help=(
+            "how int8 is made: blockwise (each token's activations quantized on their own: the "
+            "same answer whatever the batch or chunking; needs x86 VNNI to be fast) or "
+            "per_tensor (one scale per activation tensor; fast on every CPU); default: "
+            f"${INT8_METHOD_ENV}, else blockwise where the CPU has VNNI"
+        ),
     )
     e.add_argument(
         "--attention",
@@ -67,7 +80,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from routing.model_store import ModelNotFound
 
     try:
-        graph = ensure_export(args.model, args.variant, args.attention, force=args.force)
+        graph = ensure_export(
+            args.model,
+            args.variant,
+            args.attention,
+            force=args.force,
+            int8_method=args.int8_method,
+        )
     except ModelNotFound as e:  # one line naming what is stored and what can be pulled
         message = describe_error(e)
         print(f"edgecloud edge export: error: {message[0] if message else e}", file=sys.stderr)
