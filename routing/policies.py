@@ -218,7 +218,7 @@ def _decision(
         why=why,
         fallbacks=tuple(ordered[1:]),
         stale_view=inp.stale_view,
-        expected_output_tokens=inp.profile.expected_output_tokens,
+        expected_output_tokens=inp.profile.expected_output_on(first.node.kind),
         prompt_tokens=inp.profile.prompt_tokens,
     )
 

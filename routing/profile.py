@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
+from routing.fleet.state import NodeKind
 from routing.prompt import PromptFormatter, UnencodableText
 
 Route = Literal["chat", "completions"]
@@ -51,17 +52,20 @@ class OutputKnobs(BaseModel):
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens per (API key, route, whole prompt), per (API key, route,
-    max_tokens, first prompt block), per (API key, route, max_tokens) and per (API key, route),
-    LRU-bounded; a default until learned.
+    """EWMA of completion tokens per (API key, route, whole prompt, node kind), per (API key,
+    route, whole prompt), per (API key, route, max_tokens, first prompt block), per (API key,
+    route, max_tokens) and per (API key, route), LRU-bounded; a default until learned.
 
     A prompt sent again (an automation's fixed request, a retried question) is best predicted
-    by its own earlier answers: under greedy decoding the length repeats exactly, so that
-    statistic answers after one sample, whatever ``max_tokens`` the request sets. It keeps
-    answers that ended on their own (fewer tokens than their ``max_tokens``) apart from answers
-    cut at their cap, which only say the natural length is at least that cap: a prompt that
-    stopped at 7 tokens under a cap of 16 is predicted at 7 under a cap of 32, and one cut at
-    16 is predicted at 16 or more. Otherwise apps send one ``max_tokens`` per feature (a
+    by its own earlier answers: under greedy decoding the length repeats, so that statistic
+    answers after one sample, whatever ``max_tokens`` the request sets. It repeats on one
+    engine: the edge's int8 ONNX graph and the cloud's torch model can answer the same prompt
+    at other lengths (the same words, then one token apart), so the whole prompt's statistic is
+    kept per node kind first, and across kinds for a kind that has not answered it yet. It
+    keeps answers that ended on their own (fewer tokens than their ``max_tokens``) apart from
+    answers cut at their cap, which only say the natural length is at least that cap: a prompt
+    that stopped at 7 tokens under a cap of 16 is predicted at 7 under a cap of 32, and one cut
+    at 16 is predicted at 16 or more. Otherwise apps send one ``max_tokens`` per feature (a
     one-line answer, a summary, code) and one system prompt per feature, whose first block
     hash names it; requests alike in both are the best guide to each other. The most specific
     statistic with enough samples answers (``min_samples`` for all but the whole prompt).
@@ -82,6 +86,15 @@ class OutputLengthEstimator:
             self._stats.popitem(last=False)
 
     @classmethod
+    def _prompt_keys(
+        cls, key: str, route: str, prompt: int, kind: str | None, suffix: str = ""
+    ) -> list[tuple[str, str, int, int]]:
+        """The whole prompt's statistics (``suffix`` "-cut": its cut answers), the node
+        kind's first; they live in the prefix slot under routes of their own."""
+        out = [(key, f"{route}#prompt{suffix}@{kind}", cls._ANY, prompt)] if kind else []
+        return [*out, (key, f"{route}#prompt{suffix}", cls._ANY, prompt)]
+
+    @classmethod
     def _keys(
         cls,
         api_key: str | None,
@@ -89,20 +102,20 @@ class OutputLengthEstimator:
         max_tokens: int | None,
         prefix: int | None,
         prompt: int | None = None,
-    ) -> list[tuple[str, str, int, int]]:
-        """The statistics a request belongs to, most specific first (the whole prompt's key,
-        when given, first: it lives in the prefix slot under a route of its own)."""
+        kind: str | None = None,
+    ) -> tuple[int, list[tuple[str, str, int, int]]]:
+        """The statistics a request belongs to, most specific first, and how many of them
+        (first) are the whole prompt's."""
         key, any_ = api_key or "", cls._ANY
         cap = max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else any_
-        out = []
-        if prompt is not None:  # answers that ended on their own, under any cap
-            out.append((key, route + "#prompt", any_, prompt))
+        out = [] if prompt is None else cls._prompt_keys(key, route, prompt, kind)
+        whole = len(out)
         if cap != any_ and prefix is not None:
             out.append((key, route, cap, prefix))
         if cap != any_:
             out.append((key, route, cap, any_))
         out.append((key, route, any_, any_))
-        return out
+        return whole, out
 
     def expected(
         self,
@@ -111,20 +124,35 @@ class OutputLengthEstimator:
         max_tokens: int | None = None,
         prefix: int | None = None,
         prompt: int | None = None,
+        kind: str | None = None,
     ) -> float:
+        """The expected completion tokens on a node of ``kind`` (None: any kind).
+
+        The whole prompt's answers on this kind, else on any kind, come first (their own
+        length, and at least the longest cap they were cut at); the first of the two levels
+        that has seen the prompt decides, then the coarser statistics."""
         value = self.knobs.default_tokens
         if not self.knobs.whole_prompt:
             prompt = None
-        at_least = 0.0  # the longest cap this prompt's answers were cut at
-        if prompt is not None:
-            cut = self._stats.get(self._cut_key(api_key, route, prompt))
-            at_least = cut[0] if cut is not None else 0.0
-        for i, k in enumerate(self._keys(api_key, route, max_tokens, prefix, prompt)):
-            stat = self._stats.get(k)
-            need = 1 if i == 0 and prompt is not None else self.knobs.min_samples
-            if stat is not None and stat[1] >= need:
-                value = stat[0]
-                break
+        whole, keys = self._keys(api_key, route, max_tokens, prefix, prompt, kind)
+        cuts = (
+            [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
+        )
+        at_least, known = 0.0, False  # the longest cap this prompt's answers were cut at
+        for natural, cut in zip(keys[:whole], cuts, strict=True):
+            stat, bound = self._stats.get(natural), self._stats.get(cut)
+            if stat is None and bound is None:
+                continue
+            at_least = bound[0] if bound is not None else 0.0
+            if stat is not None:
+                value, known = stat[0], True
+            break
+        if not known:
+            for k in keys[whole:]:
+                stat = self._stats.get(k)
+                if stat is not None and stat[1] >= self.knobs.min_samples:
+                    value = stat[0]
+                    break
         value = max(value, at_least)
         if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
             value = float(max_tokens)
@@ -138,16 +166,18 @@ class OutputLengthEstimator:
         max_tokens: int | None = None,
         prefix: int | None = None,
         prompt: int | None = None,
+        kind: str | None = None,
     ) -> None:
+        """Learn one answer of ``completion_tokens`` given by a node of ``kind``."""
         x = float(completion_tokens)
         if not self.knobs.whole_prompt:
             prompt = None
-        keys = self._keys(api_key, route, max_tokens, prefix, prompt)
+        whole, keys = self._keys(api_key, route, max_tokens, prefix, prompt, kind)
         if prompt is not None and max_tokens is not None and completion_tokens >= max_tokens:
-            keys = keys[1:]  # cut at its cap: not its own length, only a bound on it
-            cut = self._cut_key(api_key, route, prompt)
-            prev_cut = self._stats.pop(cut, None)
-            self._stats[cut] = (max(x, prev_cut[0]) if prev_cut else x, 1)
+            keys = keys[whole:]  # cut at its cap: not its own length, only a bound on it
+            for cut in self._prompt_keys(api_key or "", route, prompt, kind, "-cut"):
+                prev_cut = self._stats.pop(cut, None)
+                self._stats[cut] = (max(x, prev_cut[0]) if prev_cut else x, 1)
         for k in keys:
             prev = self._stats.pop(k, None)
             if prev is None:
@@ -155,10 +185,6 @@ class OutputLengthEstimator:
             else:
                 self._stats[k] = (prev[0] + self.knobs.alpha * (x - prev[0]), prev[1] + 1)
         self._trim()
-
-    @classmethod
-    def _cut_key(cls, api_key: str | None, route: str, prompt: int) -> tuple[str, str, int, int]:
-        return (api_key or "", route + "#prompt-cut", cls._ANY, prompt)
 
     def __len__(self) -> int:
         return len(self._stats)
@@ -179,6 +205,13 @@ class RequestProfile:
     client_region: str
     api_key: str | None = None  # an id for the caller (a key's hash or name), never a secret
     prompt_key: int | None = None  # names the whole prompt (see :func:`prompt_key`)
+    # node kind -> expected output there, where it differs from ``expected_output_tokens``
+    # (an engine that answered this very prompt: :class:`OutputLengthEstimator`)
+    expected_output_by_kind: Mapping[str, float] = field(default_factory=dict)
+
+    def expected_output_on(self, kind: str) -> float:
+        """The expected completion tokens on a node of ``kind``."""
+        return self.expected_output_by_kind.get(kind, self.expected_output_tokens)
 
     @property
     def first_block(self) -> int | None:
@@ -296,6 +329,13 @@ def build_profile(
     hashes = block_hashes(ids, _seed(model_identity))
     first = hashes[0] if hashes else None
     whole = prompt_key(ids, hashes)
+    expected = estimator.expected(api_key, route, max_tokens, first, whole)
+    by_kind = {
+        kind: on_kind
+        for kind in NodeKind
+        if (on_kind := estimator.expected(api_key, route, max_tokens, first, whole, kind))
+        != expected
+    }
     return RequestProfile(
         model=model,
         model_identity=model_identity,
@@ -303,11 +343,12 @@ def build_profile(
         prompt_token_ids=ids,
         block_hashes=hashes,
         max_tokens=max_tokens,
-        expected_output_tokens=estimator.expected(api_key, route, max_tokens, first, whole),
+        expected_output_tokens=expected,
         stream=bool(_get(body, "stream", False)),
         client_region=client_region,
         api_key=api_key,
         prompt_key=whole,
+        expected_output_by_kind=by_kind,
     )
 
 

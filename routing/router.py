@@ -299,7 +299,7 @@ class Router:
                     node,
                     prompt_tokens=profile.prompt_tokens,
                     cached_tokens=view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE,
-                    expected_output_tokens=profile.expected_output_tokens,
+                    expected_output_tokens=profile.expected_output_on(node.kind),
                     rtt_ms=self.regions.rtt_ms(client_region, node.region),
                     # what other gateways sent it: its own counts beyond ours it had seen
                     extra_inflight=max(0, node.running + node.waiting - seen),
@@ -351,7 +351,7 @@ class Router:
         """Count a dispatch to ``candidate`` (default: the chosen node) as in flight."""
         cand = candidate or decision.chosen
         ticket = Ticket(next(self._ids), cand.node, cand.estimate, self.clock(), profile)
-        out = profile.expected_output_tokens if profile is not None else 0.0
+        out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out)
         return ticket
 
@@ -395,6 +395,7 @@ class Router:
                 p.max_tokens,
                 p.first_block,
                 p.prompt_key,
+                ticket.node.kind,
             )
         return errors
 

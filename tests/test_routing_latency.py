@@ -388,3 +388,18 @@ def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used():
     assert sy / w - b * sx / w > fit.min_y  # the line's intercept: above the 30 ms prompt
     fixed, per_token, _ = m.prefill_cost(n)
     assert fixed == 0.0 and per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
+
+
+def test_a_prompts_own_time_is_at_least_one_forward_pass():
+    """16 new tokens after 1,152 cached: their per-token share (16 ms at 1,000 tokens/s) is
+    less than the forward pass that computes them, which reads every weight as a decode step
+    of one row does (60 ms here): the prediction takes the step's time."""
+    m = LatencyModel()
+    cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
+    e = est(m, cloud, prompt=1168, cached=1152)
+    assert (e.cached_tokens, e.uncached_tokens) == (1152, 16)
+    assert e.prefill_ms == pytest.approx(60.0) and e.own_prefill_ms == pytest.approx(60.0)
+    assert e.ttft_ms == pytest.approx(65.0)  # rtt 5
+    assert e.e2e_ms == pytest.approx(65.0 + 9 * 60.0)
+    # a long cold prompt costs its tokens, above the floor
+    assert est(m, cloud, prompt=1168).prefill_ms == pytest.approx(1168.0)

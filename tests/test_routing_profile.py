@@ -237,3 +237,31 @@ def test_a_prompts_own_length_holds_under_any_cap_and_a_cut_answer_is_a_bound():
     assert est.expected("a", "chat", 32, prefix=3, prompt=43) == 20  # ... but at least 16
     est.observe("a", "chat", 24, 24, prefix=1, prompt=43)  # cut again, higher
     assert est.expected("a", "chat", 32, prefix=3, prompt=43) == 24
+
+
+def test_a_prompts_own_length_is_kept_per_node_kind(formatter: PromptFormatter):
+    """The edge's int8 graph and the cloud's torch model may answer one prompt at different
+    lengths: each kind's own answers predict it there; a kind that has not answered it yet
+    takes the prompt's latest answer on any kind; a cut on one kind does not bound the other."""
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0, min_samples=3))
+    est.observe("a", "chat", 12, 32, prefix=1, prompt=42, kind="edge")
+    est.observe("a", "chat", 22, 32, prefix=1, prompt=42, kind="cloud")
+    assert est.expected("a", "chat", 32, prefix=1, prompt=42, kind="edge") == 12
+    assert est.expected("a", "chat", 32, prefix=1, prompt=42, kind="cloud") == 22
+    assert est.expected("a", "chat", 32, prefix=1, prompt=42, kind="npu") == 22  # latest, any
+    assert est.expected("a", "chat", 32, prefix=1, prompt=42) == 22
+    est.observe("a", "chat", 16, 16, prefix=1, prompt=43, kind="cloud")  # cut on the cloud
+    est.observe("a", "chat", 9, 32, prefix=1, prompt=43, kind="edge")
+    assert est.expected("a", "chat", 32, prefix=1, prompt=43, kind="edge") == 9
+    # on the cloud: the app's latest (9), but at least the cap it was cut at there
+    assert est.expected("a", "chat", 32, prefix=1, prompt=43, kind="cloud") == 16
+
+    kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
+    body = chat_body(max_tokens=32)
+    p = build_profile(body, formatter, api_key="a", **kw)
+    est.observe("a", "chat", 5, 32, p.first_block, p.prompt_key, "edge")
+    est.observe("a", "chat", 30, 32, p.first_block, p.prompt_key, "cloud")
+    again = build_profile(body, formatter, api_key="a", **kw)
+    assert again.expected_output_tokens == 30  # the latest answer, on any kind
+    assert again.expected_output_on("edge") == 5 and again.expected_output_on("cloud") == 30
+    assert dict(again.expected_output_by_kind) == {"edge": 5.0}  # only where it differs
