@@ -45,6 +45,10 @@ INT8_METHODS: tuple[str, ...] = get_args(Int8Method)
 INT8_METHOD_ENV = "EDGECLOUD_INT8_METHOD"
 
 
+class Int8MethodError(ValueError):
+    """``$EDGECLOUD_INT8_METHOD`` names no method."""
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (empty elsewhere)."""
     try:
@@ -63,7 +67,9 @@ def int8_method(flags: frozenset[str] | None = None) -> Int8Method:
     forced = os.environ.get(INT8_METHOD_ENV, "").strip()
     if forced:
         if forced not in INT8_METHODS:
-            raise ValueError(f"{INT8_METHOD_ENV} must be one of {INT8_METHODS}, not {forced!r}")
+            raise Int8MethodError(
+                f"{INT8_METHOD_ENV} must be one of {', '.join(INT8_METHODS)}, not {forced!r}"
+            )
         return forced  # type: ignore[return-value]
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "per_tensor"

@@ -165,7 +165,7 @@ def describe_error(exc: BaseException) -> tuple[str, int] | None:
         return _model_not_found(str(exc)), EXIT_FAILED
     if name == "PullError":
         return str(exc), EXIT_FAILED
-    if name in ("ConfigError", "UnsafeExposure", "GeoDatabaseError"):
+    if name in ("ConfigError", "UnsafeExposure", "GeoDatabaseError", "Int8MethodError"):
         return str(exc), EXIT_USAGE
     if name == "ValidationError" and module.startswith("pydantic"):
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]

@@ -22,7 +22,14 @@ from edge_runtime import export as export_mod
 from edge_runtime.decoder import Decoder
 from edge_runtime.export import ensure_export, export_folder
 from edge_runtime.graph_info import META_FILE, ExportMeta, read_graph_info
-from edge_runtime.quantize import INT8_METHOD_ENV, Int8Method, cpu_flags, int8_method
+from edge_runtime.quantize import (
+    INT8_METHOD_ENV,
+    Int8Method,
+    Int8MethodError,
+    cpu_flags,
+    int8_method,
+)
+from gateway.cli import EXIT_USAGE, describe_error
 from routing.model_store import resolve
 
 
@@ -261,8 +268,9 @@ def test_int8_method_by_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     monkeypatch.setenv(INT8_METHOD_ENV, "blockwise")
     assert int8_method(frozenset()) == "blockwise"
     monkeypatch.setenv(INT8_METHOD_ENV, "int7")
-    with pytest.raises(ValueError, match=INT8_METHOD_ENV):
+    with pytest.raises(Int8MethodError, match=INT8_METHOD_ENV):
         int8_method(frozenset())
+    assert describe_error(Int8MethodError("x")) == ("x", EXIT_USAGE)  # the CLI: a usage error
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\n")
     assert cpu_flags(info) == {"fpu", "avx2", "avx512_vnni"}
