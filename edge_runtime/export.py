@@ -102,8 +102,9 @@ def ensure_export(
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
-    method: Int8Method = int8_method or default_int8_method()
-    quantization = method if variant == "int8" else ""
+    # how int8 is made; asked of the CPU (and $EDGECLOUD_INT8_METHOD) for int8 only
+    method = (int8_method or default_int8_method()) if variant == "int8" else None
+    quantization = method or ""
     info = resolve(model)
     folder = export_folder(info, variant, attention, root)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +126,7 @@ def ensure_export(
             else:
                 from edge_runtime.quantize import quantize
 
-                how = f" ({method})" if quantization else ""
+                how = f" ({quantization})" if quantization else ""
                 with step(f"quantizing {info.name} to {variant}{how}"):
                     quantize(variant, source, tmp / GRAPH_FILE, method)
             meta = _write_meta(

@@ -37,7 +37,7 @@ from edge_runtime.graph_passes import unfuse_skip_norms
 log = logging.getLogger(__name__)
 
 INT4_BLOCK_SIZE = 32
-INT4_ACCURACY_LEVEL = 4
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations, quantized row by row (the fast kernels)
 INT8_BLOCK_SIZE = 128  # 32 was no more faithful to fp32 (greedy agreement) and slower to decode
 
 Int8Method = Literal["blockwise", "per_tensor"]
@@ -95,21 +95,31 @@ def blockwise_block_size(model: onnx.ModelProto, widest: int = INT8_BLOCK_SIZE) 
     return block
 
 
-def quantize_int8_blockwise(src: Path, dst: Path) -> None:
+def _matmul_nbits(
+    src: Path, dst: Path, bits: int, block_size: int | None, weights: tuple[str, ...]
+) -> None:
+    """Quantize the ``weights`` ops of ``src`` (``MatMul``; ``Gather``: the embedding) to
+    ``bits``-bit symmetric blocks (``block_size`` None: :func:`blockwise_block_size`), with
+    int8 activations in the kernels (``ACCURACY_LEVEL``)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     model = onnx.load(str(src), load_external_data=True)
+    axes = {"MatMul": 0, "Gather": 1}
     quantizer = MatMulNBitsQuantizer(
         model,
-        bits=8,
-        block_size=blockwise_block_size(model),
+        bits=bits,
+        block_size=block_size or blockwise_block_size(model),
         is_symmetric=True,
-        accuracy_level=INT4_ACCURACY_LEVEL,  # int8 activations, quantized row by row
-        op_types_to_quantize=("MatMul",),
-        quant_axes=(("MatMul", 0),),
+        accuracy_level=ACCURACY_LEVEL,
+        op_types_to_quantize=weights,
+        quant_axes=tuple((op, axes[op]) for op in weights),
     )
     quantizer.process()
     quantizer.model.save_model_to_file(str(dst), True)
+
+
+def quantize_int8_blockwise(src: Path, dst: Path) -> None:
+    _matmul_nbits(src, dst, 8, None, ("MatMul",))
 
 
 def quantize_int8_per_tensor(src: Path, dst: Path) -> None:
@@ -131,25 +141,13 @@ def quantize_int8_per_tensor(src: Path, dst: Path) -> None:
 
 
 def quantize_int4(src: Path, dst: Path) -> None:
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    model = onnx.load(str(src), load_external_data=True)
-    quantizer = MatMulNBitsQuantizer(
-        model,
-        bits=4,
-        block_size=INT4_BLOCK_SIZE,
-        is_symmetric=True,
-        accuracy_level=INT4_ACCURACY_LEVEL,
-        op_types_to_quantize=("MatMul", "Gather"),  # the embedding too: GatherBlockQuantized
-        quant_axes=(("MatMul", 0), ("Gather", 1)),
-    )
-    quantizer.process()
-    quantizer.model.save_model_to_file(str(dst), True)
+    # the embedding too: GatherBlockQuantized
+    _matmul_nbits(src, dst, 4, INT4_BLOCK_SIZE, ("MatMul", "Gather"))
 
 
-def quantize(variant: str, src: Path, dst: Path, method: Int8Method = "per_tensor") -> None:
+def quantize(variant: str, src: Path, dst: Path, method: Int8Method | None = None) -> None:
     """Write the ``variant`` of the fp32 graph ``src`` to ``dst`` (with external data);
-    ``method`` says how ``int8`` is made."""
+    ``method`` says how ``int8`` is made (None: ``per_tensor``)."""
     if variant == "int8" and method == "blockwise":
         quantize_int8_blockwise(src, dst)
     elif variant == "int8":
