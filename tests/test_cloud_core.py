@@ -240,8 +240,8 @@ def test_prompts_beside_decode_rows_take_the_stall_ratios_tokens(
 ) -> None:
     """While a row decodes, a step's prompt tokens are cut to ``ratio`` decode steps' worth at
     the measured rates (4.05 x 4.5 ms / 0.5 ms: 36 tokens, in whole 16-token blocks: 32), oldest
-    prompt first; the decode row
-    is in every step, and the tokens are those of the dense reference. Off: the step budget."""
+    prompt first; the decode row is in every step, and the tokens are those of the dense
+    reference. Off: the step budget."""
     import cloud_engine.core as core_module
 
     clock = _FakeTime()

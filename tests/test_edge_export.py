@@ -24,6 +24,7 @@ from edge_runtime.export import ensure_export, export_folder
 from edge_runtime.graph_info import META_FILE, ExportMeta, read_graph_info
 from edge_runtime.quantize import (
     INT8_METHOD_ENV,
+    INT8_METHODS,
     Int8Method,
     Int8MethodError,
     cpu_flags,
@@ -271,6 +272,11 @@ def test_int8_method_by_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     with pytest.raises(Int8MethodError, match=INT8_METHOD_ENV):
         int8_method(frozenset())
     assert describe_error(Int8MethodError("x")) == ("x", EXIT_USAGE)  # the CLI: a usage error
+    # the CLI names the methods without importing onnx: the same names
+    from gateway.commands import edge
+
+    assert (edge.INT8_METHODS, edge.INT8_METHOD_ENV) == (INT8_METHODS, INT8_METHOD_ENV)
+    assert edge.VARIANTS == export_mod.VARIANTS
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\n")
     assert cpu_flags(info) == {"fpu", "avx2", "avx512_vnni"}
