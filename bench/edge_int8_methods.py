@@ -9,6 +9,7 @@ of one row and of four rows, and a 256-token prefill. Fidelity: the largest diff
 last logits between the int8 graph and fp32 for a 200-token prompt. Chunking: the largest
 difference of the last logits between the prompt prefilled whole and in chunks of 37 + 163
 (and in whole 16-token blocks, 48 + 152, which the engine's chunks beside decoding rows are).
+Batching: the largest difference of one row's logits decoded alone and beside 7 other rows.
 
     python bench/edge_int8_methods.py --rounds 3 --threads 2
 """
@@ -78,6 +79,18 @@ def last_logits(folder: Path, ids: list[int], cuts: tuple[int, ...] = ()) -> np.
     return out.copy()
 
 
+def batch_logit_diff(folder: Path, ids: list[int]) -> float:
+    """Row 0's logits decoded alone against beside 7 other rows (prompts of 40 tokens)."""
+    d = decoder(folder, 1, slots=8)
+    for slot in range(8):
+        d.prefill(slot, ids[slot * 8 : slot * 8 + 39], 0)
+    tokens = np.array([ids[slot * 8 + 39] for slot in range(8)], np.int64)
+    lengths = np.full(8, 39, np.int64)
+    alone = d.decode(tokens[:1], lengths[:1], np.ones(1, bool))[0].copy()
+    batched = d.decode(tokens, lengths, np.ones(8, bool))[0]
+    return float(np.abs(batched - alone).max())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -110,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 "chunked_48_max_diff": float(
                     np.abs(last_logits(graph.folder, prompt, (48,)) - whole).max()
                 ),
+                "batch_8_max_diff": batch_logit_diff(graph.folder, ids),
                 "samples": [],
             }
         for _ in range(args.rounds):
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "vs_fp32_max_logit_diff",
         "chunked_37_max_diff",
         "chunked_48_max_diff",
+        "batch_8_max_diff",
     ]
     text = table(list(rows.values()), cols)
     print(text)
