@@ -48,6 +48,7 @@ from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
 from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
 from routing.prefill_budget import chunk_beside_decode
+from routing.step_cost import StepCostFit
 
 if TYPE_CHECKING:
     from cloud_engine.parallel.model import ShardedLlama
@@ -173,6 +174,7 @@ class EngineCore:
         )
         self.seqs: dict[str, Sequence] = {}
         self.counters = CoreCounters()
+        self.step_fit = StepCostFit()  # the step time on its composition (NodeState.step_cost)
         self._order = itertools.count()
         self._ahead: _Launch | None = None  # a look-ahead step launched but not yet collected
         self._last_collect = 0.0
@@ -298,7 +300,15 @@ class EngineCore:
         if ratio is None or ratio == "off":
             return None
         c, full = self.counters, self.scheduler.config.max_tokens_per_step
-        return chunk_beside_decode(full, ratio, c.decode_ms, c.prefill_ms_per_token)
+        fit = self.step_fit.latest
+        if fit is None:
+            return chunk_beside_decode(full, ratio, c.decode_ms, c.prefill_ms_per_token)
+        # the fitted step: a decode step of the rows running now, the marginal prompt token
+        # (a short chunk's share of a step also carries the pass, which would shrink the cut
+        # to its floor, and a small cut keeps the share high)
+        running = self.scheduler.running
+        decode_ms = fit.step_ms(len(running), 0, sum(s.num_computed for s in running))
+        return chunk_beside_decode(full, ratio, decode_ms, fit.ms_per_prompt_token)
 
     def _launch_ahead(self, cur: _Launch) -> _Launch | None:
         """Launch the decode step after ``cur`` before ``cur``'s tokens are read, or None where
@@ -377,8 +387,10 @@ class EngineCore:
         prefill = 0
         decoding = False
         chunks: list[tuple[Sequence, int]] = []
+        rows = context = 0
         for it in batch.items:
             seq = it.seq
+            context += it.start + it.num_new  # the KV it reads: its past and its new tokens
             if not seq.counted:  # first time in a batch: its first admission
                 seq.counted = True
                 c.prompt_tokens += seq.num_prompt
@@ -389,8 +401,10 @@ class EngineCore:
                 chunks.append((seq, prompt_part))
             elif it.num_new == 1 and it.samples:
                 decoding = True
+                rows += 1
             c.recomputed_tokens += max(0, it.num_new - prompt_part - (1 if it.samples else 0))
         c.prefill_tokens += prefill
+        self.step_fit.add(rows, prefill, context, 1000.0 * dt, self._last_collect)
         sampled = sum(1 for it in batch.items if it.samples)
         c.decode_tokens += sampled
         if prefill > 0:

@@ -212,6 +212,7 @@ class CloudEngine:
             prefix_cache=True,
             prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
             prefill_chunk_decoding=c.chunk_beside_decode() or 0,  # its prompt tokens beside rows
+            step_cost=c.step_fit.latest,
             **getattr(self, "parallel_stats", {}),
         )
 

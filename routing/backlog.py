@@ -9,7 +9,8 @@ and when its last does.
 
 Invariants:
 - Time only moves forward; each loop costs ``chunk tokens * prefill_ms_per_token`` plus one
-  decode step ``decode_step_ms(rows, context)`` when any request decodes, ``context`` being
+  decode step ``decode_step_ms(rows, context)`` when any request decodes (``step_fixed_ms``,
+  the pass itself, when none does), ``context`` being
   the tokens every decoding row attends to (its prompt and its output so far, summed over the
   rows: each decode step adds one to each row's); a prompt's first chunk also
   costs ``prefill_fixed_ms`` (its admission: rendering, tokenizing, the first step's setup).
@@ -82,6 +83,10 @@ class EngineShape:
     mixed_steps: bool = False  # a chunk and the decode rows run as one step (first token after)
     # what one token of context adds to a decode step (reading its KV), summed over the rows
     decode_ms_per_context_token: float = 0.0
+    # a forward pass's own cost, charged on each pass that holds no decode row (a prompt's
+    # chunk alone); a step with rows has it in ``decode_step_ms_b1``. 0 where the prefill rate
+    # carries it (rates learned per request); the pass of a node's fitted ``StepCost``
+    step_fixed_ms: float = 0.0
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -231,7 +236,7 @@ def replay(
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
             ms, own, finished = _run_step_chunks(prefilling, shape, len(decoding))
-            t += ms
+            t += ms if decoding else ms + shape.step_fixed_ms
             stall += own * len(decoding)
             for _ in finished:  # the finished ones are the oldest
                 prefilling.popleft()
@@ -256,7 +261,7 @@ def replay(
                     start_decoding(r)
             continue
         if pre is not None:
-            ms = _run_chunk(pre, shape, shape.chunk(len(decoding)))
+            ms = _run_chunk(pre, shape, shape.chunk(len(decoding))) + shape.step_fixed_ms
             t += ms
             if pre.new:
                 stall += ms * len(decoding)
@@ -357,7 +362,7 @@ def replay_literal(
             rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
             prompts = (r for r in running if r.prefill > 0)
             ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
-            t += ms
+            t += ms if rows else ms + shape.step_fixed_ms
             stall += own * len(rows)
             if rows:
                 decode(rows, 1.0)
@@ -371,7 +376,7 @@ def replay_literal(
             continue
         if pre is not None:
             rows_n = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
-            ms = _run_chunk(pre, shape, shape.chunk(rows_n))
+            ms = _run_chunk(pre, shape, shape.chunk(rows_n)) + shape.step_fixed_ms
             t += ms
             if pre.new:
                 stall += ms * rows_n

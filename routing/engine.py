@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from routing.blocks import BlockEvents
+from routing.fleet.state import StepCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ class EngineStats:
     devices: tuple[str, ...] = ()  # one per rank, when parallel
     prefill_chunk: int = 0  # prompt tokens per prefill step with nothing decoding (0: unsaid)
     prefill_chunk_decoding: int = 0  # ... while rows decode (0: as prefill_chunk)
+    step_cost: StepCost | None = None  # its step time fitted on its own steps (routing.step_cost)
 
 
 @runtime_checkable

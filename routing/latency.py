@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from routing.backlog import Arrivals, EngineShape, Work, replay
 from routing.blocks import BLOCK_SIZE
-from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.state import NodeKind, NodeState, StepCost
 
 
 class KindDefaults(BaseModel):
@@ -72,6 +72,16 @@ class LatencyKnobs(BaseModel):
         default=True,
         description="fit the time a prompt's cached tokens still take (attention over them); "
         "off: a prefix hit costs only its new tokens",
+    )
+    node_step_cost: bool = Field(
+        default=True,
+        description="where a node reports the step cost its engine fitted on its own steps "
+        "(NodeState.step_cost), replay its steps with that: a pass, each decode row, each "
+        "prompt token and each token of context read, a prompt's chunk beside decode rows "
+        "adding its tokens only (off: rates learned from finished requests)",
+    )
+    min_step_cost_steps: int = Field(
+        default=64, ge=1, description="steps a node's step cost must be fitted over to be used"
     )
     future_arrivals: bool = Field(
         default=False,
@@ -523,10 +533,23 @@ class LatencyModel:
         span several batch sizes, else the kind's default."""
         return self._slope(node.id, node.kind)
 
+    def step_cost(self, node: NodeState) -> StepCost | None:
+        """The step cost the node fitted on its own steps, where it reports one fitted over
+        enough steps and the knobs use it."""
+        k, cost = self.knobs, node.step_cost
+        if not k.node_step_cost or cost is None or cost.steps < k.min_step_cost_steps:
+            return None
+        return cost
+
     def prefill_cost(self, node: NodeState) -> tuple[float, float, float]:
         """(fixed ms, ms per uncached token, ms per cached token) of a prompt's own time to
-        first token: fitted on this node's requests once their lengths spread (the cached
-        term once cached lengths spread too), else 0, the blended rate and 0."""
+        first token beyond its passes' own cost: the node's step cost where it reports one
+        (no fixed cost, its prompt-token and context terms); else fitted on this node's
+        requests once their lengths spread (the cached term once cached lengths spread too),
+        else 0, the blended rate and 0."""
+        cost = self.step_cost(node)
+        if cost is not None:
+            return 0.0, cost.ms_per_prompt_token, cost.ms_per_context_token
         rates = self.rates.get(node.id)
         if rates is not None:
             fit = rates.prefill_fit.solve(self.knobs.cached_prefill_cost)
@@ -540,6 +563,20 @@ class LatencyModel:
         self._register(node)
         fixed, per_token, _ = self.prefill_cost(node)
         chunk = node.prefill_chunk or kd.prefill_chunk
+        cost = self.step_cost(node)
+        if cost is not None:
+            b1 = cost.pass_ms + cost.ms_per_row
+            return EngineShape(
+                slots=max(1, node.max_batch),
+                chunk_tokens=chunk,
+                chunk_tokens_decoding=node.prefill_chunk_decoding or chunk,
+                prefill_ms_per_token=per_token,
+                decode_step_ms_b1=b1,
+                batch_slope=cost.ms_per_row / b1 if b1 > 0 else 0.0,
+                mixed_steps=kd.mixed_steps,
+                decode_ms_per_context_token=cost.ms_per_context_token,
+                step_fixed_ms=cost.pass_ms,
+            )
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
@@ -604,13 +641,15 @@ class LatencyModel:
         r = replay(
             shape, work, Work(work_tokens, out - 1.0, context=prompt_tokens), arrivals=arrivals
         )
-        own_prefill = shape.prefill_fixed_ms + work_tokens * shape.prefill_ms_per_token
+        own_prefill = (
+            shape.prefill_fixed_ms + shape.step_fixed_ms + work_tokens * shape.prefill_ms_per_token
+        )
         # A prompt's last chunk is a forward pass: it reads every weight and the prompt's KV as
         # a decode step of one row does, however few its new tokens (a prefix hit's 16 new
         # tokens after 1,152 cached took the CPU cloud node 120-160 ms, predicted 17-19 ms
         # from its per-token rate): its own time is at least that step's.
         floor = shape.decode_step_ms(1, prompt_tokens)
-        if own_prefill < floor:
+        if own_prefill < floor and shape.step_fixed_ms <= 0:  # else the replay has the pass
             short = floor - (r.first_token_ms - r.queue_ms)
             if short > 0:
                 r = replace(

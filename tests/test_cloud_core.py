@@ -287,6 +287,49 @@ def test_prompts_beside_decode_rows_take_the_stall_ratios_tokens(
     core.blocks.check_integrity()
 
 
+def test_the_step_cost_fitted_on_the_steps_is_what_they_cost(
+    tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step cost the node publishes (``NodeState.step_cost``) is fitted on its own steps:
+    given steps that cost a pass, each decode row and each prompt token (nothing per token of
+    context), on an injected clock, the fit gives those three back exactly and no context
+    cost; a prompt's chunk beside decode rows costs its tokens, not a second pass."""
+    import cloud_engine.core as core_module
+
+    clock = _FakeTime()
+    monkeypatch.setattr(core_module, "time", clock)
+    core = make_core(tiny, "reference", max_kv_blocks=400, overlap=False)
+    launch = core.runner.launch
+    pass_s, row_s, token_s = 0.020, 0.003, 0.0005
+
+    def timed_launch(batch, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prompt = sum(max(0, min(it.num_new, it.seq.num_prompt - it.start)) for it in batch.items)
+        rows = sum(
+            1
+            for it in batch.items
+            if it.num_new == 1 and it.samples and it.start >= it.seq.num_prompt
+        )
+        cost = pass_s + row_s * rows + token_s * prompt
+        return _Timed(launch(batch, *args, **kwargs), cost, clock)
+
+    monkeypatch.setattr(core.runner, "launch", timed_launch)
+    assert core.step_fit.latest is None  # nothing fitted before any step
+    for wave in range(4):  # prompts arriving beside rows that decode
+        for r in random_requests(4, seed=wave, max_prompt=200, max_out=30):
+            core.add(GenerationRequest(r.prompt_token_ids, r.sampling, f"{wave}-{r.request_id}"))
+        for _ in range(12):
+            core.step()
+    while core.has_work():
+        core.step()
+    cost = core.step_fit.solve()
+    assert cost is not None and cost.steps == len(core.step_fit.steps) >= 48
+    assert cost.pass_ms == pytest.approx(pass_s * 1e3, rel=1e-6)
+    assert cost.ms_per_row == pytest.approx(row_s * 1e3, rel=1e-6)
+    assert cost.ms_per_prompt_token == pytest.approx(token_s * 1e3, rel=1e-6)
+    assert cost.ms_per_context_token == pytest.approx(0.0, abs=1e-9)
+    assert core.step_fit.latest is not None  # refitted as the steps came
+
+
 def test_measured_rates_are_real_numbers_on_the_real_clock(tiny: LlamaForCausalLM) -> None:
     """Without the injected clock the counters are measured (positive, finite); no bound on
     their values: that would test the machine's load, not the code."""

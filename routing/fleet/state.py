@@ -19,6 +19,35 @@ class NodeKind(enum.StrEnum):
     OPENAI = "openai"  # an external OpenAI-compatible server; its state is inferred
 
 
+class StepCost(BaseModel):
+    """One engine step's time as the node fitted it over its own recent steps (least squares,
+    ``routing.step_cost``)::
+
+        ms = pass_ms + ms_per_row * decode rows + ms_per_prompt_token * prompt tokens
+             + ms_per_context_token * tokens of KV the step reads
+
+    A step is one forward pass, whatever it holds: a prompt's chunk beside decode rows adds its
+    tokens, not another pass. Every term is non-negative; ``steps`` is how many steps it was
+    fitted over.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    pass_ms: float = Field(ge=0)
+    ms_per_row: float = Field(ge=0)
+    ms_per_prompt_token: float = Field(ge=0)
+    ms_per_context_token: float = Field(ge=0)
+    steps: int = Field(ge=0)
+
+    def step_ms(self, rows: float, prompt_tokens: float, context: float) -> float:
+        return (
+            self.pass_ms
+            + self.ms_per_row * rows
+            + self.ms_per_prompt_token * prompt_tokens
+            + self.ms_per_context_token * context
+        )
+
+
 class NodeState(BaseModel):
     model_config = ConfigDict(frozen=False, extra="ignore")
 
@@ -46,6 +75,8 @@ class NodeState(BaseModel):
     # (``routing.prefill_budget``); 0: not reported, the kind's default is assumed
     prefill_chunk: int = 0
     prefill_chunk_decoding: int = 0
+    # its engine's step time fitted on its own steps (None: it fits none, or not yet)
+    step_cost: StepCost | None = None
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken
     ttl_s: float = 5.0
     version: int = SCHEMA_VERSION

@@ -1,0 +1,119 @@
+"""The step cost a node fits on its own steps, and the router's replay of a node that reports
+one: hand-computed cases."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from routing.backlog import EngineShape, Work, replay, replay_literal
+from routing.fleet.state import NodeKind, NodeState, StepCost
+from routing.latency import LatencyKnobs, LatencyModel
+from routing.step_cost import StepCostFit
+
+
+def fed(
+    fit: StepCostFit,
+    cost: StepCost,
+    n: int,
+    seed: int = 0,
+    rows: tuple[int, ...] = (0, 1, 2, 3),
+    at: float = 0.0,
+) -> StepCostFit:
+    """``n`` steps of random composition ending at ``at`` s, each costing what ``cost`` says."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        r = rng.choice(rows)
+        tokens = rng.choice([0, 16, 16, 300]) if r else rng.choice([20, 100, 700])
+        context = rng.randrange(50, 3000)
+        fit.add(r, tokens, context, cost.step_ms(r, tokens, context), at)
+    return fit
+
+
+TRUE = StepCost(pass_ms=45.0, ms_per_row=4.0, ms_per_prompt_token=3.0,
+                ms_per_context_token=0.03, steps=0)  # fmt: skip
+
+
+def test_the_fit_gives_back_the_cost_of_the_steps():
+    fit = fed(StepCostFit(), TRUE, 600)
+    got = fit.latest
+    assert got is not None and got.steps == 512  # the window
+    assert (got.pass_ms, got.ms_per_row) == (pytest.approx(45.0), pytest.approx(4.0))
+    assert got.ms_per_prompt_token == pytest.approx(3.0)
+    assert got.ms_per_context_token == pytest.approx(0.03)
+
+
+def test_no_fit_before_enough_steps_or_while_the_rows_do_not_spread():
+    assert fed(StepCostFit(), TRUE, 23).solve() is None  # min_steps 24
+    # every step one row: a row cannot be told from the pass
+    assert fed(StepCostFit(), TRUE, 200, rows=(1,)).solve() is None
+    assert fed(StepCostFit(), TRUE, 200, rows=(1, 2)).solve() is not None
+
+
+def test_the_fit_follows_the_load_over_its_horizon():
+    # 400 steps at one cost, then 40 at a slower one 30 s later: only the recent ones count
+    slow = TRUE.model_copy(update={"pass_ms": 10.0, "ms_per_row": 40.0})
+    fit = fed(fed(StepCostFit(horizon_s=20.0), TRUE, 400), slow, 40, seed=1, at=30.0)
+    got = fit.solve()
+    assert got is not None and got.steps == 40
+    assert (got.pass_ms, got.ms_per_row) == (pytest.approx(10.0), pytest.approx(40.0))
+    # fewer recent steps than min_steps: the last min_steps, older ones among them
+    assert fed(fed(StepCostFit(), TRUE, 400), slow, 10, at=30.0).solve().steps == 24
+
+
+def test_a_term_fitted_negative_is_dropped_and_the_rest_refitted():
+    # steps that get cheaper with context (noise, another process): no negative cost
+    fit = StepCostFit()
+    rng = random.Random(1)
+    for _ in range(300):
+        r, tokens, context = rng.choice([0, 1, 2]), rng.choice([16, 200]), rng.randrange(0, 3000)
+        fit.add(r, tokens, context, 30.0 + 5.0 * r + 2.0 * tokens - 0.002 * context, 0.0)
+    got = fit.solve()
+    assert got is not None and got.ms_per_context_token == 0.0
+    assert got.ms_per_prompt_token == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_chunk_beside_decode_rows_pays_no_second_pass():
+    # pass 50, a row 10, a prompt token 2: the new 20-token prompt alone is one pass (t=90);
+    # beside A decoding, the 16-token cut makes two steps, each A's row and a chunk: 50 + 10 +
+    # 32 (t=92) and 50 + 10 + 8 (t=160)
+    shape = EngineShape(slots=4, chunk_tokens=1024, prefill_ms_per_token=2.0,
+                        decode_step_ms_b1=60.0, batch_slope=10.0 / 60.0, mixed_steps=True,
+                        chunk_tokens_decoding=16, step_fixed_ms=50.0)  # fmt: skip
+    assert replay(shape, [], Work(20, 0)).first_token_ms == 90.0
+    beside = replay(shape, [Work(0, 10, context=100)], Work(20, 0))
+    assert beside.first_token_ms == 160.0
+    assert replay_literal(shape, [Work(0, 10, context=100)], Work(20, 0)) == beside
+    # separate passes (the edge's loop): every chunk is a pass of its own, then A's step
+    edge = EngineShape(slots=4, chunk_tokens=1024, prefill_ms_per_token=2.0,
+                       decode_step_ms_b1=60.0, batch_slope=0.0, chunk_tokens_decoding=16,
+                       step_fixed_ms=50.0)  # fmt: skip
+    # chunk 16 (82), A (142), chunk 4 (200): the first token
+    assert replay(edge, [Work(0, 10)], Work(20, 0)).first_token_ms == 200.0
+
+
+def cloud(**kw) -> NodeState:
+    base = dict(id="c1", kind=NodeKind.CLOUD, region="r", url="http://c", models=["m"],
+                max_context=4096, device="cpu", max_batch=64, prefill_chunk=1024,
+                prefill_chunk_decoding=16)  # fmt: skip
+    return NodeState(**{**base, **kw})
+
+
+def test_the_router_replays_a_node_with_the_step_cost_it_reports():
+    cost = StepCost(pass_ms=50.0, ms_per_row=10.0, ms_per_prompt_token=2.0,
+                    ms_per_context_token=0.0, steps=500)  # fmt: skip
+    model = LatencyModel()
+    n = cloud(step_cost=cost)
+    shape = model.shape(n)
+    assert (shape.step_fixed_ms, shape.decode_step_ms_b1, shape.prefill_ms_per_token) == (
+        50.0, 60.0, 2.0)  # fmt: skip
+    assert shape.decode_step_ms(3) == pytest.approx(80.0)  # the pass and three rows
+    e = model.estimate(n, prompt_tokens=20, cached_tokens=0, expected_output_tokens=5, rtt_ms=0)
+    # alone: one pass with the 20 tokens (90), then 4 steps of one row (60 each)
+    assert (e.ttft_ms, e.e2e_ms) == (pytest.approx(90.0), pytest.approx(330.0))
+    # too few steps fitted, or the knob off: the rates learned per request (the kind's default)
+    for m, s in ((model, cloud(step_cost=cost.model_copy(update={"steps": 10}))),
+                 (LatencyModel(LatencyKnobs(node_step_cost=False)), n)):  # fmt: skip
+        assert m.shape(s).step_fixed_ms == 0.0
+        assert m.shape(s).prefill_ms_per_token == pytest.approx(1000.0 / 6000.0)
