@@ -81,6 +81,12 @@ class _InFlight:
     first_token_at: float | None = None
 
 
+# What is taken to be left of the prefill work of a request seen to pass its predicted first
+# token without one: it is still prefilling (or waiting), how far along is not known, so half
+# (the mean of a uniform guess), not none: a node slower than predicted must not look idle.
+OVERRUN_PREFILL_LEFT = 0.5
+
+
 class DispatchLedger:
     """Requests in flight per node, with their dispatch times (sorted, as the clock is) and
     what was predicted for them, so a decision can replay the work each node has in hand."""
@@ -187,7 +193,9 @@ class DispatchLedger:
     def work(self, node_id: str, now: float) -> list[Work]:
         """What each request in flight on the node still has to do, oldest first, as far as
         its prediction and what was seen of it (its first token) tell; its context is its
-        prompt and the tokens it is taken to have generated."""
+        prompt and the tokens it is taken to have generated. Every reply's first token is seen
+        (a stream's first chunk; a whole reply's headers, which nodes send with it), so one
+        not seen yet is still before it, however late against its prediction."""
         out: list[Work] = []
         for _, ticket_id in self._times.get(node_id, ()):
             e = self._entries.get(ticket_id)
@@ -198,7 +206,7 @@ class DispatchLedger:
             steps = max(0.0, e.output_tokens - 1.0)
             t_first = est.ttft_ms - est.rtt_ms
             prompt = float(est.prompt_tokens)
-            if e.first_token_at is not None or elapsed >= t_first:
+            if e.first_token_at is not None:
                 since_first = (
                     (now - e.first_token_at) * 1000.0
                     if e.first_token_at is not None
@@ -209,6 +217,8 @@ class DispatchLedger:
                 out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
+                if left <= 0:  # past its predicted first token, none seen: still prefilling
+                    left = OVERRUN_PREFILL_LEFT
                 tokens = est.prefill_work_tokens or float(est.uncached_tokens)
                 out.append(Work(tokens * min(1.0, left), steps, started=left < 1.0, context=prompt))
         return out

@@ -418,3 +418,26 @@ def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():
     assert held == pytest.approx(3 * d.fallbacks[0].estimate.own_prefill_ms)
     assert d.estimate.stalled_others_ms == 0.0
     assert "holds up others 3000 ms" in d.detail
+
+
+def test_a_request_late_for_its_first_token_is_still_prefilling():
+    """Every reply's first token is seen (a stream's first chunk, a whole reply's headers), so
+    a request past its predicted first token without one is still prefilling: half its prompt
+    is taken as left, not none, and a node slower than predicted does not look idle."""
+    clock = [NOW]
+    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
+    fleet = view(edge())
+    p = profile(400, out=16)
+    t = r.begin(r.decide(p, fleet), profile=p)
+    work = t.estimate.prefill_work_tokens
+    ttft_s = (t.estimate.ttft_ms - t.estimate.rtt_ms) / 1000.0
+    clock[0] += ttft_s / 2  # half way to its predicted first token: half of it left
+    assert r.ledger.work("edge-eu", clock[0])[0].prefill_tokens == pytest.approx(work / 2)
+    clock[0] += ttft_s  # late, no first token: still prefilling
+    late = r.ledger.work("edge-eu", clock[0])[0]
+    assert (late.prefill_tokens, late.decode_steps) == (pytest.approx(work / 2), 15.0)
+    queued = r.candidates(profile(40), fleet)[0][0].estimate
+    r.first_token(t)  # its first token: now it decodes, its prompt done
+    seen = r.ledger.work("edge-eu", clock[0])[0]
+    assert seen.prefill_tokens == 0.0 and seen.decode_steps == 15.0
+    assert r.candidates(profile(40), fleet)[0][0].estimate.ttft_ms < queued.ttft_ms

@@ -9,8 +9,9 @@ A request's path, in simulated seconds::
 At the gateway the real code runs: ``RequestProfile`` (built from the trace's token count and
 prefix block keys), ``Router.decide`` over a ``FleetView`` of the node states last pushed and
 the prefix index (the real ``PrefixIndex``) fed by the nodes' block events after
-``event_delay_ms``, ``Router.begin``, ``Router.first_token`` when a stream's first token
-reaches it, and ``Router.finish`` with what it measured, so the latency model learns online.
+``event_delay_ms``, ``Router.begin``, ``Router.first_token`` when a reply's first token
+reaches it (a stream's first chunk, a whole reply's headers: the node sends them at its
+first token), and ``Router.finish`` with what it measured, so the latency model learns online.
 
 Invariants:
 - Deterministic for (trace, fleet, config, seed): events are ordered by (time, sequence
@@ -498,7 +499,7 @@ class Simulator:
             return
         node.busy = True
         self._push(end, _STEP, (i, node.version))
-        # streams: the gateway sees a first token one way later
+        # the gateway sees a first token one way later (a whole reply's headers come with it)
         pre = node._pending_pre  # type: ignore[union-attr]
         if isinstance(node, EdgeSim):
             if pre is not None and pre.first_s >= 0 and pre.first_s <= end:
@@ -514,8 +515,7 @@ class Simulator:
             return
         t = (r.first_s if at is None else at) + f.net_s
         f.first_seen_s = t
-        if f.tr.stream:
-            self._push(t, _FIRST_SEEN, f)
+        self._push(t, _FIRST_SEEN, f)
 
     def _done(self, r: SimRequest, t: float) -> None:
         f: _Flight = r.payload  # type: ignore[assignment]
