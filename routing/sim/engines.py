@@ -30,8 +30,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from routing.fleet.state import StepCost as FittedStepCost
 from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms
 from routing.sim.profiles import StepCost
+from routing.step_cost import StepCostFit
 
 BLOCK = 16
 
@@ -110,6 +112,10 @@ class _Node:
     def reported_chunks(self) -> tuple[int, int]:
         """(prefill chunk, chunk beside decoding rows) as the node reports them; 0: unsaid."""
         return 0, 0
+
+    def fitted_step_cost(self) -> FittedStepCost | None:
+        """The step cost the node fits on its own steps and reports (None: it fits none)."""
+        return None
 
     def _finish(self, r: SimRequest, t: float) -> None:
         r.end_s = t
@@ -459,13 +465,27 @@ class CloudSim(_Node):
         self.order: list[SimRequest] = []
         self._pending_rows: list[SimRequest] = []
         self._pending_pre: list[tuple[SimRequest, int]] = []
+        # as the engine: fitted on its steps and reported (refitted less often: the fit is most
+        # of a step event's cost, and simulated steps are many)
+        self.step_fit = StepCostFit(refit_every=32)
 
     def chunk_beside_decode(self) -> int | None:
-        """Prompt tokens a step takes beside decode rows, as the engine cuts them."""
+        """Prompt tokens a step takes beside decode rows, as the engine cuts them (with its
+        fitted step cost once it has one: ``cloud_engine.core.EngineCore``)."""
         if self.stall_ratio is None:
             return None
+        fit = self.step_fit.latest
+        if fit is not None:
+            context = sum(r.prompt + r.generated for r in self.order)
+            decode_ms = fit.step_ms(len(self.order), 0, context)
+            return chunk_beside_decode(
+                self.budget, self.stall_ratio, decode_ms, fit.ms_per_prompt_token
+            )
         per_token = 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
         return chunk_beside_decode(self.budget, self.stall_ratio, self.decode_ms, per_token)
+
+    def fitted_step_cost(self) -> FittedStepCost | None:
+        return self.step_fit.latest
 
     def reported_chunks(self) -> tuple[int, int]:
         # one step's token budget and its prompt tokens beside rows, as the engine reports them
@@ -582,6 +602,10 @@ class CloudSim(_Node):
             for r, c in pre:
                 r.prefill_ms += (step_ms - beside) * c / pre_tokens
         self.run = (t, step_ms / 1000.0, k) if k > 1 else None
+        # the KV its steps read: each row's context (its middle step's, for a run of k)
+        context = sum(r.prompt + r.generated for r in rows) + len(rows) * (k - 1) / 2.0
+        context += sum(r.filled + c for r, c in pre)
+        self.step_fit.add(len(rows), pre_tokens, int(context), step_ms, t + k * step_ms / 1000.0)
         for r in rows:
             r.generated += k
             need = math.ceil((r.prompt + r.generated) / BLOCK) - len(r.refs) - r.held

@@ -275,6 +275,7 @@ class Simulator:
                 "prefix_hit_rate": hit,
                 "prefill_chunk": chunk,
                 "prefill_chunk_decoding": chunk_decoding,
+                "step_cost": n.fitted_step_cost(),
                 "timestamp": t,
             }
         )
