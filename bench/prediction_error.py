@@ -107,6 +107,8 @@ VARIANTS = {
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
+    # answer lengths averaged as they are, not in log space (the arithmetic mean)
+    "arith_mean": "expected_output:\n  log_mean: false\n",
     # the nodes' own step costs left unused: rates learned from finished requests only
     "no_step_cost": "latency:\n  node_step_cost: false\n",
     # the requests expected after the decision in its replay (not only those in hand)

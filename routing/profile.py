@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,10 +50,16 @@ class OutputKnobs(BaseModel):
     whole_prompt: bool = Field(
         default=True, description="a prompt sent again is predicted by its own answers first"
     )
+    log_mean: bool = Field(
+        default=True,
+        description="average answer lengths in log space (a geometric mean): the estimate whose "
+        "relative error is least, where answers of one kind stop anywhere from a few tokens to "
+        "their cap; off: the arithmetic mean",
+    )
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens per (API key, route, whole prompt, node kind), per (API key,
+    """EWMA of completion tokens (of their logarithms, ``log_mean``) per (API key, route, whole prompt, node kind), per (API key,
     route, whole prompt), per (API key, route, max_tokens, first prompt block), per (API key,
     route, max_tokens) and per (API key, route), LRU-bounded; a default until learned.
 
@@ -78,8 +85,17 @@ class OutputLengthEstimator:
         self._stats: OrderedDict[tuple[str, str, int, int], tuple[float, int]] = OrderedDict()
 
     def configure(self, knobs: OutputKnobs) -> None:
+        if knobs.log_mean != self.knobs.log_mean:
+            self._stats.clear()  # its averages are in the other space
         self.knobs = knobs
         self._trim()
+
+    def _to_stat(self, tokens: float) -> float:
+        return math.log(max(1.0, tokens)) if self.knobs.log_mean else tokens
+
+    def _from_stat(self, value: float) -> float:
+        # rounded: a length seen once (or always the same) comes back as that whole number
+        return round(math.exp(value), 6) if self.knobs.log_mean else value
 
     def _trim(self) -> None:
         while len(self._stats) > self.knobs.max_keys:
@@ -145,13 +161,13 @@ class OutputLengthEstimator:
                 continue
             at_least = bound[0] if bound is not None else 0.0
             if stat is not None:
-                value, known = stat[0], True
+                value, known = self._from_stat(stat[0]), True
             break
         if not known:
             for k in keys[whole:]:
                 stat = self._stats.get(k)
                 if stat is not None and stat[1] >= self.knobs.min_samples:
-                    value = stat[0]
+                    value = self._from_stat(stat[0])
                     break
         value = max(value, at_least)
         if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
@@ -178,12 +194,13 @@ class OutputLengthEstimator:
             for cut in self._prompt_keys(api_key or "", route, prompt, kind, "-cut"):
                 prev_cut = self._stats.pop(cut, None)
                 self._stats[cut] = (max(x, prev_cut[0]) if prev_cut else x, 1)
+        v = self._to_stat(x)
         for k in keys:
             prev = self._stats.pop(k, None)
             if prev is None:
-                self._stats[k] = (x, 1)
+                self._stats[k] = (v, 1)
             else:
-                self._stats[k] = (prev[0] + self.knobs.alpha * (x - prev[0]), prev[1] + 1)
+                self._stats[k] = (prev[0] + self.knobs.alpha * (v - prev[0]), prev[1] + 1)
         self._trim()
 
     def __len__(self) -> int:

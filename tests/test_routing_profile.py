@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -142,8 +143,9 @@ def test_expected_output_is_learned_per_key_and_route(formatter: PromptFormatter
     kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
     assert build_profile(chat_body(), formatter, api_key="a", **kw).expected_output_tokens == 100
     est.observe("a", "chat", 20)
-    est.observe("a", "chat", 40)  # EWMA: 20 + 0.5 * (40 - 20)
-    assert build_profile(chat_body(), formatter, api_key="a", **kw).expected_output_tokens == 30
+    est.observe("a", "chat", 40)  # EWMA of logs: exp(log 20 + 0.5 * (log 40 - log 20))
+    got = build_profile(chat_body(), formatter, api_key="a", **kw).expected_output_tokens
+    assert got == pytest.approx(math.sqrt(20 * 40))
     assert (
         build_profile(chat_body(max_tokens=5), formatter, api_key="a", **kw).expected_output_tokens
         == 5
@@ -265,3 +267,24 @@ def test_a_prompts_own_length_is_kept_per_node_kind(formatter: PromptFormatter):
     assert again.expected_output_tokens == 30  # the latest answer, on any kind
     assert again.expected_output_on("edge") == 5 and again.expected_output_on("cloud") == 30
     assert dict(again.expected_output_by_kind) == {"edge": 5.0}  # only where it differs
+
+
+def test_answer_lengths_are_averaged_in_log_space():
+    """Answers of one kind stop anywhere from a few tokens to their cap; predicted at their
+    geometric mean, a short answer is not predicted at twice its length by the long ones (the
+    least relative error), and the arithmetic mean is a knob away."""
+    geo = OutputLengthEstimator(OutputKnobs(alpha=0.5))
+    mean = OutputLengthEstimator(OutputKnobs(alpha=0.5, log_mean=False))
+    for est in (geo, mean):
+        for n in (6, 16, 6, 16):
+            est.observe("a", "chat", n, max_tokens=32)
+    # EWMAs with alpha 0.5 over 6, 16, 6, 16: of the logs 11.08 tokens, of the lengths 12.25
+    logs = math.log(6)
+    for n in (16, 6, 16):
+        logs += 0.5 * (math.log(n) - logs)
+    assert geo.expected("a", "chat", max_tokens=32) == pytest.approx(math.exp(logs))
+    assert mean.expected("a", "chat", max_tokens=32) == 12.25  # 6, 11, 8.5, 12.25
+    assert math.exp(logs) == pytest.approx(11.076, abs=1e-3)
+    # switching the knob starts the averages over (they are kept in the other space)
+    geo.configure(OutputKnobs(alpha=0.5, log_mean=False))
+    assert geo.expected("a", "chat", max_tokens=32) == 32.0  # the default (128) under the cap
