@@ -109,8 +109,8 @@ VARIANTS = {
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
     # answer lengths averaged as they are, not in log space (the arithmetic mean)
     "arith_mean": "expected_output:\n  log_mean: false\n",
-    # the nodes' own step costs left unused: rates learned from finished requests only
-    "no_step_cost": "latency:\n  node_step_cost: false\n",
+    # the replay of a node that reports its fitted step cost runs its steps with it
+    "step_cost": "latency:\n  node_step_cost: true\n",
     # the requests expected after the decision in its replay (not only those in hand)
     "future_arrivals": "latency:\n  future_arrivals: true\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own

@@ -74,14 +74,15 @@ class LatencyKnobs(BaseModel):
         "off: a prefix hit costs only its new tokens",
     )
     node_step_cost: bool = Field(
-        default=True,
+        default=False,
         description="where a node reports the step cost its engine fitted on its own steps "
         "(NodeState.step_cost), replay its steps with that: a pass, each decode row, each "
         "prompt token and each token of context read, a prompt's chunk beside decode rows "
-        "adding its tokens only (off: rates learned from finished requests)",
+        "adding its tokens only (off: rates learned from finished requests; on the embedded "
+        "default neither was better over six paired runs, docs/benchmarks.md)",
     )
     min_step_cost_steps: int = Field(
-        default=64, ge=1, description="steps a node's step cost must be fitted over to be used"
+        default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
     )
     future_arrivals: bool = Field(
         default=False,

@@ -14,9 +14,9 @@ Invariants:
   the rest refitted; the context term is dropped while the contexts do not spread; a fit
   whose prompt tokens cost nothing is no fit (None).
 - The fit follows the load: it is taken over the steps of the last ``horizon_s`` seconds (at
-  least the last ``min_steps``, at most ``window``), since what a step costs moves with what
-  else the machine runs (on a CPU node, a step at 16 concurrent requests cost 2-3x what the
-  same composition cost at 4, the gateway and the clients taking their share of the cores).
+  least the last ``min_steps``), since what a step costs moves with what else the machine
+  runs; where those steps do not spread (a batch decoding at one size for longer than the
+  horizon) over the whole ``window``; and ``latest`` keeps the last fit while neither spreads.
 - ``add`` is O(1); ``solve`` is one small least-squares fit over the window (the caller decides
   how often: the engine refits every ``refit_every`` steps in its own thread).
 """
@@ -61,14 +61,21 @@ class StepCostFit:
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self._since_fit = 0
-            self.latest = self.solve()
+            self.latest = self.solve() or self.latest
 
     def solve(self) -> StepCost | None:
+        """The fit over the steps of the last ``horizon_s``, or over the whole window where
+        those do not spread (a batch decoding at one size for longer than the horizon); None
+        where neither does."""
         if len(self.steps) < self.min_steps:
             return None
         data = np.asarray(self.steps, dtype=np.float64)
         recent = int(np.searchsorted(data[:, 4], data[-1, 4] - self.horizon_s))
-        data = data[min(recent, len(data) - self.min_steps) :]
+        return self._fit(data[min(recent, len(data) - self.min_steps) :]) or (
+            self._fit(data) if recent > 0 else None
+        )
+
+    def _fit(self, data: np.ndarray) -> StepCost | None:
         x, y = data[:, :3], data[:, 3]
         spread = x.std(axis=0)
         if spread[0] < self.min_spread_rows or spread[1] < self.min_spread_tokens:

@@ -103,7 +103,7 @@ def cloud(**kw) -> NodeState:
 def test_the_router_replays_a_node_with_the_step_cost_it_reports():
     cost = StepCost(pass_ms=50.0, ms_per_row=10.0, ms_per_prompt_token=2.0,
                     ms_per_context_token=0.0, steps=500)  # fmt: skip
-    model = LatencyModel()
+    model = LatencyModel(LatencyKnobs(node_step_cost=True))
     n = cloud(step_cost=cost)
     shape = model.shape(n)
     assert (shape.step_fixed_ms, shape.decode_step_ms_b1, shape.prefill_ms_per_token) == (
@@ -112,8 +112,20 @@ def test_the_router_replays_a_node_with_the_step_cost_it_reports():
     e = model.estimate(n, prompt_tokens=20, cached_tokens=0, expected_output_tokens=5, rtt_ms=0)
     # alone: one pass with the 20 tokens (90), then 4 steps of one row (60 each)
     assert (e.ttft_ms, e.e2e_ms) == (pytest.approx(90.0), pytest.approx(330.0))
-    # too few steps fitted, or the knob off: the rates learned per request (the kind's default)
+    # too few steps fitted, or the knob off (the default): the rates learned per request
     for m, s in ((model, cloud(step_cost=cost.model_copy(update={"steps": 10}))),
                  (LatencyModel(LatencyKnobs(node_step_cost=False)), n)):  # fmt: skip
         assert m.shape(s).step_fixed_ms == 0.0
         assert m.shape(s).prefill_ms_per_token == pytest.approx(1000.0 / 6000.0)
+
+
+def test_a_batch_decoding_at_one_size_keeps_the_fit():
+    # mixed steps, then 40 s of decode steps at 12 rows only: the recent ones cannot tell a row
+    # from the pass, so the whole window answers (and the last fit stays)
+    fit = fed(StepCostFit(horizon_s=10.0), TRUE, 200)
+    for i in range(100):
+        fit.add(12, 0, 14_400, TRUE.step_ms(12, 0, 14_400), 1.0 + 0.4 * i)
+    got = fit.solve()
+    assert got is not None and got.steps == 300
+    assert got.ms_per_row == pytest.approx(4.0) and fit.latest is not None
+    assert fit.latest.step_ms(12, 0, 14_400) == pytest.approx(TRUE.step_ms(12, 0, 14_400))
