@@ -84,6 +84,16 @@ class LatencyKnobs(BaseModel):
     min_step_cost_steps: int = Field(
         default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
     )
+    overrun_left: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="share of its prefill work or decode steps a request in flight is taken to "
+        "have left once it is late against its prediction (no first token, or not finished): "
+        "how far along it is is not known; half is the mean of a uniform guess (0: as good as "
+        "done, one step left; at 16 concurrent requests that predicted the CPU cloud's answers "
+        "at 100-200 ms a token against 500-850 measured)",
+    )
     future_arrivals: bool = Field(
         default=False,
         description="replay the requests this gateway is expected to send a node while one "

@@ -81,12 +81,6 @@ class _InFlight:
     first_token_at: float | None = None
 
 
-# What is taken to be left of the prefill work of a request seen to pass its predicted first
-# token without one: it is still prefilling (or waiting), how far along is not known, so half
-# (the mean of a uniform guess), not none: a node slower than predicted must not look idle.
-OVERRUN_PREFILL_LEFT = 0.5
-
-
 class DispatchLedger:
     """Requests in flight per node, with their dispatch times (sorted, as the clock is) and
     what was predicted for them, so a decision can replay the work each node has in hand."""
@@ -190,12 +184,15 @@ class DispatchLedger:
             return 0
         return len(items) - bisect.bisect_right(items, (t, float("inf")))
 
-    def work(self, node_id: str, now: float) -> list[Work]:
+    def work(self, node_id: str, now: float, overrun_left: float = 0.5) -> list[Work]:
         """What each request in flight on the node still has to do, oldest first, as far as
         its prediction and what was seen of it (its first token) tell; its context is its
         prompt and the tokens it is taken to have generated. Every reply's first token is seen
         (a stream's first chunk; a whole reply's headers, which nodes send with it), so one
-        not seen yet is still before it, however late against its prediction."""
+        not seen yet is still before it, however late against its prediction; one not
+        finished is still decoding, however late. How far along a late one is, is not known:
+        ``overrun_left`` of its prefill work or its decode steps is taken as left (at least one
+        step; ``latency.overrun_left``)."""
         out: list[Work] = []
         for _, ticket_id in self._times.get(node_id, ()):
             e = self._entries.get(ticket_id)
@@ -212,13 +209,15 @@ class DispatchLedger:
                     if e.first_token_at is not None
                     else elapsed - t_first
                 )
-                done = min(since_first / max(est.decode_ms_per_token, 1e-3), steps)
+                done = since_first / max(est.decode_ms_per_token, 1e-3)
+                if done >= steps:  # past its predicted last token, not finished: still decoding
+                    done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
                 out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
-                    left = OVERRUN_PREFILL_LEFT
+                    left = overrun_left
                 tokens = est.prefill_work_tokens or float(est.uncached_tokens)
                 out.append(Work(tokens * min(1.0, left), steps, started=left < 1.0, context=prompt))
         return out
@@ -313,7 +312,7 @@ class Router:
                     rtt_ms=self.regions.rtt_ms(client_region, node.region),
                     # what other gateways sent it: its own counts beyond ours it had seen
                     extra_inflight=max(0, node.running + node.waiting - seen),
-                    ahead=self.ledger.work(node.id, now),
+                    ahead=self.ledger.work(node.id, now, cfg.latency.overrun_left),
                     arrivals=self.ledger.arrivals(node.id, now, window)
                     if cfg.latency.future_arrivals
                     else None,

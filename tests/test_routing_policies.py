@@ -420,10 +420,11 @@ def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():
     assert "holds up others 3000 ms" in d.detail
 
 
-def test_a_request_late_for_its_first_token_is_still_prefilling():
+def test_a_late_request_is_still_at_it():
     """Every reply's first token is seen (a stream's first chunk, a whole reply's headers), so
-    a request past its predicted first token without one is still prefilling: half its prompt
-    is taken as left, not none, and a node slower than predicted does not look idle."""
+    a request past its predicted first token without one is still prefilling, and one past its
+    predicted last token is still decoding: half of what is left is taken as left, not none,
+    and a node slower than predicted does not look idle."""
     clock = [NOW]
     r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
     fleet = view(edge())
@@ -441,3 +442,6 @@ def test_a_request_late_for_its_first_token_is_still_prefilling():
     seen = r.ledger.work("edge-eu", clock[0])[0]
     assert seen.prefill_tokens == 0.0 and seen.decode_steps == 15.0
     assert r.candidates(profile(40), fleet)[0][0].estimate.ttft_ms < queued.ttft_ms
+    # past its predicted last token, not finished: still decoding, half its steps taken as left
+    clock[0] += 15 * t.estimate.decode_ms_per_token / 1000.0 * 3
+    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == pytest.approx(7.5)
