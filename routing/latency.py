@@ -85,14 +85,14 @@ class LatencyKnobs(BaseModel):
         default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
     )
     overrun_left: float = Field(
-        default=0.5,
+        default=0.0,
         ge=0,
         le=1,
         description="share of its prefill work or decode steps a request in flight is taken to "
         "have left once it is late against its prediction (no first token, or not finished): "
-        "how far along it is is not known; half is the mean of a uniform guess (0: as good as "
-        "done, one step left; at 16 concurrent requests that predicted the CPU cloud's answers "
-        "at 100-200 ms a token against 500-850 measured)",
+        "how far along it is is not known; 0: as good as done, one decode step left (over two "
+        "paired prediction_error runs on the embedded default, 0 erred less than 0.5, the mean "
+        "of a uniform guess: docs/benchmarks.md)",
     )
     future_arrivals: bool = Field(
         default=False,

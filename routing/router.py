@@ -184,7 +184,7 @@ class DispatchLedger:
             return 0
         return len(items) - bisect.bisect_right(items, (t, float("inf")))
 
-    def work(self, node_id: str, now: float, overrun_left: float = 0.5) -> list[Work]:
+    def work(self, node_id: str, now: float, overrun_left: float = 0.0) -> list[Work]:
         """What each request in flight on the node still has to do, oldest first, as far as
         its prediction and what was seen of it (its first token) tell; its context is its
         prompt and the tokens it is taken to have generated. Every reply's first token is seen

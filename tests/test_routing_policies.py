@@ -423,10 +423,11 @@ def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():
 def test_a_late_request_is_still_at_it():
     """Every reply's first token is seen (a stream's first chunk, a whole reply's headers), so
     a request past its predicted first token without one is still prefilling, and one past its
-    predicted last token is still decoding: half of what is left is taken as left, not none,
-    and a node slower than predicted does not look idle."""
+    predicted last token is still decoding: with ``overrun_left`` 0.5, half of what it had is
+    taken as left; with the default 0, one decode step."""
     clock = [NOW]
-    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
+    late_half = PolicyConfig(policy="edge_first", latency=LatencyKnobs(overrun_left=0.5))
+    r = Router(late_half, clock=lambda: clock[0])
     fleet = view(edge())
     p = profile(400, out=16)
     t = r.begin(r.decide(p, fleet), profile=p)
@@ -435,13 +436,15 @@ def test_a_late_request_is_still_at_it():
     clock[0] += ttft_s / 2  # half way to its predicted first token: half of it left
     assert r.ledger.work("edge-eu", clock[0])[0].prefill_tokens == pytest.approx(work / 2)
     clock[0] += ttft_s  # late, no first token: still prefilling
-    late = r.ledger.work("edge-eu", clock[0])[0]
+    late = r.ledger.work("edge-eu", clock[0], 0.5)[0]
     assert (late.prefill_tokens, late.decode_steps) == (pytest.approx(work / 2), 15.0)
     queued = r.candidates(profile(40), fleet)[0][0].estimate
+    assert r.ledger.work("edge-eu", clock[0])[0].prefill_tokens == 0.0  # the default: done
     r.first_token(t)  # its first token: now it decodes, its prompt done
     seen = r.ledger.work("edge-eu", clock[0])[0]
     assert seen.prefill_tokens == 0.0 and seen.decode_steps == 15.0
     assert r.candidates(profile(40), fleet)[0][0].estimate.ttft_ms < queued.ttft_ms
     # past its predicted last token, not finished: still decoding, half its steps taken as left
     clock[0] += 15 * t.estimate.decode_ms_per_token / 1000.0 * 3
-    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == pytest.approx(7.5)
+    assert r.ledger.work("edge-eu", clock[0], 0.5)[0].decode_steps == pytest.approx(7.5)
+    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 1.0  # the default: one step
