@@ -109,6 +109,8 @@ VARIANTS = {
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
     # answer lengths averaged as they are, not in log space (the arithmetic mean)
     "arith_mean": "expected_output:\n  log_mean: false\n",
+    # a stream in flight as far along as its prediction says, not as its relayed tokens
+    "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)
     "late_half": "latency:\n  overrun_left: 0.5\n",
     # the replay of a node that reports its fitted step cost runs its steps with it

@@ -94,6 +94,11 @@ class LatencyKnobs(BaseModel):
         "paired prediction_error runs on the embedded default, 0 erred less than 0.5, the mean "
         "of a uniform guess: docs/benchmarks.md)",
     )
+    stream_progress: bool = Field(
+        default=True,
+        description="a stream in flight is as far along as the tokens the gateway has relayed "
+        "of it (off: as its prediction and the clock say)",
+    )
     future_arrivals: bool = Field(
         default=False,
         description="replay the requests this gateway is expected to send a node while one "

@@ -79,6 +79,7 @@ class _InFlight:
     estimate: Estimate
     output_tokens: float
     first_token_at: float | None = None
+    tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
 
 
 class DispatchLedger:
@@ -146,6 +147,12 @@ class DispatchLedger:
         if entry is not None and entry.first_token_at is None:
             entry.first_token_at = at
 
+    def progress(self, ticket_id: int, tokens: int) -> None:
+        """``tokens`` completion tokens of the ticket's reply have been relayed (a stream)."""
+        entry = self._entries.get(ticket_id)
+        if entry is not None and tokens > entry.tokens_seen:
+            entry.tokens_seen = tokens
+
     def in_flight(self, node_id: str) -> int:
         return len(self._times.get(node_id, ()))
 
@@ -184,10 +191,13 @@ class DispatchLedger:
             return 0
         return len(items) - bisect.bisect_right(items, (t, float("inf")))
 
-    def work(self, node_id: str, now: float, overrun_left: float = 0.0) -> list[Work]:
+    def work(
+        self, node_id: str, now: float, overrun_left: float = 0.0, progress: bool = True
+    ) -> list[Work]:
         """What each request in flight on the node still has to do, oldest first, as far as
         its prediction and what was seen of it (its first token) tell; its context is its
-        prompt and the tokens it is taken to have generated. Every reply's first token is seen
+        prompt and the tokens it is taken to have generated (a stream's, those relayed so far,
+        and one more at most while it runs). Every reply's first token is seen
         (a stream's first chunk; a whole reply's headers, which nodes send with it), so one
         not seen yet is still before it, however late against its prediction; one not
         finished is still decoding, however late. How far along a late one is, is not known:
@@ -210,7 +220,11 @@ class DispatchLedger:
                     else elapsed - t_first
                 )
                 done = since_first / max(est.decode_ms_per_token, 1e-3)
-                if done >= steps:  # past its predicted last token, not finished: still decoding
+                if (
+                    e.tokens_seen and progress
+                ):  # a stream: the tokens relayed after its first, one more at most
+                    done = min(max(done, e.tokens_seen - 1.0), float(e.tokens_seen), steps)
+                elif done >= steps:  # past its predicted last token, not finished: still at it
                     done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
                 out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
@@ -312,7 +326,9 @@ class Router:
                     rtt_ms=self.regions.rtt_ms(client_region, node.region),
                     # what other gateways sent it: its own counts beyond ours it had seen
                     extra_inflight=max(0, node.running + node.waiting - seen),
-                    ahead=self.ledger.work(node.id, now, cfg.latency.overrun_left),
+                    ahead=self.ledger.work(
+                        node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
+                    ),
                     arrivals=self.ledger.arrivals(node.id, now, window)
                     if cfg.latency.future_arrivals
                     else None,
@@ -367,6 +383,11 @@ class Router:
     def first_token(self, ticket: Ticket) -> None:
         """The node sent the ticket's first token: its prefill is over (refines ``work``)."""
         self.ledger.first_token(ticket.id, self.clock())
+
+    def progress(self, ticket: Ticket, tokens: int) -> None:
+        """``tokens`` completion tokens of the ticket's stream have been relayed: how far its
+        decode is (refines ``work``)."""
+        self.ledger.progress(ticket.id, tokens)
 
     def finish(self, ticket: Ticket, measured: Measured | None = None) -> dict[str, float]:
         """End a dispatch. With ``measured`` (a successful request) the model learns from it.

@@ -448,3 +448,24 @@ def test_a_late_request_is_still_at_it():
     clock[0] += 15 * t.estimate.decode_ms_per_token / 1000.0 * 3
     assert r.ledger.work("edge-eu", clock[0], 0.5)[0].decode_steps == pytest.approx(7.5)
     assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 1.0  # the default: one step
+
+
+def test_a_streams_relayed_tokens_say_how_far_its_decode_is():
+    """A stream's progress is what the gateway relayed of it, not its prediction: a node
+    slower than predicted keeps its answers' steps in the replay, a faster one drops them."""
+    clock = [NOW]
+    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
+    fleet = view(edge())
+    p = profile(40, out=21)
+    t = r.begin(r.decide(p, fleet), profile=p)
+    r.first_token(t)
+    per_token_s = t.estimate.decode_ms_per_token / 1000.0
+    clock[0] += 30 * per_token_s  # past its predicted 20 steps, but only 5 tokens relayed
+    r.progress(t, 5)
+    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 15.0  # 4 done, or 5 at most
+    r.progress(t, 3)  # an older count changes nothing
+    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 15.0
+    r.progress(t, 18)  # faster than the clock says: 17 or 18 done
+    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 2.0
+    r.progress(t, 40)  # longer than expected: one more step at least
+    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 1.0

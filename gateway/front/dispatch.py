@@ -241,6 +241,12 @@ class Dispatch:
         if leg is not None:
             self.deps.router.first_token(leg.ticket)
 
+    def progress(self, node_id: str, tokens: int) -> None:
+        """The node's stream has relayed ``tokens`` completion tokens of this leg."""
+        leg = self._legs.get(node_id)
+        if leg is not None:
+            self.deps.router.progress(leg.ticket, tokens)
+
     # ---- the one ending --------------------------------------------------------------------------
     def close(self, outcome: Outcome) -> None:
         """End the dispatch (exactly once; see the module's docstring). Synchronous, so that

@@ -118,6 +118,7 @@ class StreamRelay:
             data = got[0]
             if self.with_ids and IDS_PREFIX in data:
                 data = self._strip_ids(data)
+                self.dispatch.progress(self.node_id, len(self.sent_ids) - self._earlier_completion)
             if self.convert:
                 data = self._rewrite(data)
             elif b"[DONE]" in data or b'"usage"' in data:

@@ -58,7 +58,9 @@ class BlindLedger(DispatchLedger):
     def since(self, node_id: str, t: float) -> int:
         return 0
 
-    def work(self, node_id: str, now: float, overrun_left: float = 0.0) -> list[Work]:
+    def work(
+        self, node_id: str, now: float, overrun_left: float = 0.0, progress: bool = True
+    ) -> list[Work]:
         return []
 
     def arrivals(self, node_id: str, now: float, window_s: float) -> Arrivals | None:
