@@ -21,13 +21,14 @@ def fed(
     rows: tuple[int, ...] = (0, 1, 2, 3),
     at: float = 0.0,
 ) -> StepCostFit:
-    """``n`` steps of random composition ending at ``at`` s, each costing what ``cost`` says."""
+    """``n`` steps of random composition from ``at`` s, 10 ms apart, each costing what
+    ``cost`` says."""
     rng = random.Random(seed)
-    for _ in range(n):
+    for i in range(n):
         r = rng.choice(rows)
         tokens = rng.choice([0, 16, 16, 300]) if r else rng.choice([20, 100, 700])
         context = rng.randrange(50, 3000)
-        fit.add(r, tokens, context, cost.step_ms(r, tokens, context), at)
+        fit.add(r, tokens, context, cost.step_ms(r, tokens, context), at + 0.01 * i)
     return fit
 
 

@@ -465,9 +465,7 @@ class CloudSim(_Node):
         self.order: list[SimRequest] = []
         self._pending_rows: list[SimRequest] = []
         self._pending_pre: list[tuple[SimRequest, int]] = []
-        # as the engine: fitted on its steps and reported (refitted less often: the fit is most
-        # of a step event's cost, and simulated steps are many)
-        self.step_fit = StepCostFit(refit_every=32)
+        self.step_fit = StepCostFit()  # as the engine: fitted on its steps and reported
 
     def chunk_beside_decode(self) -> int | None:
         """Prompt tokens a step takes beside decode rows, as the engine cuts them (with its
