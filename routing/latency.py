@@ -580,29 +580,24 @@ class LatencyModel:
         fixed, per_token, _ = self.prefill_cost(node)
         chunk = node.prefill_chunk or kd.prefill_chunk
         cost = self.step_cost(node)
-        if cost is not None:
+        if cost is not None:  # the node's own fit: a pass, then rows, tokens and context
             b1 = cost.pass_ms + cost.ms_per_row
-            return EngineShape(
-                slots=max(1, node.max_batch),
-                chunk_tokens=chunk,
-                chunk_tokens_decoding=node.prefill_chunk_decoding or chunk,
-                prefill_ms_per_token=per_token,
-                decode_step_ms_b1=b1,
-                batch_slope=cost.ms_per_row / b1 if b1 > 0 else 0.0,
-                mixed_steps=kd.mixed_steps,
-                decode_ms_per_context_token=cost.ms_per_context_token,
-                step_fixed_ms=cost.pass_ms,
-            )
+            slope = cost.ms_per_row / b1 if b1 > 0 else 0.0
+            per_context, pass_ms = cost.ms_per_context_token, cost.pass_ms
+        else:
+            b1, slope = self.decode_ms_per_token_b1(node), self.batch_slope(node)
+            per_context, pass_ms = self.context_cost(node), 0.0
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
             chunk_tokens_decoding=node.prefill_chunk_decoding or chunk,
             prefill_ms_per_token=per_token,
-            decode_step_ms_b1=self.decode_ms_per_token_b1(node),
-            batch_slope=self.batch_slope(node),
+            decode_step_ms_b1=b1,
+            batch_slope=slope,
             prefill_fixed_ms=fixed,
             mixed_steps=kd.mixed_steps,
-            decode_ms_per_context_token=self.context_cost(node),
+            decode_ms_per_context_token=per_context,
+            step_fixed_ms=pass_ms,
         )
 
     def estimate(

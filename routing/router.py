@@ -214,15 +214,10 @@ class DispatchLedger:
             t_first = est.ttft_ms - est.rtt_ms
             prompt = float(est.prompt_tokens)
             if e.first_token_at is not None:
-                since_first = (
-                    (now - e.first_token_at) * 1000.0
-                    if e.first_token_at is not None
-                    else elapsed - t_first
-                )
+                since_first = (now - e.first_token_at) * 1000.0
                 done = since_first / max(est.decode_ms_per_token, 1e-3)
-                if (
-                    e.tokens_seen and progress
-                ):  # a stream: the tokens relayed after its first, one more at most
+                if e.tokens_seen and progress:
+                    # a stream: the tokens relayed after its first, and one more at most
                     done = min(max(done, e.tokens_seen - 1.0), float(e.tokens_seen), steps)
                 elif done >= steps:  # past its predicted last token, not finished: still at it
                     done = steps * (1.0 - overrun_left)
