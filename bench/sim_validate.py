@@ -7,7 +7,10 @@ each live replay N times (each on a fresh ``serve``) and compares with their mea
 
 Each live run starts a fresh ``serve`` (nothing learned carries over, as in the simulator). The
 simulator gets each request's *actual* completion tokens from the live run (the model may stop
-before ``max_tokens``).
+before ``max_tokens``). With ``--warm`` the live nodes get two short requests first and the
+simulated nodes report the rates those would leave (``simulate(warm_prompts=...)``); without it
+both start cold. ``--live-from DIR`` simulates again against the live replies a run saved in
+DIR (no live run: for checking a simulator change against the same live data).
 
     python bench/sim_validate.py --policies latency least_loaded round_robin
 """
@@ -53,6 +56,8 @@ def traces(n: int, rate: float) -> dict[str, list[TraceRequest]]:
 
 
 NODE_TOKEN = "simvalidate-0123456789abcdef0123456789abcdef"
+WARM_PROMPTS = (24, 200)  # the prompt lengths each node is warmed with (``--warm``)
+WARM_DECODE_TOKENS = 4
 
 
 async def _calibrate(url: str, prof: Any, n: int, seed: int) -> tuple[float, float]:
@@ -92,8 +97,8 @@ async def _warm(url: str) -> None:
         timeout=300.0, headers={"x-edgecloud-node-token": NODE_TOKEN}
     ) as c:
         model = (await c.get(url + "/load")).json()["models"][0]
-        for n in (24, 200):
-            await _stream(c, url, model, _ids(rng, n), 4, 0)
+        for n in WARM_PROMPTS:
+            await _stream(c, url, model, _ids(rng, n), WARM_DECODE_TOKENS, 0)
 
 
 async def _replay_sampled(
@@ -310,13 +315,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure the nodes' profiles first (edgecloud profile) and simulate with those",
     )
+    ap.add_argument(
+        "--live-from",
+        default=None,
+        help="a results folder of an earlier run: simulate against its saved live replies "
+        "(no live run; give that run's --fleet and --warm)",
+    )
     args = ap.parse_args(argv)
     import os
 
     os.environ["EDGECLOUD_NODE_TOKEN"] = NODE_TOKEN
     out_dir = RESULTS / args.name
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.profile:
+    if args.profile and not args.live_from:
         args.fleet = str(_profiled_fleet(Path(args.fleet), out_dir))
     fleet = load_fleet(args.fleet)
     rows: list[dict[str, Any]] = []
@@ -326,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             policy.write_text(f"policy: {pol}\n")
             fleet_path = Path(args.fleet)
             lives = []
-            for _ in range(args.repeats):  # each on a fresh serve: the live run-to-run spread
+            factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
+            if args.live_from:
+                saved = Path(args.live_from) / f"{tname}_{pol}.jsonl"
+                lives.append([json.loads(line) for line in saved.read_text().splitlines()])
+            for _ in range(0 if args.live_from else args.repeats):  # each on a fresh serve
                 live, factors = _live_run(args, fleet, trace, policy, out_dir)
                 lives.append(live)
             live = lives[0]
@@ -349,7 +364,13 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(len(trace))
             ]
             sim_trace = [r.model_copy(update={"max_tokens": None}) for r in sim_trace]
-            res = simulate(sim_trace, load_fleet(fleet_path), PolicyConfig(policy=pol))
+            res = simulate(
+                sim_trace,
+                load_fleet(fleet_path),
+                PolicyConfig(policy=pol),
+                warm_prompts=WARM_PROMPTS if args.warm else (),
+                warm_decode_tokens=WARM_DECODE_TOKENS,
+            )
             per_run = np.asarray(
                 [
                     _stats([lv[i].get("ttft_s") for i in ok])
@@ -383,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sim_p90_e2e_s": sq,
                 "err_p90_e2e": sq / lq - 1,
                 "live_cloud_share": float(live_cloud),
-                "repeats": args.repeats,
+                "repeats": len(lives),
                 # (max - min) / mean of the live figure over the repeats: the noise floor
                 **{
                     f"spread_{k}": float(x)

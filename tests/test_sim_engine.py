@@ -13,7 +13,7 @@ from routing.policy_config import PolicyConfig
 from routing.sim.fleet import FleetSpec, load_fleet
 from routing.sim.generator import MorningPeak, generate
 from routing.sim.metrics import summarize
-from routing.sim.simulator import simulate
+from routing.sim.simulator import Simulator, simulate
 from routing.sim.trace import TraceRequest
 
 FLEETS = Path(__file__).resolve().parent.parent / "routing" / "sim" / "fleets"
@@ -167,3 +167,39 @@ def test_counting_in_flight_dispatches_stops_herding(tmp_path: Path) -> None:
     assert sorted(counted.node.count(i) for i in (0, 1)) == [4, 4]
     assert sorted(blind.node.count(i) for i in (0, 1)) == [0, 8]  # all on the node that looked idle
     assert max(counted.ttft_s) < max(blind.ttft_s)
+
+
+def test_warm_nodes_report_their_profiles_rates_from_the_start(tmp_path: Path) -> None:
+    slow = [{"tokens": 1000, "ms": 5000.0}, {"tokens": 2000, "ms": 10000.0}]  # 200 tokens/s
+    fleet = FleetSpec.model_validate(
+        {
+            "regions": {"intra_region_ms": 1e-6},
+            "gateways": [{"region": "local", "overhead_ms": 0.0}],
+            "nodes": [
+                {
+                    "id": "e",
+                    "kind": "edge",
+                    "region": "local",
+                    "profile": _profile(tmp_path, "edge"),
+                },
+                {
+                    "id": "c",
+                    "kind": "cloud",
+                    "region": "local",
+                    "profile": _profile(tmp_path, "cloud", prefill=slow),
+                },
+            ],
+        }
+    )
+    warm = Simulator(fleet, PolicyConfig(), warm_prompts=(24, 200))
+    cold = Simulator(fleet, PolicyConfig())
+    # the edge's 1 ms and the cloud's 5 ms a prompt token, 10 ms a decode step, as measured
+    assert [s.prefill_tokens_per_s for s in warm.states] == pytest.approx([1000.0, 200.0])
+    assert [s.decode_ms_per_token for s in warm.states] == pytest.approx([10.0, 10.0])
+    assert [s.prefill_tokens_per_s for s in cold.states] == [0.0, 0.0]
+    # a cold fleet is judged by the kinds' defaults (a cloud prefills at GPU speed), so the
+    # slow cloud gets the first prompt (500 ms there against 100 on the edge); a warm one not
+    first = [_req(0, 100, 4, stream=True)]
+    assert simulate(first, fleet, PolicyConfig()).node == [1]
+    warmed = simulate(first, fleet, PolicyConfig(), warm_prompts=(24, 200))
+    assert warmed.node == [0] and warmed.ttft_s[0] == pytest.approx(0.1, abs=1e-3)

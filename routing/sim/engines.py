@@ -109,6 +109,16 @@ class _Node:
                 else self.decode_ms + 0.2 * (decode_ms - self.decode_ms)
             )
 
+    def warm(self, prompts: Sequence[int], decode_tokens: int) -> None:
+        """Seed the reported rates as this node would report them after serving ``prompts``
+        one at a time, each alone, followed by ``decode_tokens - 1`` decode steps: what a live
+        node warmed that way (``bench/sim_validate.py --warm``) reports before the trace. Only
+        the rates change: no cache, counter or clock."""
+        for n in prompts:
+            self._ewma(n, self.cost.prefill_ms(n), 0.0)
+            for k in range(1, decode_tokens):
+                self._ewma(0, 0.0, self.cost.decode_ms(1, n + k))
+
     def reported_chunks(self) -> tuple[int, int]:
         """(prefill chunk, chunk beside decoding rows) as the node reports them; 0: unsaid."""
         return 0, 0

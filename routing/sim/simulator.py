@@ -154,6 +154,8 @@ class Simulator:
         push_interval_s: float | None = None,
         count_in_flight: bool = True,
         record_load: bool = True,
+        warm_prompts: Sequence[int] = (),
+        warm_decode_tokens: int = 4,
     ) -> None:
         self.fleet = fleet
         self.seed = seed
@@ -211,6 +213,7 @@ class Simulator:
             node.request_overhead_s = prof.request_overhead_ms / 1000.0  # type: ignore[attr-defined]
             node.max_context = prof.max_context  # type: ignore[attr-defined]
             node.device = prof.device or prof.name  # type: ignore[attr-defined]
+            node.warm(warm_prompts, warm_decode_tokens)
             self.nodes.append(node)
             self.node_region.append(spec.region)
             self._node_by_id[nid] = i
@@ -534,13 +537,20 @@ def simulate(
     seed: int = 0,
     push_interval_s: float | None = None,
     count_in_flight: bool = True,
+    warm_prompts: Sequence[int] = (),
+    warm_decode_tokens: int = 4,
 ) -> SimResult:
-    """Run ``trace`` through a fresh simulator (fresh routers: nothing learned carries over)."""
+    """Run ``trace`` through a fresh simulator (fresh routers: nothing learned carries over).
+    ``warm_prompts``: the nodes report rates from the start, as after serving these prompt
+    lengths alone (each with ``warm_decode_tokens`` out); by default they report none until
+    they step, as a fresh live node does."""
     sim = Simulator(
         fleet,
         config if policy is None else config.model_copy(update={"policy": policy}),
         seed=seed,
         push_interval_s=push_interval_s,
         count_in_flight=count_in_flight,
+        warm_prompts=warm_prompts,
+        warm_decode_tokens=warm_decode_tokens,
     )
     return sim.run(trace)
