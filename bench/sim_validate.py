@@ -35,7 +35,7 @@ from gateway.commands.replay import replay
 from routing.policy_config import PolicyConfig
 from routing.sim.fleet import load_fleet
 from routing.sim.importers import import_azure, import_mooncake
-from routing.sim.simulator import simulate
+from routing.sim.simulator import Simulator
 from routing.sim.trace import TraceRequest, rescale_length, rescale_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,10 +82,10 @@ async def _calibrate(url: str, prof: Any, n: int, seed: int) -> tuple[float, flo
     return t / want_p, (step / cost.decode_ms(1, 80) if math.isfinite(step) else 1.0)
 
 
-async def _warm(url: str) -> None:
-    """Two short streams straight to the node: the simulator's nodes are warm, and a node's
-    first request pays one-off costs (the first torch call of each shape on a CPU cloud node
-    took 0.58 s where a warm one takes 0.1 s)."""
+async def _warm(url: str) -> tuple[float, float]:
+    """Two short streams straight to the node (a node's first request pays one-off costs: the
+    first torch call of each shape on a CPU cloud node took 0.58 s where a warm one takes
+    0.1 s); the rates it then reports (prefill tokens/s, decode ms/token)."""
     import random
 
     import httpx
@@ -99,6 +99,8 @@ async def _warm(url: str) -> None:
         model = (await c.get(url + "/load")).json()["models"][0]
         for n in WARM_PROMPTS:
             await _stream(c, url, model, _ids(rng, n), WARM_DECODE_TOKENS, 0)
+        state = (await c.get(url + "/load")).json()
+        return state["prefill_tokens_per_s"], state["decode_ms_per_token"]
 
 
 async def _replay_sampled(
@@ -252,14 +254,16 @@ def _profiled_fleet(fleet_path: Path, out: Path) -> Path:
 
 def _live_run(
     args: argparse.Namespace, fleet: Any, trace: list[TraceRequest], policy: Path, out_dir: Path
-) -> tuple[list[dict[str, Any]], dict[str, tuple[float, float]]]:
-    """One live replay on a fresh ``serve``: its per-request results and the calibration."""
+) -> tuple[list[dict[str, Any]], dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
+    """One live replay on a fresh ``serve``: its per-request results, the calibration, and
+    the rates the nodes reported once warmed (by kind; empty without ``--warm``)."""
     with embedded_default(["--policy-file", str(policy)], log_path=out_dir / "serve.log") as url:
         factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
         port = int(url.rsplit(":", 1)[1])
+        warm_rates: dict[str, tuple[float, float]] = {}
         if args.warm:
-            for off in (1, 2):
-                asyncio.run(_warm(f"http://127.0.0.1:{port + off}"))
+            for kind, off in (("edge", 1), ("cloud", 2)):
+                warm_rates[kind] = asyncio.run(_warm(f"http://127.0.0.1:{port + off}"))
         if args.calibrate == "probe":
             for kind, off, n in (("edge", 1, 256), ("cloud", 2, 64)):
                 node = next(nd for nd in fleet.nodes if nd.kind == kind)
@@ -279,7 +283,7 @@ def _live_run(
             print(f"calibration factors (prefill, decode): {factors}", flush=True)
         else:
             live = asyncio.run(replay(url, trace))
-    return live, factors
+    return live, factors, warm_rates
 
 
 def _stats(x: list[float]) -> tuple[float, float]:
@@ -338,11 +342,12 @@ def main(argv: list[str] | None = None) -> int:
             fleet_path = Path(args.fleet)
             lives = []
             factors = {"edge": (1.0, 1.0), "cloud": (1.0, 1.0)}
+            warm_rates: dict[str, tuple[float, float]] = {}
             if args.live_from:
                 saved = Path(args.live_from) / f"{tname}_{pol}.jsonl"
                 lives.append([json.loads(line) for line in saved.read_text().splitlines()])
             for _ in range(0 if args.live_from else args.repeats):  # each on a fresh serve
-                live, factors = _live_run(args, fleet, trace, policy, out_dir)
+                live, factors, warm_rates = _live_run(args, fleet, trace, policy, out_dir)
                 lives.append(live)
             live = lives[0]
             if args.calibrate != "none":
@@ -364,13 +369,17 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(len(trace))
             ]
             sim_trace = [r.model_copy(update={"max_tokens": None}) for r in sim_trace]
-            res = simulate(
-                sim_trace,
+            sim = Simulator(
                 load_fleet(fleet_path),
                 PolicyConfig(policy=pol),
                 warm_prompts=WARM_PROMPTS if args.warm else (),
                 warm_decode_tokens=WARM_DECODE_TOKENS,
             )
+            sim_warm_rates = {
+                st.kind.value: (st.prefill_tokens_per_s, st.decode_ms_per_token)
+                for st in sim.states
+            }
+            res = sim.run(sim_trace)
             per_run = np.asarray(
                 [
                     _stats([lv[i].get("ttft_s") for i in ok])
@@ -414,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "sim_cloud_share": float(sim_cloud),
                 "calibration": factors,
+                # (prefill tokens/s, decode ms/token) each node reports at the start
+                "live_warm_rates": warm_rates,
+                "sim_warm_rates": sim_warm_rates,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
