@@ -3,6 +3,8 @@ bound of what every policy gets in the simulator."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from routing.sim.fleet import load_fleet
 from routing.sim.generator import MorningPeak, generate
 from routing.sim.simulator import simulate
 from routing.sim.trace import TraceRequest
+from tests.nodes import cli
 from tests.test_sim_engine import FLEETS, _fleet, _req
 
 
@@ -51,3 +54,21 @@ def test_no_policy_beats_the_bound(policy: str) -> None:
     assert np.all(e2e[ok] >= bound.e2e_s[ok] - 1e-9)
     assert np.all(ttft[ok] >= bound.ttft_s[ok] - 1e-9)
     assert np.all(bound.ttft_s[ok] > 0) and np.all(bound.e2e_s[ok] >= bound.ttft_s[ok])
+
+
+def test_sim_command_prints_the_bound_and_starts_warm(tmp_path: Path) -> None:
+    out = tmp_path / "sums.json"
+    args = ["sim", "--trace", "morning-peak", "--people", "40", "--start", "3600"]
+    args += ["--duration", "300", "--fleet", str(FLEETS / "test_fleet.yaml"), "--json", str(out)]
+    proc = subprocess.run(
+        cli(*args, "--policy", "latency", "cloud_only", "--warm-prompts", "24", "200"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no policy beats" in proc.stdout
+    sums = json.loads(out.read_text())
+    for pol in ("latency", "cloud_only"):
+        assert sums[pol]["p99_e2e_s"] >= sums["alone"]["p99_e2e_s"] > 0
+        assert sums[pol]["mean_e2e_s"] >= sums["alone"]["mean_e2e_s"]

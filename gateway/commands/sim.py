@@ -73,10 +73,22 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--no-in-flight", action="store_true", help="ignore dispatches since the last NodeState"
     )
+    p.add_argument(
+        "--warm-prompts",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="TOKENS",
+        help="nodes start reporting the rates they would after serving prompts of these "
+        "lengths alone (default: they start cold, reporting nothing until they step)",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from routing.sim.bounds import alone
     from routing.sim.fleet import load_fleet
     from routing.sim.metrics import Slo, node_table, policy_table, summarize
     from routing.sim.simulator import simulate
@@ -102,6 +114,7 @@ def _run(args: argparse.Namespace) -> int:
             seed=args.seed,
             push_interval_s=args.push_interval,
             count_in_flight=not args.no_in_flight,
+            warm_prompts=args.warm_prompts,
         )
         out[pol] = summarize(res, slo)
         out[pol]["wall_s"] = res.wall_s
@@ -110,10 +123,20 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print(f"latency in seconds; SLO: TTFT <= {slo.ttft_s} s and <= {slo.tpot_s} s/token")
     print(policy_table(out))
+    bound = alone(trace, fleet)
+    floor = {
+        "mean_e2e_s": float(np.nanmean(bound.e2e_s)),
+        "p99_e2e_s": float(np.nanpercentile(bound.e2e_s, 99)),
+        "p99_ttft_s": float(np.nanpercentile(bound.ttft_s, 99)),
+    }
+    print(
+        "no policy beats (each request alone on its fastest node, shared prefixes cached): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in floor.items())
+    )
     for pol, res in results.items():
         print(f"\n{pol}: per node")
         print(node_table(res))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump({**out, "alone": floor}, f, indent=2)
     return 0
