@@ -42,16 +42,20 @@ def _profile(tmp: Path, kind: str, **kw: object) -> str:
     return str(path)
 
 
-def _fleet(tmp: Path, kind: str, **kw: object) -> FleetSpec:
+def _local_fleet(nodes: list[dict[str, object]], **top: object) -> FleetSpec:
+    """One region, one gateway with no overhead, ``nodes`` (id, kind, profile, ...)."""
     return FleetSpec.model_validate(
         {
             "regions": {"intra_region_ms": 1e-6},
             "gateways": [{"region": "local", "overhead_ms": 0.0}],
-            "nodes": [
-                {"id": "n", "kind": kind, "region": "local", "profile": _profile(tmp, kind, **kw)}
-            ],
+            "nodes": [{"region": "local", **n} for n in nodes],
+            **top,
         }
     )
+
+
+def _fleet(tmp: Path, kind: str, **kw: object) -> FleetSpec:
+    return _local_fleet([{"id": "n", "kind": kind, "profile": _profile(tmp, kind, **kw)}])
 
 
 def _req(t: float, prompt: int, out: int, **kw: object) -> TraceRequest:
@@ -145,22 +149,8 @@ def test_deterministic_for_a_seed() -> None:
 
 
 def test_counting_in_flight_dispatches_stops_herding(tmp_path: Path) -> None:
-    fleet = FleetSpec.model_validate(
-        {
-            "push_interval_s": 5.0,
-            "regions": {"intra_region_ms": 1e-6},
-            "gateways": [{"region": "local", "overhead_ms": 0.0}],
-            "nodes": [
-                {
-                    "id": "e",
-                    "kind": "edge",
-                    "region": "local",
-                    "count": 2,
-                    "profile": _profile(tmp_path, "edge", slots=4),
-                }
-            ],
-        }
-    )
+    edges = {"id": "e", "kind": "edge", "count": 2, "profile": _profile(tmp_path, "edge", slots=4)}
+    fleet = _local_fleet([edges], push_interval_s=5.0)
     burst = [_req(1.0 + 0.001 * i, 200, 50) for i in range(8)]
     counted = simulate(burst, fleet, PolicyConfig(), push_interval_s=5.0)
     blind = simulate(burst, fleet, PolicyConfig(), push_interval_s=5.0, count_in_flight=False)
@@ -171,25 +161,11 @@ def test_counting_in_flight_dispatches_stops_herding(tmp_path: Path) -> None:
 
 def test_warm_nodes_report_their_profiles_rates_from_the_start(tmp_path: Path) -> None:
     slow = [{"tokens": 1000, "ms": 5000.0}, {"tokens": 2000, "ms": 10000.0}]  # 200 tokens/s
-    fleet = FleetSpec.model_validate(
-        {
-            "regions": {"intra_region_ms": 1e-6},
-            "gateways": [{"region": "local", "overhead_ms": 0.0}],
-            "nodes": [
-                {
-                    "id": "e",
-                    "kind": "edge",
-                    "region": "local",
-                    "profile": _profile(tmp_path, "edge"),
-                },
-                {
-                    "id": "c",
-                    "kind": "cloud",
-                    "region": "local",
-                    "profile": _profile(tmp_path, "cloud", prefill=slow),
-                },
-            ],
-        }
+    fleet = _local_fleet(
+        [
+            {"id": "e", "kind": "edge", "profile": _profile(tmp_path, "edge")},
+            {"id": "c", "kind": "cloud", "profile": _profile(tmp_path, "cloud", prefill=slow)},
+        ]
     )
     warm = Simulator(fleet, PolicyConfig(), warm_prompts=(24, 200))
     cold = Simulator(fleet, PolicyConfig())
