@@ -124,6 +124,9 @@ VARIANTS = {
 SERVE_VARIANTS = {
     # the edge prefills in full 256-token chunks even while answers decode (the old loop)
     "full_chunks": ["--edge-prefill-stall-ratio", "off"],
+    # the CPU cloud node runs at most 4 sequences at once (the rest wait in its queue)
+    "cloud_rows4": ["--cloud-max-running", "4"],
+    "cloud_rows8": ["--cloud-max-running", "8"],
 }
 
 

@@ -54,6 +54,8 @@ def test_pull_of_an_unknown_name_and_a_missing_file(capsys: pytest.CaptureFixtur
         (["chat", "hi", "--temperature", "5"], "is not a temperature in [0, 2]"),
         (["gateway", "--port", "70000"], "is not a port number"),
         (["edge", "serve", "--port", "x"], "'x' is not a port number"),
+        (["cloud", "serve", "--max-running", "0"], "0 is not a whole number of at least 1"),
+        (["serve", "--cloud-max-running", "-2"], "-2 is not a whole number of at least 1"),
     ],
 )
 def test_bad_flag_values_are_usage_errors(

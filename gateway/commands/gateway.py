@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.commands.argtypes import cloud_stall_ratio, port, stall_ratio
+from gateway.commands.argtypes import cloud_stall_ratio, port, positive_int, stall_ratio
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
@@ -87,6 +87,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=None,
         help="the cloud node's --prefill-stall-ratio (default 1 on CPU, off on CUDA; 'off': "
         "the whole step budget)",
+    )
+    s.add_argument(
+        "--cloud-max-running",
+        type=positive_int,
+        default=None,
+        help="the cloud node's --max-running (default: the engine's per-device default)",
     )
     s.add_argument(
         "--cloud-device", default="auto", help="the cloud node's device: cuda, cpu, auto"
@@ -207,6 +213,8 @@ def _node_argv(
         argv += ["--device", args.cloud_device]
         if args.cloud_prefill_stall_ratio is not None:
             argv += ["--prefill-stall-ratio", str(args.cloud_prefill_stall_ratio)]
+        if args.cloud_max_running is not None:
+            argv += ["--max-running", str(args.cloud_max_running)]
     return argv
 
 
