@@ -47,7 +47,9 @@ def embedded_default(
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     port = free_port_block()
     exe = Path(sys.executable).with_name("edgecloud")
-    cmd = [str(exe), "serve", "--port", str(port), *(extra or [])]
+    # without the console script (the package on PYTHONPATH, not installed): the module
+    launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway.cli"]
+    cmd = [*launcher, "serve", "--port", str(port), *(extra or [])]
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

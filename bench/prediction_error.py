@@ -124,9 +124,12 @@ VARIANTS = {
 SERVE_VARIANTS = {
     # the edge prefills in full 256-token chunks even while answers decode (the old loop)
     "full_chunks": ["--edge-prefill-stall-ratio", "off"],
-    # the CPU cloud node runs at most 4 sequences at once (the rest wait in its queue)
-    "cloud_rows4": ["--cloud-max-running", "4"],
+    # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
+    # 64 was the CPU default before 2026-12-03)
     "cloud_rows8": ["--cloud-max-running", "8"],
+    "cloud_rows64": ["--cloud-max-running", "64"],
+    # the cloud node on the CPU where the machine also has a GPU (a CPU-only box's fleet)
+    "cloud_cpu": ["--cloud-device", "cpu"],
 }
 
 

@@ -307,8 +307,11 @@ class PrefillFit:
     squares over exponentially forgotten samples: new tokens cost ``b`` each, and each cached
     token they attend to (and the engine walks: block tables, KV gathers) ``c``.
 
-    A fit whose fixed cost exceeds the cheapest prompt's whole time is an extrapolation of
-    samples that do not pin it (prompts that all hit a prefix, or all miss): it is not used.
+    A fit whose fixed cost exceeds the cheapest prompt's whole time, or falls below minus that
+    time, is an extrapolation of samples that do not pin it (prompts that all hit a prefix, or
+    all miss; cached and uncached lengths that move together, whose plane can take -15 s plus
+    500 ms a token): it is not used. Nor is a plane that charges a cached token more than a
+    new one (attending to a token's KV costs less than computing it).
     ``solve`` answers once the uncached lengths spread over ``min_samples``; the cached
     term joins only once the cached lengths spread too (``c = 0`` until then, and whenever the
     fit would make it negative), so a node that never hits a prefix is fitted as a line.
@@ -330,12 +333,16 @@ class PrefillFit:
         if s is None or s.vx < self.min_spread**2:
             return None
         plane = s.plane() if cached_term and s.vz >= self.min_spread**2 else None
-        if plane is not None and plane[2] >= 0 and plane[0] <= self.min_y:
+        if plane is not None and 0 <= plane[2] <= plane[1] and self._pinned(plane[0]):
             return plane
         b = s.cxy / s.vx  # no usable cached term: the line over the uncached lengths
-        if s.my - b * s.mx > self.min_y:  # a fixed cost above a whole prompt's time: no fit yet
+        if not self._pinned(s.my - b * s.mx):
             return None
         return s.my - b * s.mx, b, 0.0
+
+    def _pinned(self, fixed_ms: float) -> bool:
+        """A fixed cost within the cheapest prompt's whole time, either side."""
+        return -self.min_y <= fixed_ms <= self.min_y
 
 
 @dataclass(slots=True)

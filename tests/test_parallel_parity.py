@@ -24,8 +24,13 @@ from cloud_engine.parallel.local import run_world
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # Schedules compared step for step: no cut of prompt tokens by measured (wall-clock) rates.
+# 64 rows: the pools, not the row cap, bound the batches (CPU's default cap is 4 a thread)
 SMALL = EngineConfig(
-    max_kv_blocks=14, max_tokens_per_step=128, debug_checks=True, prefill_stall_ratio="off"
+    max_kv_blocks=14,
+    max_tokens_per_step=128,
+    max_running=64,
+    debug_checks=True,
+    prefill_stall_ratio="off",
 )
 LARGE = replace(SMALL, max_kv_blocks=200)
 # the fused model on the shards (the CUDA path's code with the torch ops on CPU)

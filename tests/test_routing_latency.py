@@ -390,6 +390,31 @@ def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used():
     assert fixed == 0.0 and per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
 
 
+def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
+    """Prompts that either hit a 1,136-token shared prefix with a few new tokens or miss it
+    with about 1,100 (their two lengths sum to about the same): the plane through them is
+    ill-posed, here -1.6 s plus 3.6 ms a new token and 1.5 a cached one (a 20-token prompt
+    after the prefix predicted at 1.8 s, a long cold one at 2.4 s as measured, yet clamped to
+    a fixed cost of 0). Such a fit is no fit; the prefill rate answers."""
+    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    n = node()
+    samples = [(20, 1136, 150.0), (1100, 0, 2400.0), (30, 1120, 230.0), (1050, 16, 2300.0),
+               (25, 1136, 300.0), (40, 1104, 160.0)]  # fmt: skip
+    for uncached, cached, ms in samples:
+        m.observe(
+            Observation(
+                node_id="e1", kind=NodeKind.EDGE, prompt_tokens=uncached + cached,
+                cached_tokens=cached, completion_tokens=1, ttft_ms=ms, e2e_ms=ms,
+                node_queue_ms=0.0,
+            )
+        )  # fmt: skip
+    plane = m.rates["e1"].prefill_fit.moments.centered().plane()
+    assert plane is not None and plane[0] < -1000.0 and plane[1] > 3.0 and plane[2] > 1.0
+    fixed, per_token, per_cached = m.prefill_cost(n)
+    assert (fixed, per_cached) == (0.0, 0.0)
+    assert per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
+
+
 def test_a_prompts_own_time_is_at_least_one_forward_pass():
     """16 new tokens after 1,152 cached: their per-token share (16 ms at 1,000 tokens/s) is
     less than the forward pass that computes them, which reads every weight as a decode step

@@ -17,7 +17,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--device", default="auto", help="cuda, cpu or auto")
     s.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     s.add_argument("--kv-budget-mb", type=float, default=None, help="KV pool bytes on CPU")
-    s.add_argument("--max-running", type=positive_int, default=None, help="max running sequences")
+    s.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=None,
+        help="max running sequences (default 256 on CUDA, 4 per --threads on CPU; more wait)",
+    )
     s.add_argument("--max-waiting", type=int, default=None, help="waiting queue size (then 429)")
     s.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     s.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (one process each)")
