@@ -387,7 +387,29 @@ def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used():
     b = (sxy / w - sx / w * sy / w) / (sxx / w - (sx / w) ** 2)
     assert sy / w - b * sx / w > fit.min_y  # the line's intercept: above the 30 ms prompt
     fixed, per_token, _ = m.prefill_cost(n)
-    assert fixed == 0.0 and per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
+    assert per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
+    assert 0.0 <= fixed == fit.fixed_at(per_token) <= fit.min_y == 30.0
+
+
+def test_short_prompts_alone_still_say_what_a_prompt_costs_at_least():
+    """A GPU node that only gets short prompts (20-40 new tokens, 25 ms each from the gateway:
+    HTTP, tokenizing, the engine's loop) while it reports 5,000 prompt tokens a second: their
+    lengths never spread enough to fit a line, yet their mean pins its fixed cost, which the
+    rate alone would miss (6 ms predicted for 30 tokens)."""
+    m = LatencyModel(LatencyKnobs(self_report_weight=1.0))
+    n = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=5000.0, decode_ms_per_token=1.0)
+    for uncached in (20, 30, 40, 25, 35, 30):
+        m.observe(
+            Observation(
+                node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=uncached, cached_tokens=0,
+                completion_tokens=1, ttft_ms=5.0 + 25.0, e2e_ms=30.0, net_rtt_ms=5.0,
+                node_queue_ms=0.0,
+            )
+        )  # fmt: skip
+    assert m.rates["c1"].prefill_fit.solve() is None  # no spread: no line
+    fixed, per_token, _ = m.prefill_cost(n)
+    assert per_token == pytest.approx(0.2) and fixed == pytest.approx(25.0 - 0.2 * 30.0, rel=0.01)
+    assert est(m, n, prompt=30, out=1).prefill_ms == pytest.approx(25.0, rel=0.01)
 
 
 def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
@@ -411,8 +433,9 @@ def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
     plane = m.rates["e1"].prefill_fit.moments.centered().plane()
     assert plane is not None and plane[0] < -1000.0 and plane[1] > 3.0 and plane[2] > 1.0
     fixed, per_token, per_cached = m.prefill_cost(n)
-    assert (fixed, per_cached) == (0.0, 0.0)
-    assert per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
+    assert per_cached == 0.0 and per_token == pytest.approx(1000.0 / m.prefill_tokens_per_s(n))
+    fit = m.rates["e1"].prefill_fit
+    assert fixed == fit.fixed_at(per_token) and 0.0 <= fixed <= fit.min_y == 150.0
 
 
 def test_a_prompts_own_time_is_at_least_one_forward_pass():
