@@ -286,6 +286,20 @@ def _live_run(
     return live, factors, warm_rates
 
 
+def _saved_warm_rates(run_dir: Path, trace: str, policy: str) -> dict[str, tuple[float, float]]:
+    """The rates the live nodes reported after their warm-up in an earlier run (its JSON
+    beside its folder), by node kind; empty where it recorded none."""
+    path = run_dir.with_suffix(".json")
+    if not path.exists():
+        return {}
+    for row in json.loads(path.read_text())["rows"]:
+        if row["trace"] == trace and row["policy"] == policy:
+            return {
+                k: (float(v[0]), float(v[1])) for k, v in row.get("live_warm_rates", {}).items()
+            }
+    return {}
+
+
 def _stats(x: list[float]) -> tuple[float, float]:
     a = np.asarray([v for v in x if v is not None and math.isfinite(v)])
     return (float(a.mean()), float(np.percentile(a, 90))) if a.size else (math.nan, math.nan)
@@ -320,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         help="measure the nodes' profiles first (edgecloud profile) and simulate with those",
     )
     ap.add_argument(
+        "--warm-from-live",
+        action="store_true",
+        help="with --warm: the simulated nodes start from the rates the live nodes reported "
+        "after their warm-up (the live gateway's first view), not from their profiles'",
+    )
+    ap.add_argument(
         "--live-from",
         default=None,
         help="a results folder of an earlier run: simulate against its saved live replies "
@@ -346,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.live_from:
                 saved = Path(args.live_from) / f"{tname}_{pol}.jsonl"
                 lives.append([json.loads(line) for line in saved.read_text().splitlines()])
+                warm_rates = _saved_warm_rates(Path(args.live_from), tname, pol)
             for _ in range(0 if args.live_from else args.repeats):  # each on a fresh serve
                 live, factors, warm_rates = _live_run(args, fleet, trace, policy, out_dir)
                 lives.append(live)
@@ -373,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
                 load_fleet(fleet_path),
                 PolicyConfig(policy=pol),
                 warm_prompts=WARM_PROMPTS if args.warm else (),
+                warm_rates={
+                    nd.id: tuple(warm_rates[nd.kind]) for nd in fleet.nodes if nd.kind in warm_rates
+                }
+                if args.warm and args.warm_from_live
+                else None,
                 warm_decode_tokens=WARM_DECODE_TOKENS,
             )
             sim_warm_rates = {

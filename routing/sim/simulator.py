@@ -29,7 +29,7 @@ import heapq
 import itertools
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from routing.backlog import Arrivals, Work
@@ -156,7 +156,11 @@ class Simulator:
         record_load: bool = True,
         warm_prompts: Sequence[int] = (),
         warm_decode_tokens: int = 4,
+        warm_rates: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
+        """``warm_rates``: (prefill tokens/s, decode ms/token) a node reports from the start,
+        by node id, in place of what ``warm_prompts`` give it (a live node's own report after
+        its warm-up, to replay a live run's first decisions)."""
         self.fleet = fleet
         self.seed = seed
         self.now = 0.0
@@ -214,6 +218,8 @@ class Simulator:
             node.max_context = prof.max_context  # type: ignore[attr-defined]
             node.device = prof.device or prof.name  # type: ignore[attr-defined]
             node.warm(warm_prompts, warm_decode_tokens)
+            if warm_rates and nid in warm_rates:
+                node.prefill_tps, node.decode_ms = warm_rates[nid]
             self.nodes.append(node)
             self.node_region.append(spec.region)
             self._node_by_id[nid] = i
