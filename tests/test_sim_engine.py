@@ -179,3 +179,7 @@ def test_warm_nodes_report_their_profiles_rates_from_the_start(tmp_path: Path) -
     assert simulate(first, fleet, PolicyConfig()).node == [1]
     warmed = simulate(first, fleet, PolicyConfig(), warm_prompts=(24, 200))
     assert warmed.node == [0] and warmed.ttft_s[0] == pytest.approx(0.1, abs=1e-3)
+    # given rates (a live run's first reports) replace the profile's, for the nodes named
+    given = Simulator(fleet, PolicyConfig(), warm_prompts=(24, 200), warm_rates={"c": (50.0, 80.0)})
+    assert [s.prefill_tokens_per_s for s in given.states] == pytest.approx([1000.0, 50.0])
+    assert [s.decode_ms_per_token for s in given.states] == pytest.approx([10.0, 80.0])
