@@ -346,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         "(no live run; give that run's --fleet and --warm)",
     )
     args = ap.parse_args(argv)
+    if args.warm_from_live and not args.warm:
+        ap.error("--warm-from-live needs --warm (the live nodes' rates after their warm-up)")
     import os
 
     os.environ["EDGECLOUD_NODE_TOKEN"] = NODE_TOKEN

@@ -309,8 +309,8 @@ class PrefillFit:
 
     A fit whose fixed cost exceeds the cheapest prompt's whole time, or falls below minus that
     time, is an extrapolation of samples that do not pin it (prompts that all hit a prefix, or
-    all miss; cached and uncached lengths that move together, whose plane can take -15 s plus
-    500 ms a token): it is not used. Nor is a plane that charges a cached token more than a
+    all miss; cached and uncached lengths that move together, whose plane gave -8.8 s plus 10 ms
+    a new token on six such samples): it is not used. Nor is a plane that charges a cached token more than a
     new one (attending to a token's KV costs less than computing it).
     ``solve`` answers once the uncached lengths spread over ``min_samples``; the cached
     term joins only once the cached lengths spread too (``c = 0`` until then, and whenever the
