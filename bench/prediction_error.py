@@ -99,6 +99,10 @@ class Sample:
     predicted_queue_ms: float = float("nan")
     in_hand: int = -1
     expected_output_tokens: float = float("nan")
+    predicted_prefill_ms: float = float("nan")  # the router's own-prompt compute
+    node_prefill_ms: float = float("nan")  # the node's (the rest of its TTFT was waiting)
+    node_ttft_ms: float = float("nan")  # the node's own time to first token
+    prompt_tokens: int = 0
 
 
 # Policy files for --variants (the default policy is the gateway's own).
@@ -208,6 +212,10 @@ async def send(
         "predicted_queue_ms": float(h.get("x-edgecloud-predicted-queue-ms", "nan")),
         "in_hand": int(h.get("x-edgecloud-in-hand", "-1")),
         "expected_output_tokens": float(h.get("x-edgecloud-expected-output-tokens", "nan")),
+        "predicted_prefill_ms": float(h.get("x-edgecloud-predicted-prefill-ms", "nan")),
+        "node_prefill_ms": float(h.get("x-edgecloud-prefill-ms", "nan")),
+        "node_ttft_ms": float(h.get("x-edgecloud-node-ttft-ms", "nan")),
+        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
         "measured_ttft_ms": ttft,
         "measured_e2e_ms": e2e,
         "cached_tokens": int(

@@ -141,6 +141,7 @@ class Decision:
             "x-edgecloud-predicted-ttft-ms": f"{self.estimate.ttft_ms:.1f}",
             "x-edgecloud-predicted-e2e-ms": f"{self.estimate.e2e_ms:.1f}",
             "x-edgecloud-predicted-queue-ms": f"{self.estimate.queue_ms:.1f}",
+            "x-edgecloud-predicted-prefill-ms": f"{self.estimate.own_prefill_ms:.1f}",
             "x-edgecloud-in-hand": str(self.estimate.in_hand),
             "x-edgecloud-expected-output-tokens": f"{self.expected_output_tokens:.1f}",
             "x-edgecloud-cached-tokens": str(self.estimate.cached_tokens),

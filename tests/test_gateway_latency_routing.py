@@ -138,5 +138,10 @@ def test_long_prompt_goes_to_the_cloud_that_holds_its_prefix(fleet) -> None:
     assert r.status_code == 200, r.text
     assert (r.headers["x-edgecloud-tier"], r.headers["x-edgecloud-node"]) == ("cloud", "cloud-us")
     assert int(r.headers["x-edgecloud-cached-tokens"]) >= route["prompt_tokens"] - 64
+    # the node's compute of the prompt, passed on, fits inside its time to first token
+    node_prefill = float(r.headers["x-edgecloud-prefill-ms"])
+    node_ttft = float(r.headers["x-edgecloud-node-ttft-ms"])
+    assert 0 < node_prefill <= node_ttft <= float(r.headers["x-edgecloud-measured-ttft-ms"])
+    assert float(r.headers["x-edgecloud-predicted-prefill-ms"]) > 0
     usage = r.json()["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 64

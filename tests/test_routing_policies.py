@@ -298,6 +298,8 @@ def test_dispatches_since_the_last_heartbeat_count_as_load():
     # ours in flight there, plus the node's own running count (others', as its state predates ours)
     assert int(h["x-edgecloud-in-hand"]) == r.in_flight(d.node_id) + d.node.running > 0
     assert float(h["x-edgecloud-predicted-queue-ms"]) == round(d.estimate.queue_ms, 1)
+    assert float(h["x-edgecloud-predicted-prefill-ms"]) == round(d.estimate.own_prefill_ms, 1)
+    assert d.estimate.own_prefill_ms > 0
     assert h["x-edgecloud-expected-output-tokens"] == "16.0"
     for t in tickets:
         r.finish(t)

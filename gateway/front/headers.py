@@ -5,6 +5,10 @@ Invariants:
   answered, its tier and its own estimates, with reason ``failover``.
 - ``x-edgecloud-cached-tokens`` is what the answering node reported when it did, else what the
   router credited; ``x-edgecloud-credited-tokens`` is always what the router credited.
+- ``x-edgecloud-prefill-ms`` is the answering node's own (its prompt's compute), passed on
+  when it sent one; ``x-edgecloud-predicted-prefill-ms`` is what the router predicted for it;
+  ``x-edgecloud-node-ttft-ms`` is the node's own time to first token (the gateway's and the
+  network's share of what its client saw is the difference).
 - A reply sent whole reports the time to first token its client would have seen streamed
   (:func:`ttft_of_whole_reply`), or none when the node sent no timings.
 """
@@ -12,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from gateway.front.upstream import UpstreamHeaders
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, NODE_TTFT_HEADER, PREFILL_MS_HEADER
 from routing.policies import Candidate, Decision
 
 
@@ -37,6 +41,7 @@ def decision_headers(
                 "x-edgecloud-predicted-ttft-ms": f"{est.ttft_ms:.1f}",
                 "x-edgecloud-predicted-e2e-ms": f"{est.e2e_ms:.1f}",
                 "x-edgecloud-predicted-queue-ms": f"{est.queue_ms:.1f}",
+                "x-edgecloud-predicted-prefill-ms": f"{est.own_prefill_ms:.1f}",
                 "x-edgecloud-in-hand": str(est.in_hand),
                 "x-edgecloud-cached-tokens": str(est.cached_tokens),
                 "x-edgecloud-credited-tokens": str(est.cached_tokens),
@@ -45,6 +50,12 @@ def decision_headers(
     node_cached = node_headers.get("x-edgecloud-cached-tokens")
     if node_cached is not None:
         h["x-edgecloud-cached-tokens"] = node_cached
+    node_prefill = node_headers.get(PREFILL_MS_HEADER)
+    if node_prefill is not None:  # the node's compute of the prompt: the rest was waiting
+        h[PREFILL_MS_HEADER] = node_prefill
+    node_ttft = node_headers.get(NODE_TTFT_HEADER)
+    if node_ttft is not None:  # the node's own time to first token, from its request's arrival
+        h["x-edgecloud-node-ttft-ms"] = node_ttft
     h["x-edgecloud-measured-ttft-ms"] = f"{first_byte_ms:.1f}"
     h["x-edgecloud-attempts"] = str(attempts)
     h["x-request-id"] = request_id
