@@ -10,7 +10,9 @@ replays a seeded mix of chats through it at each ``--concurrency``:
 - ``followup``: the third turn of a chat whose first two turns were sent before (the node that
   served them may hold the prefix).
 
-Half of the requests stream. For each request the gateway's prediction
+Half of the requests stream. Every sample keeps the client's clock when it was sent, and the
+follow-ups' earlier turns are kept too (class ``turn``, not counted), so the JSON holds each
+node's whole timeline. For each request the gateway's prediction
 (``x-edgecloud-predicted-ttft-ms`` / ``-e2e-ms``) is compared with what the client measured:
 TTFT at the first content chunk of a stream (for a reply sent whole, the gateway's
 ``x-edgecloud-measured-ttft-ms``, the node's first-token time) and the end-to-end time.
@@ -103,6 +105,8 @@ class Sample:
     node_prefill_ms: float = float("nan")  # the node's (the rest of its TTFT was waiting)
     node_ttft_ms: float = float("nan")  # the node's own time to first token
     prompt_tokens: int = 0
+    sent_at_s: float = 0.0  # the client's clock (perf_counter) when it was sent
+    error: str = ""  # the body of a reply other than 200
 
 
 # Policy files for --variants (the default policy is the gateway's own).
@@ -117,6 +121,8 @@ VARIANTS = {
     "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)
     "late_half": "latency:\n  overrun_left: 0.5\n",
+    # a cloud prompt's pass in its per-token rate, a one-row step its floor (before 2026-12-04)
+    "no_prefill_pass": "latency:\n  prefill_pass: false\n",
     # the replay of a node that reports its fitted step cost runs its steps with it
     "step_cost": "latency:\n  node_step_cost: true\n",
     # the requests expected after the decision in its replay (not only those in hand)
@@ -187,8 +193,11 @@ async def send(
     t0 = time.perf_counter()
     ttft = None
     usage: dict[str, Any] = {}
+    error = ""
     async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
-        if stream:
+        if r.status_code != 200:
+            error = (await r.aread()).decode(errors="replace")[:300]
+        elif stream:
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -205,6 +214,8 @@ async def send(
     if not stream and "x-edgecloud-measured-ttft-ms" in h:
         ttft = float(h["x-edgecloud-measured-ttft-ms"])
     return {
+        "sent_at_s": t0,
+        "error": error,
         "status": r.status_code,
         "tier": h.get("x-edgecloud-tier", "?"),
         "predicted_ttft_ms": float(h.get("x-edgecloud-predicted-ttft-ms", "nan")),
@@ -244,7 +255,10 @@ async def run_level(
                 cls, messages, max_tokens = plan[i]
                 if cls == "followup":  # send the first two turns first, as the chat did
                     for k in (1, 3):
-                        await send(client, base, messages[:k], 16, False)
+                        turn = await send(client, base, messages[:k], 16, False)
+                        out.append(
+                            Sample("turn", concurrency, variant, False, max_tokens=16, **turn)
+                        )
                 r = await send(client, base, messages, max_tokens, streams[i])
                 out.append(
                     Sample(cls, concurrency, variant, streams[i], max_tokens=max_tokens, **r)
@@ -276,10 +290,13 @@ def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
     variants = list(dict.fromkeys(s.variant for s in samples))
     levels = sorted({s.concurrency for s in samples})
     for v, c, tier in itertools.product(variants, levels, ("all", "edge", "cloud")):
-        sel = [
+        sel = [  # the earlier turns of follow-ups are kept for the timeline, not counted
             s
             for s in samples
-            if s.variant == v and s.concurrency == c and (tier == "all" or s.tier == tier)
+            if s.variant == v
+            and s.concurrency == c
+            and s.cls != "turn"
+            and (tier == "all" or s.tier == tier)
         ]
         if sel:
             ttft, e2e = rel_errors(sel, "ttft"), rel_errors(sel, "e2e")
