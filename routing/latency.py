@@ -81,6 +81,16 @@ class LatencyKnobs(BaseModel):
         "adding its tokens only (off: rates learned from finished requests; on the embedded "
         "default neither was better over six paired runs, docs/benchmarks.md)",
     )
+    prefill_pass: bool = Field(
+        default=True,
+        description="on a node whose steps mix prompt chunks with decode rows (the cloud "
+        "engine), a chunk that runs alone pays a forward pass (the one-row decode step less "
+        "one token's compute) and one beside decode rows only its tokens; its prefill rates "
+        "are learned as such, the pass taken off a prompt predicted to run alone (off: the "
+        "per-token rate also carries the pass, at least a one-row step per prompt; a short "
+        "prompt's pass then made the CPU cloud's learned rate 9-12 ms a token where its "
+        "marginal token costs about 2.7, so a loaded node's chunks were predicted 3x too long)",
+    )
     min_step_cost_steps: int = Field(
         default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
     )
@@ -163,6 +173,9 @@ class Estimate:
     stalled_others_ms: float = 0.0
     # mean tokens of context its decode steps are predicted to attend to (all rows, summed)
     mean_context: float = 0.0
+    # the forward passes its own chunks were predicted to pay alone (in ``own_prefill_ms``):
+    # what a node's account of its prompt's compute holds beyond its tokens' marginal cost
+    pass_ms: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -608,6 +621,9 @@ class LatencyModel:
         else:
             b1, slope = self.decode_ms_per_token_b1(node), self.batch_slope(node)
             per_context, pass_ms = self.context_cost(node), 0.0
+            if kd.mixed_steps and self.knobs.prefill_pass:
+                # a one-row step is a pass and one token's compute
+                pass_ms = max(0.0, b1 - per_token)
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
@@ -673,9 +689,11 @@ class LatencyModel:
         r = replay(
             shape, work, Work(work_tokens, out - 1.0, context=prompt_tokens), arrivals=arrivals
         )
-        own_prefill = (
-            shape.prefill_fixed_ms + shape.step_fixed_ms + work_tokens * shape.prefill_ms_per_token
-        )
+        # its chunks pay the pass where they run alone (nothing in hand), else beside the rows
+        # of a step that has the pass already
+        chunks = math.ceil(work_tokens / max(1, shape.chunk_tokens))
+        pass_ms = 0.0 if work else shape.step_fixed_ms * chunks
+        own_prefill = shape.prefill_fixed_ms + pass_ms + work_tokens * shape.prefill_ms_per_token
         # A prompt's last chunk is a forward pass: it reads every weight and the prompt's KV as
         # a decode step of one row does, however few its new tokens (a prefix hit's 16 new
         # tokens after 1,152 cached took the CPU cloud node 120-160 ms, predicted 17-19 ms
@@ -726,6 +744,7 @@ class LatencyModel:
             step_ms=step_ms,
             stalled_others_ms=r.stalled_others_ms,
             mean_context=r.mean_context,
+            pass_ms=pass_ms,
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -758,6 +777,10 @@ class LatencyModel:
                 prefill_ms = max(server_ms - obs.node_queue_ms, 0.5)
             elif est is None or others <= 0.25 * max(server_ms, 1e-3):
                 prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
+            if prefill_ms is not None and est is not None and est.pass_ms > 0:
+                # the rates are the tokens' own: less the passes it paid running alone (a
+                # tenth at least: a pass taken too long must not teach that tokens are free)
+                prefill_ms = max(prefill_ms - est.pass_ms, 0.1 * prefill_ms, 0.5)
             if prefill_ms is not None:
                 rates.prefill_fit.add(float(uncached), float(obs.cached_tokens), prefill_ms)
                 if uncached >= k.min_prefill_tokens:

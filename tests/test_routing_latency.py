@@ -41,7 +41,16 @@ def finished(
     )
 
 
-def est(model: LatencyModel, n: NodeState, prompt=100, cached=0, out=10.0, rtt=5.0, extra=0):
+def est(
+    model: LatencyModel,
+    n: NodeState,
+    prompt=100,
+    cached=0,
+    out=10.0,
+    rtt=5.0,
+    extra=0,
+    ahead: list[Work] | None = None,
+):
     return model.estimate(
         n,
         prompt_tokens=prompt,
@@ -49,6 +58,7 @@ def est(model: LatencyModel, n: NodeState, prompt=100, cached=0, out=10.0, rtt=5
         expected_output_tokens=out,
         rtt_ms=rtt,
         extra_inflight=extra,
+        ahead=ahead,
     )
 
 
@@ -409,7 +419,11 @@ def test_short_prompts_alone_still_say_what_a_prompt_costs_at_least():
     assert m.rates["c1"].prefill_fit.solve() is None  # no spread: no line
     fixed, per_token, _ = m.prefill_cost(n)
     assert per_token == pytest.approx(0.2) and fixed == pytest.approx(25.0 - 0.2 * 30.0, rel=0.01)
-    assert est(m, n, prompt=30, out=1).prefill_ms == pytest.approx(25.0, rel=0.01)
+    # alone, the prompt's one chunk also pays a forward pass: a one-row step less a token
+    pass_ms = m.shape(n).step_fixed_ms
+    assert pass_ms == pytest.approx(m.decode_ms_per_token_b1(n) - 0.2) and pass_ms > 0
+    e = est(m, n, prompt=30, out=1)
+    assert e.prefill_ms == pytest.approx(25.0 + pass_ms, rel=0.01) and e.pass_ms == pass_ms
 
 
 def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
@@ -441,8 +455,9 @@ def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
 def test_a_prompts_own_time_is_at_least_one_forward_pass():
     """16 new tokens after 1,152 cached: their per-token share (16 ms at 1,000 tokens/s) is
     less than the forward pass that computes them, which reads every weight as a decode step
-    of one row does (60 ms here): the prediction takes the step's time."""
-    m = LatencyModel()
+    of one row does (60 ms here). Without ``prefill_pass`` the prediction takes the step's
+    time as a floor."""
+    m = LatencyModel(LatencyKnobs(prefill_pass=False))
     cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
     e = est(m, cloud, prompt=1168, cached=1152)
     assert (e.cached_tokens, e.uncached_tokens) == (1152, 16)
@@ -451,3 +466,40 @@ def test_a_prompts_own_time_is_at_least_one_forward_pass():
     assert e.e2e_ms == pytest.approx(65.0 + 9 * 60.0)
     # a long cold prompt costs its tokens, above the floor
     assert est(m, cloud, prompt=1168).prefill_ms == pytest.approx(1168.0)
+
+
+def test_a_prompt_alone_on_a_mixed_step_node_pays_a_pass_and_its_tokens():
+    """With ``prefill_pass`` (the default) the cloud engine's chunk alone is one pass (the
+    one-row step, 60 ms, less one token's 1 ms) plus its tokens; beside decode rows only its
+    tokens, the rows' step having the pass already."""
+    m = LatencyModel()
+    cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
+    e = est(m, cloud, prompt=1168, cached=1152)
+    assert e.pass_ms == pytest.approx(59.0)
+    assert e.prefill_ms == pytest.approx(59.0 + 16.0) == e.own_prefill_ms
+    # a cold prompt past one 1,024-token chunk: two passes
+    cold = est(m, cloud, prompt=1168)
+    assert cold.pass_ms == pytest.approx(2 * 59.0)
+    assert cold.prefill_ms == pytest.approx(2 * 59.0 + 1168.0)
+    # beside a request decoding: no pass of its own
+    busy = est(m, cloud, prompt=1168, cached=1152, ahead=[Work(0.0, 20.0, context=1200.0)])
+    assert busy.pass_ms == 0.0 and busy.own_prefill_ms == pytest.approx(16.0)
+
+
+def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost():
+    """The node's account of a prompt that ran alone holds a pass: learning takes it off, so
+    the per-token rate is the tokens' own (2 ms) and not the pass spread over a few tokens."""
+    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=100.0)
+    for uncached in (40, 60, 80, 100, 120, 140):
+        e = est(m, cloud, prompt=uncached)
+        assert e.pass_ms > 0
+        m.observe(
+            Observation(
+                node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=uncached, cached_tokens=0,
+                completion_tokens=1, ttft_ms=5.0 + e.pass_ms + 2.0 * uncached, e2e_ms=1000.0,
+                net_rtt_ms=5.0, node_queue_ms=0.0, estimate=e,
+            )
+        )  # fmt: skip
+    fixed, per_token, _ = m.prefill_cost(cloud)
+    assert per_token == pytest.approx(2.0, rel=0.01) and fixed == pytest.approx(0.0, abs=0.5)
