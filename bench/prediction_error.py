@@ -121,8 +121,10 @@ VARIANTS = {
     "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)
     "late_half": "latency:\n  overrun_left: 0.5\n",
-    # a cloud prompt's pass in its per-token rate, a one-row step its floor (before 2026-12-04)
-    "no_prefill_pass": "latency:\n  prefill_pass: false\n",
+    # a cloud prompt alone pays a pass, beside decode rows its tokens, rates learned without it
+    "prefill_pass": "latency:\n  prefill_pass: true\n",
+    # nothing predicted beyond the engine and the RTT (the gateway's share, a node's admission)
+    "no_overhead": "latency:\n  request_overhead: false\n",
     # the replay of a node that reports its fitted step cost runs its steps with it
     "step_cost": "latency:\n  node_step_cost: true\n",
     # the requests expected after the decision in its replay (not only those in hand)

@@ -23,6 +23,16 @@ PREFILL_MS_HEADER = "x-edgecloud-prefill-ms"
 NODE_TTFT_HEADER = "x-edgecloud-measured-ttft-ms"
 
 
+def node_ttft_ms(headers: Mapping[str, str]) -> float | None:
+    """The node's own time to first token (ms, from its request's arrival), None unless the
+    node sent a finite one."""
+    try:
+        ttft = float(headers[NODE_TTFT_HEADER])
+    except (KeyError, ValueError):
+        return None
+    return ttft if ttft >= 0 and ttft != float("inf") else None
+
+
 def node_wait_ms(headers: Mapping[str, str]) -> float | None:
     """The node's time to first token less its own prompt's compute (ms, at least 0); None
     unless the node sent both."""

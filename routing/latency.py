@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -82,14 +82,24 @@ class LatencyKnobs(BaseModel):
         "default neither was better over six paired runs, docs/benchmarks.md)",
     )
     prefill_pass: bool = Field(
-        default=True,
+        default=False,
         description="on a node whose steps mix prompt chunks with decode rows (the cloud "
         "engine), a chunk that runs alone pays a forward pass (the one-row decode step less "
         "one token's compute) and one beside decode rows only its tokens; its prefill rates "
         "are learned as such, the pass taken off a prompt predicted to run alone (off: the "
         "per-token rate also carries the pass, at least a one-row step per prompt; a short "
-        "prompt's pass then made the CPU cloud's learned rate 9-12 ms a token where its "
-        "marginal token costs about 2.7, so a loaded node's chunks were predicted 3x too long)",
+        "prompt's pass makes the CPU cloud's learned rate 6-12 ms a token where the node's own "
+        "step fit says about 2.7; yet on the embedded default the rate learned without the "
+        "passes stayed near 5.7 and over two paired prediction_error runs on was no better "
+        "than off: docs/benchmarks.md)",
+    )
+    request_overhead: bool = Field(
+        default=True,
+        description="add what each node's requests take beyond its engine: the gateway's own "
+        "share of their time to first token (its TTFT less the RTT less the node's own) and, "
+        "on an idle node, the node's wait before its engine starts them (HTTP, tokenizing, "
+        "handing over), both learned per node (off: neither; an H200 node's 2 ms steps then "
+        "sat under 15-37 ms of them)",
     )
     min_step_cost_steps: int = Field(
         default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
@@ -176,6 +186,9 @@ class Estimate:
     # the forward passes its own chunks were predicted to pay alone (in ``own_prefill_ms``):
     # what a node's account of its prompt's compute holds beyond its tokens' marginal cost
     pass_ms: float = 0.0
+    # what it takes beyond the engine (in ``ttft_ms`` and ``e2e_ms``): the gateway's share and,
+    # on an idle node, the node's own before its engine starts it
+    overhead_ms: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -188,7 +201,8 @@ class Observation:
 
     ``ttft_ms``/``e2e_ms`` are measured at the gateway (``ttft_ms`` is ``None`` when the reply
     was not streamed). ``net_rtt_ms`` is the gateway-to-node round trip included in them.
-    ``node_queue_ms``, when the node reports it, replaces the predicted queue wait.
+    ``node_queue_ms``, when the node reports it, replaces the predicted queue wait;
+    ``node_ttft_ms`` is the node's own time to first token (from its request's arrival).
     """
 
     node_id: str
@@ -201,6 +215,7 @@ class Observation:
     net_rtt_ms: float = 0.0
     node_queue_ms: float | None = None
     estimate: Estimate | None = None  # the prediction made for this node at decision time
+    node_ttft_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -378,6 +393,10 @@ class NodeRates:
     output_tokens: _Ewma = field(default_factory=_Ewma)
     decode_fit: DecodeFit = field(default_factory=DecodeFit)  # ms/token, batch and context
     prompt_tokens: _Ewma = field(default_factory=_Ewma)  # of the requests it served
+    # the gateway's time to first token less the RTT less the node's own
+    gateway_ms: _Ewma = field(default_factory=_Ewma)
+    # the node's wait before its engine started a request it took with nothing in hand
+    admission_ms: _Ewma = field(default_factory=_Ewma)
     # a prompt's own time to first token: fixed cost + per uncached token + per cached token
     prefill_fit: PrefillFit = field(default_factory=PrefillFit)
 
@@ -580,6 +599,25 @@ class LatencyModel:
         span several batch sizes, else the kind's default."""
         return self._slope(node.id, node.kind)
 
+    def overhead_ms(self, node_id: str, idle: bool) -> float:
+        """What a request on the node takes beyond its engine and the RTT, as learned: the
+        gateway's share and, when the node has nothing in hand (``idle``), the node's own
+        before its engine starts it (busy, that overlaps the step in flight). A node not yet
+        measured is taken at the mean of those that are, so that measuring a node never makes
+        it look dearer than an unknown one; 0 before any, and with ``request_overhead`` off."""
+        if not self.knobs.request_overhead:
+            return 0.0
+        own = self.rates.get(node_id)
+
+        def learned(part: Callable[[NodeRates], _Ewma]) -> float:
+            if own is not None and part(own).n:
+                return part(own).value
+            seen = [part(r).value for r in self.rates.values() if part(r).n]
+            return self._mean(seen)
+
+        gateway = learned(lambda r: r.gateway_ms)
+        return gateway + (learned(lambda r: r.admission_ms) if idle else 0.0)
+
     def step_cost(self, node: NodeState) -> StepCost | None:
         """The step cost the node fitted on its own steps, where it reports one fitted over
         enough steps and the knobs use it."""
@@ -719,7 +757,7 @@ class LatencyModel:
                 first_token_ms=r.first_token_ms + in_flight,
                 last_token_ms=r.last_token_ms + in_flight,
             )
-        rtt = max(0.0, rtt_ms)
+        rtt = max(0.0, rtt_ms) + self.overhead_ms(node.id, idle=not work)
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
         step_ms = shape.decode_step_ms(r.mean_batch, r.mean_context)
@@ -745,6 +783,7 @@ class LatencyModel:
             stalled_others_ms=r.stalled_others_ms,
             mean_context=r.mean_context,
             pass_ms=pass_ms,
+            overhead_ms=rtt - max(0.0, rtt_ms),
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -771,8 +810,15 @@ class LatencyModel:
             server_ms = obs.ttft_ms - net
             others = 0.0
             if est is not None:
-                others = max(0.0, est.ttft_ms - est.rtt_ms - est.own_prefill_ms)
+                others = max(0.0, est.ttft_ms - est.rtt_ms - est.overhead_ms - est.own_prefill_ms)
             prefill_ms: float | None = None
+            if obs.node_ttft_ms is not None and k.request_overhead:
+                gateway_ms = max(0.0, server_ms - obs.node_ttft_ms)
+                rates.gateway_ms.add(gateway_ms, k.rate_alpha)
+                server_ms -= gateway_ms  # the node's own from here
+            idle = est is not None and est.in_hand == 0
+            if obs.node_queue_ms is not None and k.request_overhead and idle:
+                rates.admission_ms.add(obs.node_queue_ms, k.rate_alpha)
             if obs.node_queue_ms is not None:  # the node's account: exact
                 prefill_ms = max(server_ms - obs.node_queue_ms, 0.5)
             elif est is None or others <= 0.25 * max(server_ms, 1e-3):
@@ -835,6 +881,8 @@ class LatencyModel:
                 "measured_decode_ms_per_token_b1": r.decode_ms_per_token_b1.value,
                 "decode_samples": float(r.decode_ms_per_token_b1.n),
                 "mean_output_tokens": r.output_tokens.value,
+                "gateway_overhead_ms": r.gateway_ms.value,
+                "node_admission_ms": r.admission_ms.value,
             }
             node = (nodes or {}).get(node_id)
             if node is not None:

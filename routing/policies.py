@@ -61,6 +61,7 @@ class Candidate:
             "predicted_ttft_ms": round(e.ttft_ms, 2),
             "predicted_e2e_ms": round(e.e2e_ms, 2),
             "rtt_ms": round(e.rtt_ms, 2),
+            "overhead_ms": round(e.overhead_ms, 2),
             "queue_ms": round(e.queue_ms, 2),
             "prefill_ms": round(e.prefill_ms, 2),
             "decode_ms_per_token": round(e.decode_ms_per_token, 3),

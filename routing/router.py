@@ -61,7 +61,8 @@ class Measured:
     ``ttft_ms`` is ``None`` for replies that were not streamed; ``net_rtt_ms`` is the
     gateway-to-node RTT if measured (else the region table's estimate is used);
     ``node_queue_ms`` is what the node said the request waited before its first token (its
-    time to first token less its own prompt's compute), when it said.
+    time to first token less its own prompt's compute), when it said; ``node_ttft_ms`` its own
+    time to first token (what the gateway measured beyond it and the RTT is the gateway's).
     """
 
     e2e_ms: float
@@ -71,6 +72,7 @@ class Measured:
     ttft_ms: float | None = None
     net_rtt_ms: float | None = None
     node_queue_ms: float | None = None
+    node_ttft_ms: float | None = None
 
 
 @dataclass(slots=True)
@@ -408,6 +410,7 @@ class Router:
                 ttft_ms=measured.ttft_ms,
                 net_rtt_ms=net,
                 node_queue_ms=measured.node_queue_ms,
+                node_ttft_ms=measured.node_ttft_ms,
                 estimate=ticket.estimate,
             )
         )

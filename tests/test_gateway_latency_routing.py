@@ -99,6 +99,15 @@ def test_short_prompt_goes_to_the_edge(fleet) -> None:
     assert (h["x-edgecloud-tier"], h["x-edgecloud-node"]) == ("edge", "edge-eu")
     assert h["x-edgecloud-reason"] == "latency_e2e"
     assert raw.parse().choices[0].message.content
+    # what the reply took beyond the edge's engine (the gateway's share, the node's admission)
+    # is learned from its headers and predicted for the next one
+    deadline = time.monotonic() + 5
+    while True:  # the gateway learns once the reply is accounted, just after it is sent
+        cands = {c["node"]: c for c in _route(fleet, _chat("Be brief.", "Hi!"))["candidates"]}
+        if cands["edge-eu"]["overhead_ms"] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert 0 < cands["edge-eu"]["overhead_ms"] < cands["edge-eu"]["predicted_ttft_ms"]
 
 
 def test_long_prompt_goes_to_the_cloud_that_holds_its_prefix(fleet) -> None:

@@ -419,11 +419,7 @@ def test_short_prompts_alone_still_say_what_a_prompt_costs_at_least():
     assert m.rates["c1"].prefill_fit.solve() is None  # no spread: no line
     fixed, per_token, _ = m.prefill_cost(n)
     assert per_token == pytest.approx(0.2) and fixed == pytest.approx(25.0 - 0.2 * 30.0, rel=0.01)
-    # alone, the prompt's one chunk also pays a forward pass: a one-row step less a token
-    pass_ms = m.shape(n).step_fixed_ms
-    assert pass_ms == pytest.approx(m.decode_ms_per_token_b1(n) - 0.2) and pass_ms > 0
-    e = est(m, n, prompt=30, out=1)
-    assert e.prefill_ms == pytest.approx(25.0 + pass_ms, rel=0.01) and e.pass_ms == pass_ms
+    assert est(m, n, prompt=30, out=1).prefill_ms == pytest.approx(25.0, rel=0.01)
 
 
 def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
@@ -455,9 +451,9 @@ def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
 def test_a_prompts_own_time_is_at_least_one_forward_pass():
     """16 new tokens after 1,152 cached: their per-token share (16 ms at 1,000 tokens/s) is
     less than the forward pass that computes them, which reads every weight as a decode step
-    of one row does (60 ms here). Without ``prefill_pass`` the prediction takes the step's
-    time as a floor."""
-    m = LatencyModel(LatencyKnobs(prefill_pass=False))
+    of one row does (60 ms here). Without ``prefill_pass`` (the default) the prediction takes
+    the step's time as a floor."""
+    m = LatencyModel()
     cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
     e = est(m, cloud, prompt=1168, cached=1152)
     assert (e.cached_tokens, e.uncached_tokens) == (1152, 16)
@@ -469,10 +465,10 @@ def test_a_prompts_own_time_is_at_least_one_forward_pass():
 
 
 def test_a_prompt_alone_on_a_mixed_step_node_pays_a_pass_and_its_tokens():
-    """With ``prefill_pass`` (the default) the cloud engine's chunk alone is one pass (the
-    one-row step, 60 ms, less one token's 1 ms) plus its tokens; beside decode rows only its
-    tokens, the rows' step having the pass already."""
-    m = LatencyModel()
+    """With ``prefill_pass`` the cloud engine's chunk alone is one pass (the one-row step,
+    60 ms, less one token's 1 ms) plus its tokens; beside decode rows only its tokens, the
+    rows' step having the pass already."""
+    m = LatencyModel(LatencyKnobs(prefill_pass=True))
     cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
     e = est(m, cloud, prompt=1168, cached=1152)
     assert e.pass_ms == pytest.approx(59.0)
@@ -489,7 +485,7 @@ def test_a_prompt_alone_on_a_mixed_step_node_pays_a_pass_and_its_tokens():
 def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost():
     """The node's account of a prompt that ran alone holds a pass: learning takes it off, so
     the per-token rate is the tokens' own (2 ms) and not the pass spread over a few tokens."""
-    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    m = LatencyModel(LatencyKnobs(self_report_weight=0.0, prefill_pass=True))
     cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=100.0)
     for uncached in (40, 60, 80, 100, 120, 140):
         e = est(m, cloud, prompt=uncached)
@@ -503,3 +499,35 @@ def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost():
         )  # fmt: skip
     fixed, per_token, _ = m.prefill_cost(cloud)
     assert per_token == pytest.approx(2.0, rel=0.01) and fixed == pytest.approx(0.0, abs=0.5)
+
+
+def test_what_requests_take_beyond_the_engine_is_learned_and_added():
+    """The gateway's share of a request's time to first token (its TTFT less the RTT less
+    the node's own: 6 ms here) and an idle node's wait before its engine starts it (4 ms) are
+    learned per node, taken off what prefill learns, and added to the next prediction (the
+    node's wait only while the node is idle)."""
+    m = LatencyModel()
+    n = node("e1", NodeKind.EDGE, prefill_tokens_per_s=1000.0, decode_ms_per_token=10.0)
+    for _ in range(30):
+        e = est(m, n, prompt=100, out=1)
+        m.observe(
+            Observation(
+                node_id="e1", kind=NodeKind.EDGE, prompt_tokens=100, cached_tokens=0,
+                completion_tokens=1, ttft_ms=5.0 + 6.0 + 4.0 + 100.0, e2e_ms=115.0,
+                net_rtt_ms=5.0, node_queue_ms=4.0, node_ttft_ms=104.0, estimate=e,
+            )
+        )  # fmt: skip
+    assert m.overhead_ms("e1", idle=True) == pytest.approx(10.0, rel=0.01)
+    assert m.overhead_ms("e1", idle=False) == pytest.approx(6.0, rel=0.01)
+    e = est(m, n, prompt=100, out=1)
+    assert e.overhead_ms == pytest.approx(10.0, rel=0.01)
+    assert e.prefill_ms == pytest.approx(100.0, rel=0.02)  # the node's compute alone
+    assert e.ttft_ms == pytest.approx(115.0, rel=0.01)
+    busy = est(m, n, prompt=100, out=1, ahead=[Work(0.0, 5.0, context=200.0)])
+    assert busy.overhead_ms == pytest.approx(6.0, rel=0.01)
+    # a node not yet measured is taken at the mean of those that are, not at nothing
+    other = node("e2", NodeKind.EDGE, prefill_tokens_per_s=1000.0, decode_ms_per_token=10.0)
+    assert est(m, other, prompt=100, out=1).overhead_ms == pytest.approx(10.0, rel=0.01)
+    off = LatencyModel(LatencyKnobs(request_overhead=False))
+    off.rates = m.rates
+    assert est(off, n, prompt=100, out=1).overhead_ms == 0.0

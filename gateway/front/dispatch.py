@@ -39,7 +39,7 @@ from gateway.errors import APIError, too_many_requests
 from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.metrics import GatewayMetrics
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, node_wait_ms
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, node_ttft_ms, node_wait_ms
 from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_headers
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
@@ -147,14 +147,16 @@ def measured_of(
     e2e_ms: float,
     ttft_ms: float | None,
     node_wait: float | None = None,
+    node_ttft: float | None = None,
 ) -> Measured:
     """``node_wait``: what the node said its time to first token spent waiting
-    (:func:`gateway.node_headers.node_wait_ms`)."""
+    (:func:`gateway.node_headers.node_wait_ms`); ``node_ttft``: its own time to first token."""
     details = usage.get("prompt_tokens_details") or {}
     return Measured(
         e2e_ms=e2e_ms,
         ttft_ms=ttft_ms,
         node_queue_ms=node_wait,
+        node_ttft_ms=node_ttft,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", 0)),
         cached_tokens=int(details.get("cached_tokens", 0) or 0),
@@ -422,7 +424,8 @@ class Dispatch:
         with contextlib.suppress(ValueError, AttributeError):
             usage = fastjson.usage_of_response(content)
         ttft = set_whole_reply_timings(hdrs, opened.response.headers, e2e, self.first_byte_ms)
-        measured = measured_of(usage, e2e, ttft, node_wait_ms(opened.response.headers))
+        node_h = opened.response.headers
+        measured = measured_of(usage, e2e, ttft, node_wait_ms(node_h), node_ttft_ms(node_h))
         self.end(opened.node_id, measured)
         await self.account(measured, opened.node_id, hdrs)
         return Response(

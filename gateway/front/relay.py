@@ -42,7 +42,7 @@ from gateway.front.resume import (
     usage_event,
     whole_usage,
 )
-from gateway.node_headers import node_wait_ms
+from gateway.node_headers import node_ttft_ms, node_wait_ms
 from gateway.proxy import Opened, SSEReader, split_events, sse_error, usage_of
 from gateway.token_ids import PREFIX as IDS_PREFIX
 from gateway.token_ids import TOKEN_IDS_HEADER, take_ids
@@ -94,6 +94,7 @@ class StreamRelay:
         self.got: tuple[bytes, int] | None = resp.extensions["edgecloud_first_batch"]
         self.with_ids = resp.headers.get(TOKEN_IDS_HEADER) == "1"
         self.leg_wait_ms = node_wait_ms(resp.headers)  # its node's wait before the first token
+        self.leg_node_ttft_ms = node_ttft_ms(resp.headers)  # and its own time to first token
 
     # ---- the body -----------------------------------------------------------------------------
     async def body(self) -> AsyncIterator[bytes]:
@@ -226,10 +227,18 @@ class StreamRelay:
             elif self.done and self.usage is not None:
                 e2e = (now - self.plan.t_start) * 1000
                 whole = measured_of(self.usage, e2e, self.ttft_ms)
-                leg = replace(whole, node_queue_ms=self.leg_wait_ms)
+                leg = replace(
+                    whole, node_queue_ms=self.leg_wait_ms, node_ttft_ms=self.leg_node_ttft_ms
+                )
                 if self.resumed is not None and self.leg_usage is not None:
                     leg_e2e = (now - self.leg_start) * 1000
-                    leg = measured_of(self.leg_usage, leg_e2e, self.leg_ttft_ms, self.leg_wait_ms)
+                    leg = measured_of(
+                        self.leg_usage,
+                        leg_e2e,
+                        self.leg_ttft_ms,
+                        self.leg_wait_ms,
+                        self.leg_node_ttft_ms,
+                    )
                 d.end(self.node_id, leg)
                 outcome = Outcome.OK
                 await d.account(whole, self.node_id, self._tier_headers())
