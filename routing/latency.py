@@ -26,6 +26,8 @@ Invariants:
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -228,6 +230,26 @@ class _Ewma:
         self.n += 1
 
 
+@dataclass(slots=True)
+class _RecentMedian:
+    """The median of the last ``window`` samples: what a small cost usually is, which a
+    one-off (a gateway's first request fetching its tokenizer: seconds) does not move."""
+
+    window: int = 31
+    samples: deque[float] = field(default_factory=deque)
+    n: int = 0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        if len(self.samples) > self.window:
+            self.samples.popleft()
+        self.n += 1
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class _Centered:
     """Weighted means, variances and covariances of samples ``(x, z, y)``."""
@@ -394,9 +416,9 @@ class NodeRates:
     decode_fit: DecodeFit = field(default_factory=DecodeFit)  # ms/token, batch and context
     prompt_tokens: _Ewma = field(default_factory=_Ewma)  # of the requests it served
     # the gateway's time to first token less the RTT less the node's own
-    gateway_ms: _Ewma = field(default_factory=_Ewma)
+    gateway_ms: _RecentMedian = field(default_factory=_RecentMedian)
     # the node's wait before its engine started a request it took with nothing in hand
-    admission_ms: _Ewma = field(default_factory=_Ewma)
+    admission_ms: _RecentMedian = field(default_factory=_RecentMedian)
     # a prompt's own time to first token: fixed cost + per uncached token + per cached token
     prefill_fit: PrefillFit = field(default_factory=PrefillFit)
 
@@ -609,7 +631,7 @@ class LatencyModel:
             return 0.0
         own = self.rates.get(node_id)
 
-        def learned(part: Callable[[NodeRates], _Ewma]) -> float:
+        def learned(part: Callable[[NodeRates], _RecentMedian]) -> float:
             if own is not None and part(own).n:
                 return part(own).value
             seen = [part(r).value for r in self.rates.values() if part(r).n]
@@ -814,11 +836,11 @@ class LatencyModel:
             prefill_ms: float | None = None
             if obs.node_ttft_ms is not None and k.request_overhead:
                 gateway_ms = max(0.0, server_ms - obs.node_ttft_ms)
-                rates.gateway_ms.add(gateway_ms, k.rate_alpha)
+                rates.gateway_ms.add(gateway_ms)
                 server_ms -= gateway_ms  # the node's own from here
             idle = est is not None and est.in_hand == 0
             if obs.node_queue_ms is not None and k.request_overhead and idle:
-                rates.admission_ms.add(obs.node_queue_ms, k.rate_alpha)
+                rates.admission_ms.add(obs.node_queue_ms)
             if obs.node_queue_ms is not None:  # the node's account: exact
                 prefill_ms = max(server_ms - obs.node_queue_ms, 0.5)
             elif est is None or others <= 0.25 * max(server_ms, 1e-3):

@@ -528,6 +528,15 @@ def test_what_requests_take_beyond_the_engine_is_learned_and_added():
     # a node not yet measured is taken at the mean of those that are, not at nothing
     other = node("e2", NodeKind.EDGE, prefill_tokens_per_s=1000.0, decode_ms_per_token=10.0)
     assert est(m, other, prompt=100, out=1).overhead_ms == pytest.approx(10.0, rel=0.01)
+    # one slow first request (the gateway fetching its tokenizer) does not move it
+    m.observe(
+        Observation(
+            node_id="e1", kind=NodeKind.EDGE, prompt_tokens=100, cached_tokens=0,
+            completion_tokens=1, ttft_ms=5.0 + 2000.0 + 104.0, e2e_ms=2115.0, net_rtt_ms=5.0,
+            node_queue_ms=4.0, node_ttft_ms=104.0, estimate=est(m, n, prompt=100, out=1),
+        )
+    )  # fmt: skip
+    assert m.overhead_ms("e1", idle=True) == pytest.approx(10.0, rel=0.01)
     off = LatencyModel(LatencyKnobs(request_overhead=False))
     off.rates = m.rates
     assert est(off, n, prompt=100, out=1).overhead_ms == 0.0
