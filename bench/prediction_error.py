@@ -123,8 +123,8 @@ VARIANTS = {
     "late_half": "latency:\n  overrun_left: 0.5\n",
     # a cloud prompt alone pays a pass, beside decode rows its tokens, rates learned without it
     "prefill_pass": "latency:\n  prefill_pass: true\n",
-    # nothing predicted beyond the engine and the RTT (the gateway's share, a node's admission)
-    "no_overhead": "latency:\n  request_overhead: false\n",
+    # what requests take beyond the engine and the RTT (the gateway's share, a node's admission)
+    "overhead": "latency:\n  request_overhead: true\n",
     # the replay of a node that reports its fitted step cost runs its steps with it
     "step_cost": "latency:\n  node_step_cost: true\n",
     # the requests expected after the decision in its replay (not only those in hand)

@@ -50,7 +50,16 @@ def fleet(default_model_path: Path, redis_url: str, tmp_path_factory):
     edge = _node("edge", default_model_path, redis_url, folder, "edge-eu", "eu-west")
     cloud = _node("cloud", default_model_path, redis_url, folder, "cloud-us", "us-east")
     policy = folder / "policy.yaml"
-    policy.write_text(yaml.safe_dump({"default_region": "eu-west", "gateway_region": "eu-west"}))
+    # request_overhead (off by default) learns what the replies take beyond the engines
+    policy.write_text(
+        yaml.safe_dump(
+            {
+                "default_region": "eu-west",
+                "gateway_region": "eu-west",
+                "latency": {"request_overhead": True},
+            }
+        )
+    )
     cfg = folder / "gateway.yaml"
     model = default_model_path.name
     cfg.write_text(

@@ -505,8 +505,8 @@ def test_what_requests_take_beyond_the_engine_is_learned_and_added():
     """The gateway's share of a request's time to first token (its TTFT less the RTT less
     the node's own: 6 ms here) and an idle node's wait before its engine starts it (4 ms) are
     learned per node, taken off what prefill learns, and added to the next prediction (the
-    node's wait only while the node is idle)."""
-    m = LatencyModel()
+    node's wait only while the node is idle), with ``request_overhead``."""
+    m = LatencyModel(LatencyKnobs(request_overhead=True))
     n = node("e1", NodeKind.EDGE, prefill_tokens_per_s=1000.0, decode_ms_per_token=10.0)
     for _ in range(30):
         e = est(m, n, prompt=100, out=1)
@@ -537,6 +537,6 @@ def test_what_requests_take_beyond_the_engine_is_learned_and_added():
         )
     )  # fmt: skip
     assert m.overhead_ms("e1", idle=True) == pytest.approx(10.0, rel=0.01)
-    off = LatencyModel(LatencyKnobs(request_overhead=False))
+    off = LatencyModel()  # the default: nothing beyond the engine
     off.rates = m.rates
     assert est(off, n, prompt=100, out=1).overhead_ms == 0.0
