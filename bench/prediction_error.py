@@ -123,6 +123,8 @@ VARIANTS = {
     "late_half": "latency:\n  overrun_left: 0.5\n",
     # a cloud prompt alone pays a pass, beside decode rows its tokens, rates learned without it
     "prefill_pass": "latency:\n  prefill_pass: true\n",
+    # decode costs learned against the batch the prediction expected, not the one seen
+    "predicted_batch": "latency:\n  measured_decode_batch: false\n",
     # what requests take beyond the engine and the RTT (the gateway's share, a node's admission)
     "overhead": "latency:\n  request_overhead: true\n",
     # the replay of a node that reports its fitted step cost runs its steps with it

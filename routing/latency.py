@@ -83,6 +83,13 @@ class LatencyKnobs(BaseModel):
         "adding its tokens only (off: rates learned from finished requests; on the embedded "
         "default neither was better over six paired runs, docs/benchmarks.md)",
     )
+    measured_decode_batch: bool = Field(
+        default=True,
+        description="learn a finished request's decode cost against the rows it decoded beside "
+        "as this gateway saw them (its requests on the node over the request's decode, at most "
+        "the node's slots; off: the mean batch its prediction expected, which misses the "
+        "requests sent after it and so charges their rows to batch 1)",
+    )
     prefill_pass: bool = Field(
         default=False,
         description="on a node whose steps mix prompt chunks with decode rows (the cloud "
@@ -221,6 +228,9 @@ class Observation:
     node_queue_ms: float | None = None
     estimate: Estimate | None = None  # the prediction made for this node at decision time
     node_ttft_ms: float | None = None
+    # the mean rows it decoded beside, itself included, as the gateway saw them (None: the
+    # prediction's)
+    decode_batch: float | None = None
 
 
 @dataclass(slots=True)
@@ -869,6 +879,10 @@ class LatencyModel:
             if per_token > 0:
                 batch = est.mean_batch if est else 1.0
                 context = est.mean_context if est else float(obs.prompt_tokens)
+                if obs.decode_batch is not None and k.measured_decode_batch:
+                    # the context its steps read grows with their rows
+                    context *= obs.decode_batch / max(batch, 1.0)
+                    batch = obs.decode_batch
                 fit = self._decode_cost(obs.node_id, obs.kind)
                 own = per_token - (fit.per_context_ms * context if fit is not None else 0.0)
                 rates.decode_ms_per_token_b1.add(

@@ -132,6 +132,26 @@ class DispatchLedger:
             return True
         return False
 
+    def mean_in_flight(self, node_id: str, start: float, end: float) -> float:
+        """The mean number of this gateway's requests the node had in hand over
+        ``[start, end]`` (clock seconds): each one dispatched before ``end`` and not finished
+        before ``start`` counts for the part of the span it was there (finishes older than
+        ``keep_finished_s`` are forgotten). 0 for an empty span."""
+        span = end - start
+        if span <= 0:
+            return 0.0
+        held = 0.0
+        for at, _ in self._times.get(node_id, ()):
+            if at >= end:  # sorted by dispatch time
+                break
+            held += end - max(at, start)
+        for at, finished in reversed(self._finished.get(node_id, ())):
+            if finished <= start:  # appended in finishing order: the rest finished earlier
+                break
+            if at < end:
+                held += min(finished, end) - max(at, start)
+        return held / span
+
     def in_flight_at(self, node_id: str, t: float) -> int:
         """Requests of ours the node had in hand at time ``t`` (a NodeState's timestamp):
         dispatched before it, and still in flight or finished after it."""
@@ -392,10 +412,19 @@ class Router:
         Returns the prediction errors recorded (``ttft``/``e2e``, measured - predicted, ms).
         Idempotent: a ticket finished twice is learned from once.
         """
-        if not self.ledger.remove(ticket.node.id, ticket.dispatched_at, ticket.id, self.clock()):
+        now = self.clock()
+        if not self.ledger.remove(ticket.node.id, ticket.dispatched_at, ticket.id, now):
             return {}
         if measured is None:
             return {}
+        # the rows it decoded beside: this gateway's requests on the node while it decoded
+        # (itself included, at most the node's slots)
+        ttft = measured.ttft_ms if measured.ttft_ms is not None else ticket.estimate.ttft_ms
+        span_s = (measured.e2e_ms - ttft) / 1000.0
+        decode_batch = None
+        if span_s > 0:
+            rows = self.ledger.mean_in_flight(ticket.node.id, now - span_s, now)
+            decode_batch = min(max(1.0, rows), float(max(1, ticket.node.max_batch)))
         net = measured.net_rtt_ms
         if net is None:
             net = self.regions.rtt_ms(self.config.home_region, ticket.node.region)
@@ -411,6 +440,7 @@ class Router:
                 net_rtt_ms=net,
                 node_queue_ms=measured.node_queue_ms,
                 node_ttft_ms=measured.node_ttft_ms,
+                decode_batch=decode_batch,
                 estimate=ticket.estimate,
             )
         )

@@ -540,3 +540,30 @@ def test_what_requests_take_beyond_the_engine_is_learned_and_added():
     off = LatencyModel()  # the default: nothing beyond the engine
     off.rates = m.rates
     assert est(off, n, prompt=100, out=1).overhead_ms == 0.0
+
+
+def test_decode_is_learned_against_the_rows_seen_not_the_rows_predicted():
+    """A request predicted to decode alone that then decoded beside three others (requests
+    sent after it) took 2x its one-row time a token: with the batch the gateway saw, the
+    one-row rate stays put; with the predicted one it would double."""
+    knobs = LatencyKnobs(self_report_weight=0.0)
+    seen, predicted = (
+        LatencyModel(knobs),
+        LatencyModel(knobs.model_copy(update={"measured_decode_batch": False})),
+    )
+    n = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=0.0)
+    for m in (seen, predicted):
+        for _ in range(20):
+            e = est(m, n, prompt=10, out=11)
+            assert e.mean_batch == pytest.approx(1.0)
+            slope = m.batch_slope(n)
+            per_token = 50.0 * (1.0 + slope * 3)  # 4 rows, 50 ms a token alone
+            m.observe(
+                Observation(
+                    node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=10, cached_tokens=0,
+                    completion_tokens=11, ttft_ms=20.0, e2e_ms=20.0 + 10 * per_token,
+                    net_rtt_ms=0.0, estimate=e, decode_batch=4.0,
+                )
+            )  # fmt: skip
+    assert seen.decode_ms_per_token_b1(n) == pytest.approx(50.0, rel=0.05)
+    assert predicted.decode_ms_per_token_b1(n) > 1.05 * 50.0

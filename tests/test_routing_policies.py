@@ -471,3 +471,21 @@ def test_a_streams_relayed_tokens_say_how_far_its_decode_is():
     assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 2.0
     r.progress(t, 40)  # longer than expected: one more step at least
     assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 1.0
+
+
+def test_the_ledger_says_how_many_requests_a_node_held_over_a_span():
+    """Time-averaged requests in hand over a span: in flight ones for the part of it they were
+    there, finished ones until they finished, none before or after."""
+    from routing.router import DispatchLedger
+
+    ledger = DispatchLedger()
+    ledger.add("n", 0.0, 1)
+    ledger.add("n", 1.0, 2)
+    ledger.add("n", 5.0, 3)
+    assert ledger.remove("n", 1.0, 2, now=3.0)
+    # over [2, 4]: #1 all of it, #2 from 2 to 3, #3 not yet sent
+    assert ledger.mean_in_flight("n", 2.0, 4.0) == pytest.approx((2.0 + 1.0) / 2.0)
+    # over [4, 6]: #1 all of it, #3 from 5
+    assert ledger.mean_in_flight("n", 4.0, 6.0) == pytest.approx((2.0 + 1.0) / 2.0)
+    assert ledger.mean_in_flight("n", 6.0, 6.0) == 0.0
+    assert ledger.mean_in_flight("other", 0.0, 10.0) == 0.0
