@@ -28,10 +28,11 @@ Invariants:
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
 - ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
   the requests decoding while it ran: the delay its prefill adds to the others.
-- With :class:`Arrivals` the node keeps the population it usually has: whenever fewer than
-  ``population`` requests are left (the new one included), one more with the usual work joins
-  the queue, behind the new request and never ahead of it. Requests that come later can only
-  slow its decode (their prefill chunks between its steps, their rows in its batch).
+- With :class:`Arrivals` the node keeps the population it usually has: once the new request
+  has its first token, whenever fewer than ``population`` requests are left (the new one
+  included), one more with the usual work joins the queue, behind the new request and never
+  ahead of it. Requests that come later can only slow its decode (their prefill chunks between
+  its steps, their rows in its batch); none shares the steps of its prompt, which come first.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def replay(
         return Replayed(queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps)
 
     for _ in range(max_loops):
-        if arrivals is not None:
+        if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(prefilling) - len(decoding)):
                 waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
@@ -349,7 +350,7 @@ def replay_literal(
             steps += k
 
     for _ in range(max_loops):
-        if arrivals is not None:
+        if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(running)):
                 waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:

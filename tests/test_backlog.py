@@ -181,6 +181,20 @@ def test_arrivals_keep_the_population_and_slow_the_decode():
         Arrivals(2, Work(0, 3))
 
 
+def test_arrivals_come_after_the_new_requests_first_token():
+    """Requests sent after the decision join once the new request's prompt is done: on a
+    mixed-step node none shares the step that computes its prompt, so its first token comes
+    when it would alone, and only its decode slows."""
+    shape = EngineShape(slots=4, chunk_tokens=100, prefill_ms_per_token=1.0,
+                        decode_step_ms_b1=10.0, batch_slope=0.5, mixed_steps=True)  # fmt: skip
+    ahead = [Work(0, 5)]
+    alone = replay(shape, ahead, Work(40, 4))
+    for run in (replay, replay_literal):
+        r = run(shape, ahead, Work(40, 4), arrivals=Arrivals(3, Work(30, 4)))
+        assert r.first_token_ms == alone.first_token_ms
+        assert r.last_token_ms > alone.last_token_ms
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     ahead=works,
