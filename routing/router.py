@@ -191,20 +191,16 @@ class DispatchLedger:
         if not sent:
             return None
         start = max(start, self._first_sent[node_id])
-        span = now - start
-        if span <= 0:
+        if now - start <= 0:
             return None
-        busy = sum(now - max(at, start) for at, _ in self._times.get(node_id, ()))
-        for at, finished in self._finished.get(node_id, ()):
-            if finished > start:
-                busy += finished - max(at, start)
+        population = self.mean_in_flight(node_id, start, now)
         n = len(sent)
         work = Work(
             max(1.0, sum(s[1] for s in sent) / n),
             sum(s[2] for s in sent) / n,
             context=sum(s[3] for s in sent) / n,
         )
-        return Arrivals(int(busy / span + 0.5), work)
+        return Arrivals(int(population + 0.5), work)
 
     def since(self, node_id: str, t: float) -> int:
         """In-flight requests dispatched after ``t`` (not yet visible in a state taken at ``t``)."""
