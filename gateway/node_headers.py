@@ -23,23 +23,26 @@ PREFILL_MS_HEADER = "x-edgecloud-prefill-ms"
 NODE_TTFT_HEADER = "x-edgecloud-measured-ttft-ms"
 
 
+def _ms(headers: Mapping[str, str], name: str) -> float | None:
+    """Header ``name`` as a time in ms: None unless sent and at least 0 (not NaN)."""
+    try:
+        ms = float(headers[name])
+    except (KeyError, ValueError):
+        return None
+    return ms if ms >= 0 else None
+
+
 def node_ttft_ms(headers: Mapping[str, str]) -> float | None:
     """The node's own time to first token (ms, from its request's arrival), None unless the
     node sent a finite one."""
-    try:
-        ttft = float(headers[NODE_TTFT_HEADER])
-    except (KeyError, ValueError):
-        return None
-    return ttft if ttft >= 0 and ttft != float("inf") else None
+    ttft = _ms(headers, NODE_TTFT_HEADER)
+    return ttft if ttft != float("inf") else None
 
 
 def node_wait_ms(headers: Mapping[str, str]) -> float | None:
     """The node's time to first token less its own prompt's compute (ms, at least 0); None
     unless the node sent both."""
-    try:
-        ttft, prefill = float(headers[NODE_TTFT_HEADER]), float(headers[PREFILL_MS_HEADER])
-    except (KeyError, ValueError):
-        return None
-    if not (ttft >= 0 and prefill >= 0):  # NaN too
+    ttft, prefill = _ms(headers, NODE_TTFT_HEADER), _ms(headers, PREFILL_MS_HEADER)
+    if ttft is None or prefill is None:
         return None
     return max(0.0, ttft - prefill)
