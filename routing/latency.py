@@ -794,7 +794,8 @@ class LatencyModel:
                 first_token_ms=r.first_token_ms + in_flight,
                 last_token_ms=r.last_token_ms + in_flight,
             )
-        rtt = max(0.0, rtt_ms) + self.overhead_ms(node.id, idle=not work)
+        overhead = self.overhead_ms(node.id, idle=not work)
+        rtt = max(0.0, rtt_ms) + overhead
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
         step_ms = shape.decode_step_ms(r.mean_batch, r.mean_context)
@@ -820,7 +821,7 @@ class LatencyModel:
             stalled_others_ms=r.stalled_others_ms,
             mean_context=r.mean_context,
             pass_ms=pass_ms,
-            overhead_ms=rtt - max(0.0, rtt_ms),
+            overhead_ms=overhead,
         )
 
     # ---- learning ----------------------------------------------------------------------------
