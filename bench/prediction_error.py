@@ -131,6 +131,12 @@ VARIANTS = {
     "step_cost": "latency:\n  node_step_cost: true\n",
     # the requests expected after the decision in its replay (not only those in hand)
     "future_arrivals": "latency:\n  future_arrivals: true\n",
+    # future arrivals keeping the node at what it holds at the decision, newcomers with the
+    # median work of recent sends (a closed loop replaces each request that finishes)
+    "hold": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
+    "  arrival_work: median\n",
+    # the same with the recent mean population
+    "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
 }

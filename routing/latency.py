@@ -30,6 +30,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -137,6 +138,18 @@ class LatencyKnobs(BaseModel):
         "runs there (the node kept at its recent mean population, newcomers with the mean work, "
         "joining after its first token; on the embedded default it over-predicted the e2e at "
         "concurrency 4, p90 1.87 against 0.67 in one paired run: docs/benchmarks.md)",
+    )
+    arrival_population: Literal["recent_mean", "in_hand"] = Field(
+        default="recent_mean",
+        description="the population future_arrivals keeps a node at: its mean number of this "
+        "gateway's requests over arrival_window_s, or what it holds at the decision with the "
+        "new request (a closed loop of clients replaces each request that finishes)",
+    )
+    arrival_work: Literal["mean", "median"] = Field(
+        default="mean",
+        description="each newcomer's prefill work, decode steps and context under "
+        "future_arrivals: the mean or the median of the requests sent to the node lately (one "
+        "long prompt moves the mean of a short-chat mix by hundreds of tokens)",
     )
     arrival_window_s: float = Field(
         default=10.0,
@@ -761,6 +774,8 @@ class LatencyModel:
         # the cached tokens' cost as prefill work of the same rate (what replay schedules)
         per_cached = self.prefill_cost(node)[2]
         work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
+        if arrivals is not None and k.arrival_population == "in_hand":
+            arrivals = Arrivals(len(work) + 1, arrivals.work)
         r = replay(
             shape, work, Work(work_tokens, out - 1.0, context=prompt_tokens), arrivals=arrivals
         )

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -178,11 +179,13 @@ class DispatchLedger:
     def in_flight(self, node_id: str) -> int:
         return len(self._times.get(node_id, ()))
 
-    def arrivals(self, node_id: str, now: float, window_s: float) -> Arrivals | None:
+    def arrivals(
+        self, node_id: str, now: float, window_s: float, typical: str = "mean"
+    ) -> Arrivals | None:
         """What this gateway is expected to keep on the node: the mean number of its requests
         in flight there over the last ``window_s`` (or since the first, when more recent),
-        rounded, each newcomer with the mean prefill work and decode steps of the requests
-        sent in that time; None when nothing was sent in it."""
+        rounded, each newcomer with the ``typical`` (mean or median) prefill work, decode steps
+        and prompt of the requests sent in that time; None when nothing was sent in it."""
         sent = self._sent.get(node_id)
         window_s = min(window_s, self.keep_finished_s)
         start = now - window_s
@@ -194,11 +197,11 @@ class DispatchLedger:
         if now - start <= 0:
             return None
         population = self.mean_in_flight(node_id, start, now)
-        n = len(sent)
+        of = statistics.median if typical == "median" else statistics.fmean
         work = Work(
-            max(1.0, sum(s[1] for s in sent) / n),
-            sum(s[2] for s in sent) / n,
-            context=sum(s[3] for s in sent) / n,
+            max(1.0, of(s[1] for s in sent)),
+            of(s[2] for s in sent),
+            context=of(s[3] for s in sent),
         )
         return Arrivals(int(population + 0.5), work)
 
@@ -342,7 +345,7 @@ class Router:
                     ahead=self.ledger.work(
                         node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
                     ),
-                    arrivals=self.ledger.arrivals(node.id, now, window)
+                    arrivals=self.ledger.arrivals(node.id, now, window, cfg.latency.arrival_work)
                     if cfg.latency.future_arrivals
                     else None,
                 )

@@ -63,7 +63,9 @@ class BlindLedger(DispatchLedger):
     ) -> list[Work]:
         return []
 
-    def arrivals(self, node_id: str, now: float, window_s: float) -> Arrivals | None:
+    def arrivals(
+        self, node_id: str, now: float, window_s: float, typical: str = "mean"
+    ) -> Arrivals | None:
         return None
 
 
