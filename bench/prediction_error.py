@@ -135,6 +135,8 @@ VARIANTS = {
     # median work of recent sends (a closed loop replaces each request that finishes)
     "hold": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
     "  arrival_work: median\n",
+    # holding the node at what it has in hand, newcomers with the mean work
+    "hold_mean": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n",
     # the same with the recent mean population
     "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own

@@ -72,7 +72,10 @@ class OutputLengthEstimator:
     keeps answers that ended on their own (fewer tokens than their ``max_tokens``) apart from
     answers cut at their cap, which only say the natural length is at least that cap: a prompt
     that stopped at 7 tokens under a cap of 16 is predicted at 7 under a cap of 32, and one cut
-    at 16 is predicted at 16 or more. Otherwise apps send one ``max_tokens`` per feature (a
+    at 16 is predicted at 16 or more, until the prompt ends on its own again there (the same
+    prompt's greedy answer can change with the numerics of its run: the edge answered one
+    question at 16 tokens cold and at 7 with its prefix reused, and a bound kept for good
+    predicted 16 for every later 7). Otherwise apps send one ``max_tokens`` per feature (a
     one-line answer, a summary, code) and one system prompt per feature, whose first block
     hash names it; requests alike in both are the best guide to each other. The most specific
     statistic with enough samples answers (``min_samples`` for all but the whole prompt).
@@ -189,11 +192,17 @@ class OutputLengthEstimator:
         if not self.knobs.whole_prompt:
             prompt = None
         whole, keys = self._keys(api_key, route, max_tokens, prefix, prompt, kind)
-        if prompt is not None and max_tokens is not None and completion_tokens >= max_tokens:
+        cuts = (
+            [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
+        )
+        if cuts and max_tokens is not None and completion_tokens >= max_tokens:
             keys = keys[whole:]  # cut at its cap: not its own length, only a bound on it
-            for cut in self._prompt_keys(api_key or "", route, prompt, kind, "-cut"):
+            for cut in cuts:
                 prev_cut = self._stats.pop(cut, None)
                 self._stats[cut] = (max(x, prev_cut[0]) if prev_cut else x, 1)
+        else:
+            for cut in cuts:  # it ended on its own: an earlier cut bounds it no more
+                self._stats.pop(cut, None)
         v = self._to_stat(x)
         for k in keys:
             prev = self._stats.pop(k, None)

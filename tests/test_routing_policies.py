@@ -407,6 +407,45 @@ def test_the_population_a_node_usually_has_is_expected_to_stay():
     assert r.ledger.arrivals("edge-eu", clock[0], window_s=10.0) is None
 
 
+def test_arrivals_can_hold_the_node_at_what_it_has_and_take_the_median_work():
+    """``arrival_population: in_hand``: each request that finishes beside the new one is
+    replaced (a closed loop), whatever the node held on average; ``arrival_work: median``:
+    one long prompt among short ones does not make every newcomer long."""
+    clock = [NOW]
+    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
+    fleet = view(edge(max_batch=64))
+    sent = []
+    for n in [40, 40, 40, 1500, 40]:  # one long prompt among short ones, each alone
+        p = profile(n, out=16)
+        sent.append(r.begin(r.decide(p, fleet), profile=p))
+        clock[0] += 0.5
+        r.finish(sent[-1])
+    mean = r.ledger.arrivals("edge-eu", clock[0], 10.0)
+    median = r.ledger.arrivals("edge-eu", clock[0], 10.0, "median")
+    assert mean is not None and median is not None
+    assert median.work.prefill_tokens == pytest.approx(40.0)
+    assert mean.work.prefill_tokens == pytest.approx((4 * 40 + 1500) / 5)
+    assert median.population == mean.population == 1  # one at a time, each for 0.5 s
+
+    def decode_ms(**knobs: object) -> float:
+        cfg = PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs))
+        held = Router(cfg, clock=lambda: clock[0])
+        held.ledger = r.ledger
+        return held.candidates(profile(40, out=64), fleet)[0][0].estimate.decode_ms_per_token
+
+    alone = decode_ms()
+    # an idle node that held one at a time expects no one beside the new one either way
+    assert decode_ms(future_arrivals=True, arrival_work="median") == pytest.approx(alone)
+    assert decode_ms(future_arrivals=True, arrival_population="in_hand") == pytest.approx(alone)
+    # three in hand with short answers: held at four, each finish is replaced
+    for _ in range(3):
+        p = profile(40, out=4)
+        sent.append(r.begin(r.decide(p, fleet), profile=p))
+    recent = decode_ms(future_arrivals=True, arrival_work="median")
+    hold = decode_ms(future_arrivals=True, arrival_work="median", arrival_population="in_hand")
+    assert recent >= alone and hold > 1.5 * recent
+
+
 def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():
     busy = edge("edge-a", prefill_tokens_per_s=1000.0, running=3)  # three answers streaming
     idle = edge("edge-b", prefill_tokens_per_s=500.0)

@@ -239,6 +239,8 @@ def test_a_prompts_own_length_holds_under_any_cap_and_a_cut_answer_is_a_bound():
     assert est.expected("a", "chat", 32, prefix=3, prompt=43) == 20  # ... but at least 16
     est.observe("a", "chat", 24, 24, prefix=1, prompt=43)  # cut again, higher
     assert est.expected("a", "chat", 32, prefix=3, prompt=43) == 24
+    est.observe("a", "chat", 7, 32, prefix=1, prompt=43)  # then it ended on its own
+    assert est.expected("a", "chat", 32, prefix=3, prompt=43) == 7  # no bound any more
 
 
 def test_a_prompts_own_length_is_kept_per_node_kind(formatter: PromptFormatter):
