@@ -116,7 +116,12 @@ VARIANTS = {
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
     # answer lengths averaged as they are, not in log space (the arithmetic mean)
-    "arith_mean": "expected_output:\n  log_mean: false\n",
+    "arith_mean": "expected_output:\n  average: arithmetic\n",
+    # answer lengths at their harmonic mean (relative errors balanced between short and long)
+    "harmonic": "expected_output:\n  average: harmonic\n",
+    # both: the node held at what it has in hand, answer lengths at their harmonic mean
+    "hold_harmonic": "expected_output:\n  average: harmonic\n"
+    "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n",
     # a stream in flight as far along as its prediction says, not as its relayed tokens
     "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)

@@ -50,16 +50,17 @@ class OutputKnobs(BaseModel):
     whole_prompt: bool = Field(
         default=True, description="a prompt sent again is predicted by its own answers first"
     )
-    log_mean: bool = Field(
-        default=True,
-        description="average answer lengths in log space (a geometric mean): the estimate whose "
-        "relative error is least, where answers of one kind stop anywhere from a few tokens to "
-        "their cap; off: the arithmetic mean",
+    average: Literal["geometric", "harmonic", "arithmetic"] = Field(
+        default="geometric",
+        description="how a statistic averages answer lengths, which stop anywhere from a few "
+        "tokens to their cap: the geometric mean (of least squared log error), the harmonic "
+        "mean (whose relative error is balanced: 7 and 16 give 9.7, 39% off either way, where "
+        "the geometric 10.6 is 51% over the 7) or the arithmetic mean",
     )
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens (of their logarithms, ``log_mean``) per (API key, route, whole prompt, node kind), per (API key,
+    """EWMA of completion tokens (of their logarithms or reciprocals, ``average``) per (API key, route, whole prompt, node kind), per (API key,
     route, whole prompt), per (API key, route, max_tokens, first prompt block), per (API key,
     route, max_tokens) and per (API key, route), LRU-bounded; a default until learned.
 
@@ -88,17 +89,25 @@ class OutputLengthEstimator:
         self._stats: OrderedDict[tuple[str, str, int, int], tuple[float, int]] = OrderedDict()
 
     def configure(self, knobs: OutputKnobs) -> None:
-        if knobs.log_mean != self.knobs.log_mean:
-            self._stats.clear()  # its averages are in the other space
+        if knobs.average != self.knobs.average:
+            self._stats.clear()  # its averages are in another space
         self.knobs = knobs
         self._trim()
 
     def _to_stat(self, tokens: float) -> float:
-        return math.log(max(1.0, tokens)) if self.knobs.log_mean else tokens
+        if self.knobs.average == "geometric":
+            return math.log(max(1.0, tokens))
+        if self.knobs.average == "harmonic":
+            return 1.0 / max(1.0, tokens)
+        return tokens
 
     def _from_stat(self, value: float) -> float:
         # rounded: a length seen once (or always the same) comes back as that whole number
-        return round(math.exp(value), 6) if self.knobs.log_mean else value
+        if self.knobs.average == "geometric":
+            return round(math.exp(value), 6)
+        if self.knobs.average == "harmonic":
+            return round(1.0 / value, 6)
+        return value
 
     def _trim(self) -> None:
         while len(self._stats) > self.knobs.max_keys:

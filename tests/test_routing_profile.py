@@ -271,22 +271,31 @@ def test_a_prompts_own_length_is_kept_per_node_kind(formatter: PromptFormatter):
     assert dict(again.expected_output_by_kind) == {"edge": 5.0}  # only where it differs
 
 
-def test_answer_lengths_are_averaged_in_log_space():
+def test_answer_lengths_are_averaged_in_log_space_or_as_reciprocals():
     """Answers of one kind stop anywhere from a few tokens to their cap; predicted at their
-    geometric mean, a short answer is not predicted at twice its length by the long ones (the
-    least relative error), and the arithmetic mean is a knob away."""
+    geometric mean, a short answer is not predicted at twice its length by the long ones; at
+    their harmonic mean, a short and a long answer are as far off, relatively; the arithmetic
+    mean is a knob away."""
     geo = OutputLengthEstimator(OutputKnobs(alpha=0.5))
-    mean = OutputLengthEstimator(OutputKnobs(alpha=0.5, log_mean=False))
-    for est in (geo, mean):
+    mean = OutputLengthEstimator(OutputKnobs(alpha=0.5, average="arithmetic"))
+    harm = OutputLengthEstimator(OutputKnobs(alpha=0.5, average="harmonic"))
+    for est in (geo, mean, harm):
         for n in (6, 16, 6, 16):
             est.observe("a", "chat", n, max_tokens=32)
-    # EWMAs with alpha 0.5 over 6, 16, 6, 16: of the logs 11.08 tokens, of the lengths 12.25
-    logs = math.log(6)
+    # EWMAs with alpha 0.5 over 6, 16, 6, 16: of the logs 11.08 tokens, of the reciprocals
+    # 9.85, of the lengths 12.25
+    logs, recips = math.log(6), 1 / 6
     for n in (16, 6, 16):
         logs += 0.5 * (math.log(n) - logs)
+        recips += 0.5 * (1 / n - recips)
     assert geo.expected("a", "chat", max_tokens=32) == pytest.approx(math.exp(logs))
     assert mean.expected("a", "chat", max_tokens=32) == 12.25  # 6, 11, 8.5, 12.25
     assert math.exp(logs) == pytest.approx(11.076, abs=1e-3)
+    assert harm.expected("a", "chat", max_tokens=32) == pytest.approx(1 / recips, abs=1e-5)
+    assert 1 / recips == pytest.approx(9.846, abs=1e-3)
+    one = OutputLengthEstimator(OutputKnobs(average="harmonic"))
+    one.observe("a", "chat", 7, max_tokens=32)
+    assert one.expected("a", "chat", max_tokens=32) == 7  # one length comes back whole
     # switching the knob starts the averages over (they are kept in the other space)
-    geo.configure(OutputKnobs(alpha=0.5, log_mean=False))
+    geo.configure(OutputKnobs(alpha=0.5, average="arithmetic"))
     assert geo.expected("a", "chat", max_tokens=32) == 32.0  # the default (128) under the cap
