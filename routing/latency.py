@@ -94,8 +94,9 @@ class LatencyKnobs(BaseModel):
     prefill_pass: bool = Field(
         default=False,
         description="on a node whose steps mix prompt chunks with decode rows (the cloud "
-        "engine), a chunk that runs alone pays a forward pass (the one-row decode step less "
-        "one token's compute) and one beside decode rows only its tokens; its prefill rates "
+        "engine), a chunk that runs alone pays a forward pass (learned from the node's prompts "
+        "that ran alone, min_alone_samples; a one-row decode step less one token's compute "
+        "before) and one beside decode rows only its tokens; its prefill rates "
         "are learned as such, the pass taken off a prompt predicted to run alone (off: the "
         "per-token rate also carries the pass, at least a one-row step per prompt; a short "
         "prompt's pass makes the CPU cloud's learned rate 6-12 ms a token where the node's own "
@@ -113,6 +114,12 @@ class LatencyKnobs(BaseModel):
         "0.90-1.43 to 0.78-0.85, the medians staying at 0.5-0.7; on the embedded default it "
         "made the concurrency-1 TTFT median worse in three paired runs of three, 0.16-0.32 "
         "against 0.10-0.15: docs/benchmarks.md)",
+    )
+    min_alone_samples: int = Field(
+        default=3,
+        ge=1,
+        description="prompts run alone before a node's own pass is used (prefill_pass; "
+        "until then a one-row decode step less one token's compute)",
     )
     min_step_cost_steps: int = Field(
         default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
@@ -213,6 +220,7 @@ class Estimate:
     # the forward passes its own chunks were predicted to pay alone (in ``own_prefill_ms``):
     # what a node's account of its prompt's compute holds beyond its tokens' marginal cost
     pass_ms: float = 0.0
+    passes: int = 0  # how many: its chunks, where it runs alone on a node of mixed steps
     # what it takes beyond the engine (in ``ttft_ms`` and ``e2e_ms``): the gateway's share and,
     # on an idle node, the node's own before its engine starts it
     overhead_ms: float = 0.0
@@ -449,6 +457,9 @@ class NodeRates:
     admission_ms: _RecentMedian = field(default_factory=_RecentMedian)
     # a prompt's own time to first token: fixed cost + per uncached token + per cached token
     prefill_fit: PrefillFit = field(default_factory=PrefillFit)
+    # what a prompt that ran alone took beyond its tokens' predicted cost: the forward pass a
+    # chunk pays with no decode row beside it (``prefill_pass``)
+    alone_pass_ms: _RecentMedian = field(default_factory=_RecentMedian)
 
 
 @dataclass(slots=True)
@@ -682,7 +693,8 @@ class LatencyModel:
         (no fixed cost, its prompt-token and context terms); else fitted on this node's
         requests once their lengths spread (the cached term once cached lengths spread too),
         else the blended rate with the fixed cost that puts it through those requests' mean
-        (:meth:`PrefillFit.fixed_at`), and 0."""
+        (:meth:`PrefillFit.fixed_at`), and 0. With ``prefill_pass`` on a node of mixed steps
+        the fixed cost is the pass's (:meth:`alone_pass_ms`): none of its own."""
         cost = self.step_cost(node)
         if cost is not None:
             return 0.0, cost.ms_per_prompt_token, cost.ms_per_context_token
@@ -690,10 +702,22 @@ class LatencyModel:
         per_token = 1000.0 / self.prefill_tokens_per_s(node)
         if rates is None:
             return 0.0, per_token, 0.0
+        passes = self.knobs.prefill_pass and self.knobs.defaults(node.kind).mixed_steps
         fit = rates.prefill_fit.solve(self.knobs.cached_prefill_cost)
         if fit is not None and fit[1] > 0:
-            return max(0.0, fit[0]), fit[1], fit[2]
-        return rates.prefill_fit.fixed_at(per_token), per_token, 0.0
+            return 0.0 if passes else max(0.0, fit[0]), fit[1], fit[2]
+        return 0.0 if passes else rates.prefill_fit.fixed_at(per_token), per_token, 0.0
+
+    def alone_pass_ms(self, node_id: str, one_row_ms: float) -> float:
+        """The pass a prompt's chunk pays with no decode row beside it: the median of what
+        the node's prompts that ran alone took beyond their tokens' cost, once
+        ``min_alone_samples`` of them were seen (an H200's eager prefill pass took 9-13 ms
+        where its decode steps, CUDA graphs, took 2), else a one-row decode step less one
+        token's compute (``one_row_ms``)."""
+        rates = self.rates.get(node_id)
+        if rates is not None and rates.alone_pass_ms.n >= self.knobs.min_alone_samples:
+            return rates.alone_pass_ms.value
+        return max(0.0, one_row_ms)
 
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
@@ -710,8 +734,7 @@ class LatencyModel:
             b1, slope = self.decode_ms_per_token_b1(node), self.batch_slope(node)
             per_context, pass_ms = self.context_cost(node), 0.0
             if kd.mixed_steps and self.knobs.prefill_pass:
-                # a one-row step is a pass and one token's compute
-                pass_ms = max(0.0, b1 - per_token)
+                pass_ms = self.alone_pass_ms(node.id, b1 - per_token)
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
@@ -782,7 +805,8 @@ class LatencyModel:
         # its chunks pay the pass where they run alone (nothing in hand), else beside the rows
         # of a step that has the pass already
         chunks = math.ceil(work_tokens / max(1, shape.chunk_tokens))
-        pass_ms = 0.0 if work else shape.step_fixed_ms * chunks
+        passes = 0 if work or shape.step_fixed_ms <= 0 else chunks
+        pass_ms = shape.step_fixed_ms * passes
         own_prefill = shape.prefill_fixed_ms + pass_ms + work_tokens * shape.prefill_ms_per_token
         # A prompt's last chunk is a forward pass: it reads every weight and the prompt's KV as
         # a decode step of one row does, however few its new tokens (a prefix hit's 16 new
@@ -836,6 +860,7 @@ class LatencyModel:
             stalled_others_ms=r.stalled_others_ms,
             mean_context=r.mean_context,
             pass_ms=pass_ms,
+            passes=passes,
             overhead_ms=overhead,
         )
 
@@ -876,10 +901,21 @@ class LatencyModel:
                 prefill_ms = max(server_ms - obs.node_queue_ms, 0.5)
             elif est is None or others <= 0.25 * max(server_ms, 1e-3):
                 prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
+            mixed = k.prefill_pass and k.defaults(obs.kind).mixed_steps
+            alone = est is not None and est.passes > 0 and obs.node_queue_ms is not None
+            if mixed and alone and prefill_ms is not None and est is not None:
+                # the node's account of a prompt run alone: beyond its tokens' predicted cost,
+                # what it took is its passes
+                tokens_ms = est.own_prefill_ms - est.pass_ms
+                rates.alone_pass_ms.add(max(0.0, prefill_ms - tokens_ms) / est.passes)
             if prefill_ms is not None and est is not None and est.pass_ms > 0:
                 # the rates are the tokens' own: less the passes it paid running alone (a
-                # tenth at least: a pass taken too long must not teach that tokens are free)
-                prefill_ms = max(prefill_ms - est.pass_ms, 0.1 * prefill_ms, 0.5)
+                # tenth at least: a pass taken too long must not teach that tokens are free),
+                # at the node's own pass once learned (this prompt's included)
+                paid = est.pass_ms
+                if mixed and rates.alone_pass_ms.n >= k.min_alone_samples:
+                    paid = est.passes * rates.alone_pass_ms.value
+                prefill_ms = max(prefill_ms - paid, 0.1 * prefill_ms, 0.5)
             if prefill_ms is not None:
                 rates.prefill_fit.add(float(uncached), float(obs.cached_tokens), prefill_ms)
                 if uncached >= k.min_prefill_tokens:
