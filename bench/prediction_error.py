@@ -142,6 +142,10 @@ VARIANTS = {
     "  arrival_work: median\n",
     # holding the node at what it has in hand, newcomers with the mean work
     "hold_mean": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n",
+    # all three: the node held at what it has in hand, harmonic answer lengths, learned passes
+    "pass_hold_harmonic": "expected_output:\n  average: harmonic\n"
+    "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
+    "  prefill_pass: true\n",
     # the same with the recent mean population
     "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
