@@ -146,6 +146,9 @@ VARIANTS = {
     "pass_hold_harmonic": "expected_output:\n  average: harmonic\n"
     "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
     "  prefill_pass: true\n",
+    # holding the node at what it has in hand up to its slots, harmonic answer lengths
+    "slots_harmonic": "expected_output:\n  average: harmonic\n"
+    "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n  arrival_work: median\n",
     # the same with the recent mean population
     "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own

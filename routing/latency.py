@@ -146,11 +146,12 @@ class LatencyKnobs(BaseModel):
         "joining after its first token; on the embedded default it over-predicted the e2e at "
         "concurrency 4, p90 1.87 against 0.67 in one paired run: docs/benchmarks.md)",
     )
-    arrival_population: Literal["recent_mean", "in_hand"] = Field(
+    arrival_population: Literal["recent_mean", "in_hand", "in_slots"] = Field(
         default="recent_mean",
         description="the population future_arrivals keeps a node at: its mean number of this "
         "gateway's requests over arrival_window_s, or what it holds at the decision with the "
-        "new request (a closed loop of clients replaces each request that finishes)",
+        "new request (in_hand: a closed loop of clients replaces each request that finishes), "
+        "or that at most its slots (in_slots: a queue is not refilled)",
     )
     arrival_work: Literal["mean", "median"] = Field(
         default="mean",
@@ -799,6 +800,8 @@ class LatencyModel:
         work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
         if arrivals is not None and k.arrival_population == "in_hand":
             arrivals = Arrivals(len(work) + 1, arrivals.work)
+        elif arrivals is not None and k.arrival_population == "in_slots":
+            arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         r = replay(
             shape, work, Work(work_tokens, out - 1.0, context=prompt_tokens), arrivals=arrivals
         )
