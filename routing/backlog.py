@@ -88,6 +88,9 @@ class EngineShape:
     # chunk alone); a step with rows has it in ``decode_step_ms_b1``. 0 where the prefill rate
     # carries it (rates learned per request); the pass of a node's fitted ``StepCost``
     step_fixed_ms: float = 0.0
+    # what a mixed step's prompt chunk adds beside decode rows beyond its tokens: 0 where the
+    # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
+    chunk_beside_ms: float = 0.0
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -237,8 +240,9 @@ def replay(
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
             ms, own, finished = _run_step_chunks(prefilling, shape, len(decoding))
-            t += ms if decoding else ms + shape.step_fixed_ms
-            stall += own * len(decoding)
+            t += ms + (shape.chunk_beside_ms if decoding else shape.step_fixed_ms)
+            if own > 0:
+                stall += (own + shape.chunk_beside_ms) * len(decoding)
             for _ in finished:  # the finished ones are the oldest
                 prefilling.popleft()
             n = len(decoding)
@@ -363,8 +367,9 @@ def replay_literal(
             rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
             prompts = (r for r in running if r.prefill > 0)
             ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
-            t += ms if rows else ms + shape.step_fixed_ms
-            stall += own * len(rows)
+            t += ms + (shape.chunk_beside_ms if rows else shape.step_fixed_ms)
+            if own > 0:
+                stall += (own + shape.chunk_beside_ms) * len(rows)
             if rows:
                 decode(rows, 1.0)
                 if target in rows and target.steps <= 0:

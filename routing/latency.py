@@ -218,10 +218,11 @@ class Estimate:
     stalled_others_ms: float = 0.0
     # mean tokens of context its decode steps are predicted to attend to (all rows, summed)
     mean_context: float = 0.0
-    # the forward passes its own chunks were predicted to pay alone (in ``own_prefill_ms``):
-    # what a node's account of its prompt's compute holds beyond its tokens' marginal cost
+    # the passes its own chunks were predicted to pay (in ``own_prefill_ms``), alone or beside
+    # decode rows (``in_hand``): what a node's account of its prompt's compute holds beyond its
+    # tokens' marginal cost
     pass_ms: float = 0.0
-    passes: int = 0  # how many: its chunks, where it runs alone on a node of mixed steps
+    passes: int = 0  # how many: its chunks, on a node of mixed steps (``prefill_pass``)
     # what it takes beyond the engine (in ``ttft_ms`` and ``e2e_ms``): the gateway's share and,
     # on an idle node, the node's own before its engine starts it
     overhead_ms: float = 0.0
@@ -461,6 +462,10 @@ class NodeRates:
     # what a prompt that ran alone took beyond its tokens' predicted cost: the forward pass a
     # chunk pays with no decode row beside it (``prefill_pass``)
     alone_pass_ms: _RecentMedian = field(default_factory=_RecentMedian)
+    # the same of a prompt whose chunks ran beside decode rows: what its chunk adds to their
+    # step beyond its tokens (about 0 on a CPU; an eager pass where decode steps alone are
+    # CUDA graphs)
+    beside_pass_ms: _RecentMedian = field(default_factory=_RecentMedian)
 
 
 @dataclass(slots=True)
@@ -720,6 +725,16 @@ class LatencyModel:
             return rates.alone_pass_ms.value
         return max(0.0, one_row_ms)
 
+    def beside_pass_ms(self, node_id: str) -> float:
+        """What a prompt's chunk adds to a step of decode rows beyond its tokens: the median of
+        the node's accounts of its prompts that ran beside rows, once ``min_alone_samples`` of
+        them were seen (an H200's: 12-20 ms, an eager step where rows alone take 1-2), else 0
+        (the rows' step has the pass)."""
+        rates = self.rates.get(node_id)
+        if rates is not None and rates.beside_pass_ms.n >= self.knobs.min_alone_samples:
+            return rates.beside_pass_ms.value
+        return 0.0
+
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
         kd = self.knobs.defaults(node.kind)
@@ -730,12 +745,14 @@ class LatencyModel:
         if cost is not None:  # the node's own fit: a pass, then rows, tokens and context
             b1 = cost.pass_ms + cost.ms_per_row
             slope = cost.ms_per_row / b1 if b1 > 0 else 0.0
+            beside_ms = 0.0
             per_context, pass_ms = cost.ms_per_context_token, cost.pass_ms
         else:
             b1, slope = self.decode_ms_per_token_b1(node), self.batch_slope(node)
-            per_context, pass_ms = self.context_cost(node), 0.0
+            per_context, pass_ms, beside_ms = self.context_cost(node), 0.0, 0.0
             if kd.mixed_steps and self.knobs.prefill_pass:
                 pass_ms = self.alone_pass_ms(node.id, b1 - per_token)
+                beside_ms = self.beside_pass_ms(node.id)
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
@@ -747,6 +764,7 @@ class LatencyModel:
             mixed_steps=kd.mixed_steps,
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
+            chunk_beside_ms=beside_ms,
         )
 
     def estimate(
@@ -805,11 +823,13 @@ class LatencyModel:
         r = replay(
             shape, work, Work(work_tokens, out - 1.0, context=prompt_tokens), arrivals=arrivals
         )
-        # its chunks pay the pass where they run alone (nothing in hand), else beside the rows
-        # of a step that has the pass already
+        # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
+        # adds to the decode rows' step (nothing where that step has the pass already)
         chunks = math.ceil(work_tokens / max(1, shape.chunk_tokens))
-        passes = 0 if work or shape.step_fixed_ms <= 0 else chunks
-        pass_ms = shape.step_fixed_ms * passes
+        passes = (
+            chunks if shape.mixed_steps and k.prefill_pass and self.step_cost(node) is None else 0
+        )
+        pass_ms = (shape.chunk_beside_ms if work else shape.step_fixed_ms) * passes
         own_prefill = shape.prefill_fixed_ms + pass_ms + work_tokens * shape.prefill_ms_per_token
         # A prompt's last chunk is a forward pass: it reads every weight and the prompt's KV as
         # a decode step of one row does, however few its new tokens (a prefix hit's 16 new
@@ -904,20 +924,20 @@ class LatencyModel:
                 prefill_ms = max(server_ms - obs.node_queue_ms, 0.5)
             elif est is None or others <= 0.25 * max(server_ms, 1e-3):
                 prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
-            mixed = k.prefill_pass and k.defaults(obs.kind).mixed_steps
-            alone = est is not None and est.passes > 0 and obs.node_queue_ms is not None
-            if mixed and alone and prefill_ms is not None and est is not None:
-                # the node's account of a prompt run alone: beyond its tokens' predicted cost,
-                # what it took is its passes
-                tokens_ms = est.own_prefill_ms - est.pass_ms
-                rates.alone_pass_ms.add(max(0.0, prefill_ms - tokens_ms) / est.passes)
-            if prefill_ms is not None and est is not None and est.pass_ms > 0:
-                # the rates are the tokens' own: less the passes it paid running alone (a
-                # tenth at least: a pass taken too long must not teach that tokens are free),
-                # at the node's own pass once learned (this prompt's included)
+            passes = est.passes if est is not None and k.prefill_pass else 0
+            if passes and prefill_ms is not None and est is not None:
+                # the node's account of the prompt: beyond its tokens' predicted cost, what it
+                # took is its passes, alone or beside decode rows
+                pass_of = rates.alone_pass_ms if est.in_hand == 0 else rates.beside_pass_ms
+                if obs.node_queue_ms is not None:
+                    tokens_ms = est.own_prefill_ms - est.pass_ms
+                    pass_of.add(max(0.0, prefill_ms - tokens_ms) / passes)
+                # the rates are the tokens' own: less the passes it paid (a tenth at least: a
+                # pass taken too long must not teach that tokens are free), at the node's own
+                # pass once learned (this prompt's included)
                 paid = est.pass_ms
-                if mixed and rates.alone_pass_ms.n >= k.min_alone_samples:
-                    paid = est.passes * rates.alone_pass_ms.value
+                if pass_of.n >= k.min_alone_samples:
+                    paid = passes * pass_of.value
                 prefill_ms = max(prefill_ms - paid, 0.1 * prefill_ms, 0.5)
             if prefill_ms is not None:
                 rates.prefill_fit.add(float(uncached), float(obs.cached_tokens), prefill_ms)

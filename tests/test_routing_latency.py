@@ -501,18 +501,21 @@ def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost():
     assert per_token == pytest.approx(2.0, rel=0.01) and fixed == pytest.approx(0.0, abs=0.5)
 
 
-def test_the_pass_of_a_prompt_run_alone_is_learned_from_the_nodes_account():
+@pytest.mark.parametrize("beside", [0.0, 14.0])
+def test_the_pass_of_a_prompt_is_learned_from_the_nodes_account(beside: float):
     """A GPU node's decode steps run as CUDA graphs (1.3 ms a row) while a prompt alone runs
     an eager pass (12 ms here): the one-row step says nothing of it. The node's account of
-    the prompts that ran alone, beyond their tokens' cost, is the pass the next one pays."""
+    the prompts that ran alone, beyond their tokens' cost, is the pass the next one pays; of
+    those that ran beside decode rows, what a chunk adds to the rows' step: nothing on a CPU
+    (the rows' step is a pass already), an eager step on that GPU (14 ms)."""
     m = LatencyModel(LatencyKnobs(self_report_weight=0.0, prefill_pass=True))
     gpu = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=8000.0, decode_ms_per_token=1.3)
     assert est(m, gpu, prompt=40).pass_ms == pytest.approx(1.3 - 0.125)  # before: the step
     rows = [Work(0.0, 20.0, context=200.0)]
-    for i, uncached in enumerate([40, 60, 80, 100, 120, 140, 50, 90] * 3):
-        # each alone (a pass and its tokens), then one beside decode rows (its tokens only,
-        # after a 3 ms wait for the step in flight)
-        for ahead, pass_ms, wait in (([], 12.0, 0.0), (rows, 0.0, 3.0)):
+    for i, uncached in enumerate([40, 60, 80, 100, 120, 140, 50, 90] * 6):
+        # each alone (a pass and its tokens), then one beside decode rows (its tokens and what
+        # its chunk adds, after a 3 ms wait for the step in flight)
+        for ahead, pass_ms, wait in (([], 12.0, 0.0), (rows, beside, 3.0)):
             e = est(m, gpu, prompt=uncached, ahead=ahead)
             m.observe(
                 Observation(
@@ -522,16 +525,18 @@ def test_the_pass_of_a_prompt_run_alone_is_learned_from_the_nodes_account():
                 )
             )  # fmt: skip
         if i == 1:  # two seen: not yet its own
-            assert m.alone_pass_ms("c1", 1.0) == 1.0
+            assert m.alone_pass_ms("c1", 1.0) == 1.0 and m.beside_pass_ms("c1") == 0.0
     # the first prompts' rates still held the pass they were predicted then: a few rounds on,
-    # the pass and the rate are the node's
+    # the passes and the rate are the node's
     assert m.alone_pass_ms("c1", 1.0) == pytest.approx(12.0, rel=0.05)
+    assert m.beside_pass_ms("c1") == pytest.approx(beside, abs=1.0)
     e = est(m, gpu, prompt=70)
     assert e.pass_ms == pytest.approx(12.0, rel=0.05) and e.passes == 1
     assert e.own_prefill_ms == pytest.approx(12.0 + 0.125 * 70, rel=0.05)
-    # beside a decoding request the chunk rides its step: its tokens only
-    busy = est(m, gpu, prompt=70, ahead=[Work(0.0, 20.0, context=200.0)])
-    assert busy.pass_ms == 0.0 and busy.own_prefill_ms == pytest.approx(0.125 * 70, rel=0.1)
+    busy = est(m, gpu, prompt=70, ahead=rows)
+    assert busy.own_prefill_ms == pytest.approx(beside + 0.125 * 70, abs=1.5)
+    # its chunk holds up the decoding request's step by as much
+    assert busy.stalled_others_ms == pytest.approx(busy.own_prefill_ms, rel=0.01)
 
 
 def test_what_requests_take_beyond_the_engine_is_learned_and_added():
