@@ -220,8 +220,9 @@ class DispatchLedger:
         prompt and the tokens it is taken to have generated (a stream's, those relayed so far,
         and one more at most while it runs). Every reply's first token is seen
         (a stream's first chunk; a whole reply's headers, which nodes send with it), so one
-        not seen yet is still before it, however late against its prediction; one not
-        finished is still decoding, however late. How far along a late one is, is not known:
+        not seen yet is still before it, however late against its prediction (a token of its
+        prompt left at least: its last chunk); one not finished is still decoding, however
+        late. How far along a late one is, is not known:
         ``overrun_left`` of its prefill work or its decode steps is taken as left (at least one
         step; ``latency.overrun_left``)."""
         out: list[Work] = []
@@ -249,7 +250,10 @@ class DispatchLedger:
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
                     left = overrun_left
                 tokens = est.prefill_work_tokens or float(est.uncached_tokens)
-                out.append(Work(tokens * min(1.0, left), steps, started=left < 1.0, context=prompt))
+                # its last chunk is still to run, however late: at least one token of it (and
+                # the step it rides: an eager pass on a GPU, 12-20 ms)
+                prefill = max(min(1.0, tokens), tokens * min(1.0, left))
+                out.append(Work(prefill, steps, started=left < 1.0, context=prompt))
         return out
 
 

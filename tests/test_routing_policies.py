@@ -465,7 +465,8 @@ def test_a_late_request_is_still_at_it():
     """Every reply's first token is seen (a stream's first chunk, a whole reply's headers), so
     a request past its predicted first token without one is still prefilling, and one past its
     predicted last token is still decoding: with ``overrun_left`` 0.5, half of what it had is
-    taken as left; with the default 0, one decode step."""
+    taken as left; with the default 0, a token of its prompt (its last chunk) or one decode
+    step."""
     clock = [NOW]
     late_half = PolicyConfig(policy="edge_first", latency=LatencyKnobs(overrun_left=0.5))
     r = Router(late_half, clock=lambda: clock[0])
@@ -480,7 +481,7 @@ def test_a_late_request_is_still_at_it():
     late = r.ledger.work("edge-eu", clock[0], 0.5)[0]
     assert (late.prefill_tokens, late.decode_steps) == (pytest.approx(work / 2), 15.0)
     queued = r.candidates(profile(40), fleet)[0][0].estimate
-    assert r.ledger.work("edge-eu", clock[0])[0].prefill_tokens == 0.0  # the default: done
+    assert r.ledger.work("edge-eu", clock[0])[0].prefill_tokens == 1.0  # the default: its last
     r.first_token(t)  # its first token: now it decodes, its prompt done
     seen = r.ledger.work("edge-eu", clock[0])[0]
     assert seen.prefill_tokens == 0.0 and seen.decode_steps == 15.0
