@@ -149,6 +149,8 @@ VARIANTS = {
     # holding the node at what it has in hand up to its slots, harmonic answer lengths
     "slots_harmonic": "expected_output:\n  average: harmonic\n"
     "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n  arrival_work: median\n",
+    # learned passes, and the waits a node's accounts hold beyond the replay's, by load
+    "pass_wait": "latency:\n  prefill_pass: true\n  busy_wait: true\n",
     # the same with the recent mean population
     "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own

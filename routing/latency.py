@@ -115,6 +115,14 @@ class LatencyKnobs(BaseModel):
         "made the concurrency-1 TTFT median worse in three paired runs of three, 0.16-0.32 "
         "against 0.10-0.15: docs/benchmarks.md)",
     )
+    busy_wait: bool = Field(
+        default=False,
+        description="add what the node's own account of a request's wait (its time to first "
+        "token less its prompt's compute) held beyond the replay's, on a node with requests in "
+        "hand: the median of its last 31 by how many were in hand (1, 2-3, 4-7, 8-15, 16 or "
+        "more): waits the replay does not see (a GPU node's HTTP and tokenizing while its "
+        "engine thread holds the interpreter)",
+    )
     min_alone_samples: int = Field(
         default=3,
         ge=1,
@@ -223,6 +231,8 @@ class Estimate:
     # tokens' marginal cost
     pass_ms: float = 0.0
     passes: int = 0  # how many: its chunks, on a node of mixed steps (``prefill_pass``)
+    # the wait added beyond the replay's (in ``queue_ms``), as the node's accounts taught
+    extra_wait_ms: float = 0.0
     # what it takes beyond the engine (in ``ttft_ms`` and ``e2e_ms``): the gateway's share and,
     # on an idle node, the node's own before its engine starts it
     overhead_ms: float = 0.0
@@ -466,6 +476,8 @@ class NodeRates:
     # step beyond its tokens (about 0 on a CPU; an eager pass where decode steps alone are
     # CUDA graphs)
     beside_pass_ms: _RecentMedian = field(default_factory=_RecentMedian)
+    # the node's account of a request's wait less the replay's, by requests in hand (``busy_wait``)
+    busy_wait_ms: dict[int, _RecentMedian] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -666,6 +678,21 @@ class LatencyModel:
         span several batch sizes, else the kind's default."""
         return self._slope(node.id, node.kind)
 
+    @staticmethod
+    def _load_bucket(in_hand: int) -> int:
+        """1, 2-3, 4-7, 8-15, 16 or more in hand: buckets 1 to 5."""
+        return min(5, max(1, in_hand).bit_length())
+
+    def busy_wait_ms(self, node_id: str, in_hand: int) -> float:
+        """What the node's requests waited beyond the replay's prediction with ``in_hand``
+        requests ahead, as learned (``busy_wait``; 0 until three were seen at that load, and
+        on an idle node, whose wait is the admission of ``request_overhead``)."""
+        rates = self.rates.get(node_id)
+        if not self.knobs.busy_wait or rates is None or in_hand <= 0:
+            return 0.0
+        seen = rates.busy_wait_ms.get(self._load_bucket(in_hand))
+        return seen.value if seen is not None and seen.n >= 3 else 0.0
+
     def overhead_ms(self, node_id: str, idle: bool) -> float:
         """What a request on the node takes beyond its engine and the RTT, as learned: the
         gateway's share and, when the node has nothing in hand (``idle``), the node's own
@@ -856,6 +883,14 @@ class LatencyModel:
                 first_token_ms=r.first_token_ms + in_flight,
                 last_token_ms=r.last_token_ms + in_flight,
             )
+        extra_wait = max(self.busy_wait_ms(node.id, len(work)), -r.queue_ms)
+        if extra_wait:
+            r = replace(
+                r,
+                queue_ms=r.queue_ms + extra_wait,
+                first_token_ms=r.first_token_ms + extra_wait,
+                last_token_ms=r.last_token_ms + extra_wait,
+            )
         overhead = self.overhead_ms(node.id, idle=not work)
         rtt = max(0.0, rtt_ms) + overhead
         steps = out - 1.0
@@ -884,6 +919,7 @@ class LatencyModel:
             mean_context=r.mean_context,
             pass_ms=pass_ms,
             passes=passes,
+            extra_wait_ms=extra_wait,
             overhead_ms=overhead,
         )
 
@@ -912,6 +948,12 @@ class LatencyModel:
             others = 0.0
             if est is not None:
                 others = max(0.0, est.ttft_ms - est.rtt_ms - est.overhead_ms - est.own_prefill_ms)
+                if k.busy_wait and est.in_hand > 0 and obs.node_queue_ms is not None:
+                    replayed = others - est.extra_wait_ms  # the replay's own wait
+                    waits = rates.busy_wait_ms.setdefault(
+                        self._load_bucket(est.in_hand), _RecentMedian()
+                    )
+                    waits.add(obs.node_queue_ms - replayed)
             prefill_ms: float | None = None
             if obs.node_ttft_ms is not None and k.request_overhead:
                 gateway_ms = max(0.0, server_ms - obs.node_ttft_ms)

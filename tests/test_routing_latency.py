@@ -539,6 +539,35 @@ def test_the_pass_of_a_prompt_is_learned_from_the_nodes_account(beside: float):
     assert busy.stalled_others_ms == pytest.approx(busy.own_prefill_ms, rel=0.01)
 
 
+def test_a_wait_the_replay_does_not_see_is_learned_by_load():
+    """A busy node's own account of its requests' waits held 18 ms more than the replay
+    predicted with two in hand (on the GPU machine: HTTP and tokenizing while the engine
+    thread holds the interpreter); with ``busy_wait`` the next prediction at that load adds
+    it, an idle node's or another load's does not."""
+    m = LatencyModel(LatencyKnobs(busy_wait=True))
+    n = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=8000.0, decode_ms_per_token=2.0)
+    two = [Work(0.0, 10.0, context=100.0), Work(0.0, 10.0, context=100.0)]
+    before = est(m, n, prompt=40, ahead=two)
+    for _ in range(5):
+        e = est(m, n, prompt=40, ahead=two)
+        replayed = e.ttft_ms - e.rtt_ms - e.own_prefill_ms
+        m.observe(
+            Observation(
+                node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=40, cached_tokens=0,
+                completion_tokens=1, ttft_ms=e.ttft_ms + 18.0, e2e_ms=e.ttft_ms + 18.0,
+                net_rtt_ms=e.rtt_ms, node_queue_ms=replayed + 18.0, estimate=e,
+            )
+        )  # fmt: skip
+    after = est(m, n, prompt=40, ahead=two)
+    assert after.extra_wait_ms == pytest.approx(18.0, abs=0.5)
+    assert after.ttft_ms == pytest.approx(before.ttft_ms + 18.0, abs=0.5)
+    assert est(m, n, prompt=40).extra_wait_ms == 0.0  # idle
+    assert est(m, n, prompt=40, ahead=two * 4).extra_wait_ms == 0.0  # 8 in hand: not seen
+    off = LatencyModel()
+    off.rates = m.rates
+    assert est(off, n, prompt=40, ahead=two).extra_wait_ms == 0.0
+
+
 def test_what_requests_take_beyond_the_engine_is_learned_and_added():
     """The gateway's share of a request's time to first token (its TTFT less the RTT less
     the node's own: 6 ms here) and an idle node's wait before its engine starts it (4 ms) are
