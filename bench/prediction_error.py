@@ -126,8 +126,11 @@ VARIANTS = {
     "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)
     "late_half": "latency:\n  overrun_left: 0.5\n",
-    # a cloud prompt alone pays a pass, beside decode rows its tokens, rates learned without it
-    "prefill_pass": "latency:\n  prefill_pass: true\n",
+    # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
+    # busy_wait
+    "prefill_pass": "latency:\n  prefill_pass: true\n  busy_wait: false\n",
+    # neither learned passes nor busy waits, on any node (the default before 2026-12-04)
+    "no_pass_wait": "latency:\n  prefill_pass: false\n  busy_wait: false\n",
     # decode costs learned against the batch the prediction expected, not the one seen
     "predicted_batch": "latency:\n  measured_decode_batch: false\n",
     # what requests take beyond the engine and the RTT (the gateway's share, a node's admission)
@@ -149,7 +152,8 @@ VARIANTS = {
     # holding the node at what it has in hand up to its slots, harmonic answer lengths
     "slots_harmonic": "expected_output:\n  average: harmonic\n"
     "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n  arrival_work: median\n",
-    # learned passes, and the waits a node's accounts hold beyond the replay's, by load
+    # learned passes, and the waits a node's accounts hold beyond the replay's, by load, on
+    # every node
     "pass_wait": "latency:\n  prefill_pass: true\n  busy_wait: true\n",
     # pass_wait with the node held at what it has in hand (newcomers' passes between its steps)
     "pass_wait_hold": "latency:\n  prefill_pass: true\n  busy_wait: true\n"

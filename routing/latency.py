@@ -32,11 +32,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from routing.backlog import Arrivals, EngineShape, Work, replay
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState, StepCost
+
+Switch = Literal["off", "on", "accelerators"]
+
+
+def on_cpu(node: NodeState) -> bool:
+    """Whether the node computes on CPUs (its torch device or execution provider says so)."""
+    return node.device.lower().startswith("cpu")
 
 
 class KindDefaults(BaseModel):
@@ -91,18 +98,19 @@ class LatencyKnobs(BaseModel):
         "the node's slots; off: the mean batch its prediction expected, which misses the "
         "requests sent after it and so charges their rows to batch 1)",
     )
-    prefill_pass: bool = Field(
-        default=False,
+    prefill_pass: Switch = Field(
+        default="accelerators",
         description="on a node whose steps mix prompt chunks with decode rows (the cloud "
-        "engine), a chunk that runs alone pays a forward pass (learned from the node's prompts "
-        "that ran alone, min_alone_samples; a one-row decode step less one token's compute "
-        "before) and one beside decode rows only its tokens; its prefill rates "
-        "are learned as such, the pass taken off a prompt predicted to run alone (off: the "
-        "per-token rate also carries the pass, at least a one-row step per prompt; a short "
-        "prompt's pass makes the CPU cloud's learned rate 6-12 ms a token where the node's own "
-        "step fit says about 2.7; yet on the embedded default the rate learned without the "
-        "passes stayed near 5.7 and over two paired prediction_error runs on was no better "
-        "than off: docs/benchmarks.md)",
+        "engine), a chunk that runs alone pays a forward pass and one beside decode rows what "
+        "it adds to their step, each the median of what the node's accounts of such prompts "
+        "held beyond their tokens' cost (min_alone_samples; before, a one-row decode step less "
+        "one token's compute, and nothing), no fixed cost fitted beside them, the rates learned "
+        "without the passes (off: the per-token rate carries the pass, at least a one-row step "
+        "a prompt). accelerators: on for nodes not on a CPU, where decode steps are CUDA graphs "
+        "of 1-2 ms and a step with a prompt chunk an eager pass of 12-20 ms (on the GPU "
+        "machine's H200 the concurrency-1 TTFT median error went from 0.52-0.69 to 0.17-0.30); "
+        "on a CPU the one-row step is the pass, and on the embedded default it was no better: "
+        "docs/benchmarks.md",
     )
     request_overhead: bool = Field(
         default=False,
@@ -115,14 +123,27 @@ class LatencyKnobs(BaseModel):
         "made the concurrency-1 TTFT median worse in three paired runs of three, 0.16-0.32 "
         "against 0.10-0.15: docs/benchmarks.md)",
     )
-    busy_wait: bool = Field(
-        default=False,
+    busy_wait: Switch = Field(
+        default="accelerators",
         description="add what the node's own account of a request's wait (its time to first "
         "token less its prompt's compute) held beyond the replay's, on a node with requests in "
         "hand: the median of its last 31 by how many were in hand (1, 2-3, 4-7, 8-15, 16 or "
-        "more): waits the replay does not see (a GPU node's HTTP and tokenizing while its "
-        "engine thread holds the interpreter)",
+        "more): waits the replay does not see (on the GPU machine 14-40 ms of HTTP and "
+        "tokenizing while the engine thread runs; with prefill_pass it took the concurrency-16 "
+        "TTFT median error from 0.57 to 0.28-0.37). accelerators: on for nodes not on a CPU "
+        "(on the embedded default no better: docs/benchmarks.md)",
     )
+
+    @field_validator("prefill_pass", "busy_wait", mode="before")
+    @classmethod
+    def _switch_from_bool(cls, value: object) -> object:
+        """``true``/``false`` (what these knobs took before) mean on and off."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    def enabled(self, switch: Switch, node: NodeState) -> bool:
+        """Whether a :data:`Switch` knob applies to ``node``."""
+        return switch == "on" or (switch == "accelerators" and not on_cpu(node))
+
     min_alone_samples: int = Field(
         default=3,
         ge=1,
@@ -683,12 +704,12 @@ class LatencyModel:
         """1, 2-3, 4-7, 8-15, 16 or more in hand: buckets 1 to 5."""
         return min(5, max(1, in_hand).bit_length())
 
-    def busy_wait_ms(self, node_id: str, in_hand: int) -> float:
+    def busy_wait_ms(self, node: NodeState, in_hand: int) -> float:
         """What the node's requests waited beyond the replay's prediction with ``in_hand``
         requests ahead, as learned (``busy_wait``; 0 until three were seen at that load, and
         on an idle node, whose wait is the admission of ``request_overhead``)."""
-        rates = self.rates.get(node_id)
-        if not self.knobs.busy_wait or rates is None or in_hand <= 0:
+        rates = self.rates.get(node.id)
+        if not self.knobs.enabled(self.knobs.busy_wait, node) or rates is None or in_hand <= 0:
             return 0.0
         seen = rates.busy_wait_ms.get(self._load_bucket(in_hand))
         return seen.value if seen is not None and seen.n >= 3 else 0.0
@@ -735,7 +756,8 @@ class LatencyModel:
         per_token = 1000.0 / self.prefill_tokens_per_s(node)
         if rates is None:
             return 0.0, per_token, 0.0
-        passes = self.knobs.prefill_pass and self.knobs.defaults(node.kind).mixed_steps
+        k = self.knobs
+        passes = k.enabled(k.prefill_pass, node) and k.defaults(node.kind).mixed_steps
         fit = rates.prefill_fit.solve(self.knobs.cached_prefill_cost)
         if fit is not None and fit[1] > 0:
             return 0.0 if passes else max(0.0, fit[0]), fit[1], fit[2]
@@ -777,7 +799,7 @@ class LatencyModel:
         else:
             b1, slope = self.decode_ms_per_token_b1(node), self.batch_slope(node)
             per_context, pass_ms, beside_ms = self.context_cost(node), 0.0, 0.0
-            if kd.mixed_steps and self.knobs.prefill_pass:
+            if kd.mixed_steps and self.knobs.enabled(self.knobs.prefill_pass, node):
                 pass_ms = self.alone_pass_ms(node.id, b1 - per_token)
                 beside_ms = self.beside_pass_ms(node.id)
         return EngineShape(
@@ -854,7 +876,11 @@ class LatencyModel:
         # adds to the decode rows' step (nothing where that step has the pass already)
         chunks = math.ceil(work_tokens / max(1, shape.chunk_tokens))
         passes = (
-            chunks if shape.mixed_steps and k.prefill_pass and self.step_cost(node) is None else 0
+            chunks
+            if shape.mixed_steps
+            and k.enabled(k.prefill_pass, node)
+            and self.step_cost(node) is None
+            else 0
         )
         pass_ms = (shape.chunk_beside_ms if work else shape.step_fixed_ms) * passes
         own_prefill = shape.prefill_fixed_ms + pass_ms + work_tokens * shape.prefill_ms_per_token
@@ -883,7 +909,7 @@ class LatencyModel:
                 first_token_ms=r.first_token_ms + in_flight,
                 last_token_ms=r.last_token_ms + in_flight,
             )
-        extra_wait = max(self.busy_wait_ms(node.id, len(work)), -r.queue_ms)
+        extra_wait = max(self.busy_wait_ms(node, len(work)), -r.queue_ms)
         if extra_wait:
             r = replace(
                 r,
@@ -948,7 +974,7 @@ class LatencyModel:
             others = 0.0
             if est is not None:
                 others = max(0.0, est.ttft_ms - est.rtt_ms - est.overhead_ms - est.own_prefill_ms)
-                if k.busy_wait and est.in_hand > 0 and obs.node_queue_ms is not None:
+                if est.in_hand > 0 and obs.node_queue_ms is not None:  # kept: busy_wait
                     replayed = others - est.extra_wait_ms  # the replay's own wait
                     waits = rates.busy_wait_ms.setdefault(
                         self._load_bucket(est.in_hand), _RecentMedian()
@@ -966,7 +992,7 @@ class LatencyModel:
                 prefill_ms = max(server_ms - obs.node_queue_ms, 0.5)
             elif est is None or others <= 0.25 * max(server_ms, 1e-3):
                 prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
-            passes = est.passes if est is not None and k.prefill_pass else 0
+            passes = est.passes if est is not None else 0  # counted where prefill_pass applies
             if passes and prefill_ms is not None and est is not None:
                 # the node's account of the prompt: beyond its tokens' predicted cost, what it
                 # took is its passes, alone or beside decode rows

@@ -539,6 +539,19 @@ def test_the_pass_of_a_prompt_is_learned_from_the_nodes_account(beside: float):
     assert busy.stalled_others_ms == pytest.approx(busy.own_prefill_ms, rel=0.01)
 
 
+def test_passes_and_busy_waits_apply_by_default_where_a_node_is_not_on_a_cpu():
+    """``accelerators`` (the default of ``prefill_pass`` and ``busy_wait``): on for a node
+    whose device is not a CPU; ``true``/``false`` still mean on and off."""
+    m = LatencyModel()
+    for device, passes in (("cpu", 0), ("CPU", 0), ("cuda", 1), ("cuda:0", 1)):
+        n = node("c1", NodeKind.CLOUD, device=device, decode_ms_per_token=2.0)
+        assert est(m, n, prompt=40).passes == passes, device
+    k = LatencyKnobs(prefill_pass=True, busy_wait=False)
+    assert (k.prefill_pass, k.busy_wait) == ("on", "off")
+    assert k.enabled(k.prefill_pass, node(device="cpu"))
+    assert not k.enabled(k.busy_wait, node(device="cuda"))
+
+
 def test_a_wait_the_replay_does_not_see_is_learned_by_load():
     """A busy node's own account of its requests' waits held 18 ms more than the replay
     predicted with two in hand (on the GPU machine: HTTP and tokenizing while the engine
