@@ -241,4 +241,8 @@ async def test_empty_restart_no_503_window_and_prefix_index_republished(
     assert not bad, bad[:5]
     assert during, "no request ran during the outage"
     assert health["full_index_pushes"] > pushes0
-    assert gw_health["store"]["carried_views_total"] >= 1
+    # the gateway saw the outage end and began a recovery; whether a node was still missing
+    # then (a carried view) depends on who is first after the restart: on a fast machine the
+    # node re-publishes before the gateway's next view
+    assert gw_health["store"]["recoveries_total"] >= 1
+    assert gw_health["store"]["recovering"] is False  # the node is back: nothing carried

@@ -124,6 +124,9 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         self.views_total = 0
         self.stale_views_total = 0
         self.carried_views_total = 0  # views that kept nodes Redis had lost (recoveries)
+        # good views after an outage, or that found the fleet's epoch changed (Redis restarted
+        # empty): each began a recovery, whether or not a node was still to re-publish then
+        self.recoveries_total = 0
 
     # ---- keys --------------------------------------------------------------------------------
     def _key(self, kind: str, node_id: str | None = None) -> str:
@@ -138,6 +141,7 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             "stale_views_total": self.stale_views_total,
             "recovering": self._recovering,
             "carried_views_total": self.carried_views_total,
+            "recoveries_total": self.recoveries_total,
         }
 
     # ---- writes ------------------------------------------------------------------------------
@@ -276,12 +280,15 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         self, epoch: str | None, parsed: dict[str, tuple[NodeState, float]], now: float
     ) -> list[NodeState]:
         """The nodes Redis lost that this view keeps (see the module invariants)."""
+        lost = self._epoch is not None and epoch != self._epoch and bool(self._seen)
+        if self._outage or lost:
+            self.recoveries_total += 1
         if self._outage:
             self._outage = False
             self._recovering = bool(self._seen)
             # nodes could not publish during the outage: one TTL from now to do it
             self._seen = {k: (st, max(t, now + st.ttl_s)) for k, (st, t) in self._seen.items()}
-        if self._epoch is not None and epoch != self._epoch and self._seen:
+        if lost:
             if not self._recovering:
                 log.warning(
                     "fleet store: Redis lost the fleet's state; keeping the last view's nodes "
