@@ -158,6 +158,9 @@ VARIANTS = {
     # pass_wait with the node held at what it has in hand (newcomers' passes between its steps)
     "pass_wait_hold": "latency:\n  prefill_pass: true\n  busy_wait: true\n"
     "  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n",
+    # holding the node at what it has in hand up to its slots (answer lengths as shipped)
+    "slots": "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n"
+    "  arrival_work: median\n",
     # the same with the recent mean population
     "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
