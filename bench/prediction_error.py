@@ -161,6 +161,9 @@ VARIANTS = {
     # holding the node at what it has in hand up to its slots (answer lengths as shipped)
     "slots": "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n"
     "  arrival_work: median\n",
+    # holding the node at what it has in hand, newcomers as decode rows only
+    "hold_rows": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
+    "  arrival_work: rows\n",
     # the same with the recent mean population
     "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own

@@ -185,11 +185,13 @@ class LatencyKnobs(BaseModel):
         "0.8-1.1 and the concurrency-4 e2e median error from 0.22 to 0.16, but not the p90s "
         "(pooled runs, docs/benchmarks.md)",
     )
-    arrival_work: Literal["mean", "median"] = Field(
+    arrival_work: Literal["mean", "median", "rows"] = Field(
         default="mean",
         description="each newcomer's prefill work, decode steps and context under "
         "future_arrivals: the mean or the median of the requests sent to the node lately (one "
-        "long prompt moves the mean of a short-chat mix by hundreds of tokens)",
+        "long prompt moves the mean of a short-chat mix by hundreds of tokens), or the "
+        "median's decode rows with one prompt token (rows: decode rates learned against the "
+        "rows seen carry the newcomers' prompts already)",
     )
     arrival_window_s: float = Field(
         default=10.0,
@@ -868,6 +870,8 @@ class LatencyModel:
         # the cached tokens' cost as prefill work of the same rate (what replay schedules)
         per_cached = self.prefill_cost(node)[2]
         work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
+        if arrivals is not None and k.arrival_work == "rows":
+            arrivals = Arrivals(arrivals.population, replace(arrivals.work, prefill_tokens=1.0))
         if arrivals is not None and k.arrival_population == "in_hand":
             arrivals = Arrivals(len(work) + 1, arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":

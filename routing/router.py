@@ -349,7 +349,12 @@ class Router:
                     ahead=self.ledger.work(
                         node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
                     ),
-                    arrivals=self.ledger.arrivals(node.id, now, window, cfg.latency.arrival_work)
+                    arrivals=self.ledger.arrivals(
+                        node.id,
+                        now,
+                        window,
+                        "mean" if cfg.latency.arrival_work == "mean" else "median",
+                    )
                     if cfg.latency.future_arrivals
                     else None,
                 )

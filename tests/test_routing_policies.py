@@ -444,6 +444,9 @@ def test_arrivals_can_hold_the_node_at_what_it_has_and_take_the_median_work():
     recent = decode_ms(future_arrivals=True, arrival_work="median")
     hold = decode_ms(future_arrivals=True, arrival_work="median", arrival_population="in_hand")
     assert recent >= alone and hold > 1.5 * recent
+    # newcomers as decode rows only: their rows, not their prompts' chunks between its steps
+    rows = decode_ms(future_arrivals=True, arrival_work="rows", arrival_population="in_hand")
+    assert recent < rows < hold
 
 
 def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():
