@@ -539,6 +539,11 @@ async def _beside_a_decoding_answer(folder: Path, ratio: float | None) -> tuple[
             return tokens
 
         a_task = asyncio.create_task(drain_a())
+        # B goes in once the drain has caught up with A's stream: A's tokens made before B was
+        # submitted, still queued, must not count as made while B prefilled
+        while not seen:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
         b_tokens = await run_b()
         a_task.cancel()
         stats = engine.stats()
