@@ -108,7 +108,7 @@ class LatencyKnobs(BaseModel):
         "without the passes (off: the per-token rate carries the pass, at least a one-row step "
         "a prompt). accelerators: on for nodes not on a CPU, where decode steps are CUDA graphs "
         "of 1-2 ms and a step with a prompt chunk an eager pass of 12-20 ms (on the GPU "
-        "machine's H200 the concurrency-1 TTFT median error went from 0.52-0.69 to 0.17-0.30); "
+        "machine's H200 the concurrency-1 TTFT median error went from 0.52-0.69 to 0.16-0.34); "
         "on a CPU the one-row step is the pass, and on the embedded default it was no better: "
         "docs/benchmarks.md",
     )
@@ -130,19 +130,9 @@ class LatencyKnobs(BaseModel):
         "hand: the median of its last 31 by how many were in hand (1, 2-3, 4-7, 8-15, 16 or "
         "more): waits the replay does not see (on the GPU machine 14-40 ms of HTTP and "
         "tokenizing while the engine thread runs; with prefill_pass it took the concurrency-16 "
-        "TTFT median error from 0.57 to 0.28-0.37). accelerators: on for nodes not on a CPU "
+        "TTFT median error from 0.52-0.57 to 0.28-0.39). accelerators: on for nodes not on a CPU "
         "(on the embedded default no better: docs/benchmarks.md)",
     )
-
-    @field_validator("prefill_pass", "busy_wait", mode="before")
-    @classmethod
-    def _switch_from_bool(cls, value: object) -> object:
-        """``true``/``false`` (what these knobs took before) mean on and off."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-    def enabled(self, switch: Switch, node: NodeState) -> bool:
-        """Whether a :data:`Switch` knob applies to ``node``."""
-        return switch == "on" or (switch == "accelerators" and not on_cpu(node))
 
     min_alone_samples: int = Field(
         default=3,
@@ -215,6 +205,16 @@ class LatencyKnobs(BaseModel):
     openai: KindDefaults = KindDefaults(
         prefill_tokens_per_s=3000.0, decode_ms_per_token=25.0, batch_slope=0.0
     )
+
+    @field_validator("prefill_pass", "busy_wait", mode="before")
+    @classmethod
+    def _switch_from_bool(cls, value: object) -> object:
+        """``true``/``false`` (what these knobs took before) mean on and off."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    def enabled(self, switch: Switch, node: NodeState) -> bool:
+        """Whether a :data:`Switch` knob applies to ``node``."""
+        return switch == "on" or (switch == "accelerators" and not on_cpu(node))
 
     def defaults(self, kind: NodeKind) -> KindDefaults:
         if kind == NodeKind.EDGE:

@@ -32,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Literal
 
 from routing.backlog import Arrivals, Work
 from routing.blocks import BLOCK_SIZE
@@ -42,6 +43,8 @@ from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, 
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import OutputLengthEstimator, RequestProfile
 from routing.regions import RegionTable
+
+Typical = Literal["mean", "median"]  # how a node's recent sends make one newcomer's work
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +183,7 @@ class DispatchLedger:
         return len(self._times.get(node_id, ()))
 
     def arrivals(
-        self, node_id: str, now: float, window_s: float, typical: str = "mean"
+        self, node_id: str, now: float, window_s: float, typical: Typical = "mean"
     ) -> Arrivals | None:
         """What this gateway is expected to keep on the node: the mean number of its requests
         in flight there over the last ``window_s`` (or since the first, when more recent),

@@ -40,7 +40,7 @@ from routing.fleet.store import FleetView
 from routing.policies import NoRoute
 from routing.policy_config import PolicyConfig
 from routing.profile import RequestProfile
-from routing.router import DispatchLedger, Measured, Router, Ticket
+from routing.router import DispatchLedger, Measured, Router, Ticket, Typical
 from routing.sim.engines import CloudSim, EdgeSim, SimRequest
 from routing.sim.fleet import FleetSpec
 from routing.sim.trace import TraceRequest
@@ -64,7 +64,7 @@ class BlindLedger(DispatchLedger):
         return []
 
     def arrivals(
-        self, node_id: str, now: float, window_s: float, typical: str = "mean"
+        self, node_id: str, now: float, window_s: float, typical: Typical = "mean"
     ) -> Arrivals | None:
         return None
 
