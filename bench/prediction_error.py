@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import random
 import statistics
 import sys
@@ -382,6 +383,94 @@ def goal_cells_met(rows: list[dict[str, Any]]) -> dict[str, int]:
     return met
 
 
+EXPLAIN_COLUMNS = [
+    "variant",
+    "concurrency",
+    "tier",
+    "decoded",
+    "decode_ratio",
+    "rows_sent",
+    "rows_seen",
+    "rows_recent",
+    "e2e_over_half",
+    "by_length",
+    "decode_slow",
+    "decode_fast",
+    "first_token",
+]
+
+
+def explain(samples: list[Sample]) -> list[dict[str, Any]]:
+    """What the e2e errors are made of, per variant, concurrency and tier (``--pool``):
+
+    - ``decode_ratio``: the geometric mean of measured over predicted ms a token after the
+      first, over the replies of 4 tokens or more (``decoded`` of them);
+    - ``rows_sent`` / ``rows_seen`` / ``rows_recent``: the mean requests the tier's node held
+      when each was sent (itself included), over its decode, and over the 10 s before it was
+      sent, from the client's timeline of every request (the earlier turns included);
+    - ``e2e_over_half``: errors over 0.5, each put down to its answer length (under 0.5 with
+      the measured token count at the predicted rate), else a decode 1.5x slower or faster
+      than predicted, else its first token."""
+    rows: list[dict[str, Any]] = []
+    ok = [s for s in samples if s.status == 200]
+    ends = {id(s): s.sent_at_s + s.measured_e2e_ms / 1000.0 for s in ok}
+
+    def held(pop: list[Sample], start: float, end: float) -> float:
+        if end <= start:
+            return 0.0
+        return sum(max(0.0, min(end, ends[id(x)]) - max(start, x.sent_at_s)) for x in pop) / (
+            end - start
+        )
+
+    keys = dict.fromkeys((s.variant, s.concurrency, s.tier) for s in ok if s.cls != "turn")
+    for v, c, tier in keys:
+        # one run's timeline: the same variant, concurrency and node (pooled runs overlap in
+        # nothing: each run's clock starts its own)
+        pop = [s for s in ok if s.variant == v and s.concurrency == c and s.tier == tier]
+        ratios, sent, seen, recent = [], [], [], []
+        causes = dict.fromkeys(["by_length", "decode_slow", "decode_fast", "first_token"], 0)
+        for s in pop:
+            if s.cls == "turn":
+                continue
+            steps = s.expected_output_tokens - 1.0
+            per_token = (s.predicted_e2e_ms - s.predicted_ttft_ms) / max(steps, 1.0)
+            measured = None
+            if s.measured_ttft_ms is not None and s.completion_tokens >= 4 and per_token > 0:
+                measured = (s.measured_e2e_ms - s.measured_ttft_ms) / (s.completion_tokens - 1)
+                ratios.append(math.log(max(measured, 1e-6) / per_token))
+                first = s.sent_at_s + s.measured_ttft_ms / 1000.0
+                sent.append(s.in_hand + 1.0)
+                seen.append(held(pop, first, ends[id(s)]))
+                recent.append(held(pop, s.sent_at_s - 10.0, s.sent_at_s))
+            if abs(s.predicted_e2e_ms - s.measured_e2e_ms) / s.measured_e2e_ms <= 0.5:
+                continue
+            with_length = s.predicted_ttft_ms + per_token * max(s.completion_tokens - 1, 0)
+            if abs(with_length - s.measured_e2e_ms) / s.measured_e2e_ms <= 0.5:
+                causes["by_length"] += 1
+            elif measured is not None and measured > 1.5 * per_token:
+                causes["decode_slow"] += 1
+            elif measured is not None and measured < per_token / 1.5:
+                causes["decode_fast"] += 1
+            else:
+                causes["first_token"] += 1
+        mean = statistics.fmean
+        rows.append(
+            {
+                "variant": v,
+                "concurrency": c,
+                "tier": tier,
+                "decoded": len(ratios),
+                "decode_ratio": round(math.exp(mean(ratios)), 2) if ratios else float("nan"),
+                "rows_sent": round(mean(sent), 2) if sent else float("nan"),
+                "rows_seen": round(mean(seen), 2) if seen else float("nan"),
+                "rows_recent": round(mean(recent), 2) if recent else float("nan"),
+                "e2e_over_half": sum(causes.values()),
+                **causes,
+            }
+        )
+    return rows
+
+
 async def scrape_gateway(base: str) -> tuple[dict[str, str], dict[str, Any]]:
     """The gateway's running prediction errors (``/metrics``) and its learned rates."""
     async with httpx.AsyncClient() as client:
@@ -426,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows, [*COLUMNS[:8], "not_200"]))
         for variant, met in goal_cells_met(rows).items():
             print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
+        print(table(explain(pooled), EXPLAIN_COLUMNS))
         return 0
 
     samples: list[Sample] = []

@@ -171,7 +171,7 @@ class LatencyKnobs(BaseModel):
         "gateway's requests over arrival_window_s, or what it holds at the decision with the "
         "new request (in_hand: a closed loop of clients replaces each request that finishes), "
         "or that at most its slots (in_slots: a queue is not refilled); on the embedded default "
-        "in_hand with median work took the decode's measured / predicted from 1.6-2.4 to "
+        "in_hand with median work took the decode's measured / predicted from 1.4-2.0 to "
         "0.8-1.1 and the concurrency-4 e2e median error from 0.22 to 0.16, but not the p90s "
         "(pooled runs, docs/benchmarks.md)",
     )
