@@ -165,6 +165,12 @@ VARIANTS = {
     # holding the node at what it has in hand, newcomers as decode rows only
     "hold_rows": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
     "  arrival_work: rows\n",
+    # the gateway's requests in flight now times the node's share of their time lately,
+    # newcomers with the median work (a closed loop refills the gateway, not each node)
+    "share": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
+    "  arrival_work: median\n",
+    # the same with the mean work
+    "share_mean": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n",
     # the same with the recent mean population
     "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
@@ -277,11 +283,17 @@ async def send(
 
 
 async def run_level(
-    base: str, concurrency: int, count: int, seed: int, variant: str = "default"
+    base: str,
+    concurrency: int,
+    count: int,
+    seed: int,
+    variant: str = "default",
+    all_streamed: bool = False,
 ) -> list[Sample]:
     rng = random.Random(seed)
     plan = [make_request(rng, seed * 1000 + i) for i in range(count)]
-    streams = [rng.random() < 0.5 for _ in range(count)]
+    # the same draws either way: --streamed all keeps the mix and streams every request
+    streams = [rng.random() < 0.5 or all_streamed for _ in range(count)]
     out: list[Sample] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(count):
@@ -295,9 +307,11 @@ async def run_level(
                 cls, messages, max_tokens = plan[i]
                 if cls == "followup":  # send the first two turns first, as the chat did
                     for k in (1, 3):
-                        turn = await send(client, base, messages[:k], 16, False)
+                        turn = await send(client, base, messages[:k], 16, all_streamed)
                         out.append(
-                            Sample("turn", concurrency, variant, False, max_tokens=16, **turn)
+                            Sample(
+                                "turn", concurrency, variant, all_streamed, max_tokens=16, **turn
+                            )
                         )
                 r = await send(client, base, messages, max_tokens, streams[i])
                 out.append(
@@ -397,6 +411,8 @@ EXPLAIN_COLUMNS = [
     "decode_slow",
     "decode_fast",
     "first_token",
+    "p90_length_known",
+    "p90_rate_only",
 ]
 
 
@@ -405,12 +421,16 @@ def explain(samples: list[Sample]) -> list[dict[str, Any]]:
 
     - ``decode_ratio``: the geometric mean of measured over predicted ms a token after the
       first, over the replies of 4 tokens or more (``decoded`` of them);
-    - ``rows_sent`` / ``rows_seen`` / ``rows_recent``: the mean requests the tier's node held
-      when each was sent (itself included), over its decode, and over the 10 s before it was
-      sent, from the client's timeline of every request (the earlier turns included);
+    - ``rows_sent`` / ``rows_seen`` / ``rows_recent``: the mean requests the tier's node (for
+      ``all``: the gateway) held when each was sent (itself included), over its decode, and
+      over the 10 s before it was sent, from the client's timeline of every request (the
+      earlier turns included);
     - ``e2e_over_half``: errors over 0.5, each put down to its answer length (under 0.5 with
       the measured token count at the predicted rate), else a decode 1.5x slower or faster
-      than predicted, else its first token."""
+      than predicted, else its first token;
+    - ``p90_length_known`` / ``p90_rate_only``: the e2e p90 had the prediction known the
+      answer's length (the predicted first token and rate), and its first token too (only the
+      rate a token after the first predicted): what is left to the decode rate alone."""
     rows: list[dict[str, Any]] = []
     ok = [s for s in samples if s.status == 200]
     ends = {id(s): s.sent_at_s + s.measured_e2e_ms / 1000.0 for s in ok}
@@ -422,18 +442,29 @@ def explain(samples: list[Sample]) -> list[dict[str, Any]]:
             end - start
         )
 
-    keys = dict.fromkeys((s.variant, s.concurrency, s.tier) for s in ok if s.cls != "turn")
+    keys = dict.fromkeys(
+        (s.variant, s.concurrency, t) for s in ok if s.cls != "turn" for t in (s.tier, "all")
+    )
     for v, c, tier in keys:
-        # one run's timeline: the same variant, concurrency and node (pooled runs overlap in
-        # nothing: each run's clock starts its own)
-        pop = [s for s in ok if s.variant == v and s.concurrency == c and s.tier == tier]
+        # one run's timeline: the same variant, concurrency and node, or all nodes (the
+        # gateway's requests; pooled runs overlap in nothing: each run's clock starts its own)
+        pop = [s for s in ok if s.variant == v and s.concurrency == c and tier in (s.tier, "all")]
         ratios, sent, seen, recent = [], [], [], []
         causes = dict.fromkeys(["by_length", "decode_slow", "decode_fast", "first_token"], 0)
+        length_known, rate_only = [], []
         for s in pop:
             if s.cls == "turn":
                 continue
             steps = s.expected_output_tokens - 1.0
             per_token = (s.predicted_e2e_ms - s.predicted_ttft_ms) / max(steps, 1.0)
+            decode = per_token * max(s.completion_tokens - 1, 0)
+            length_known.append(
+                abs(s.predicted_ttft_ms + decode - s.measured_e2e_ms) / s.measured_e2e_ms
+            )
+            if s.measured_ttft_ms is not None:
+                rate_only.append(
+                    abs(s.measured_ttft_ms + decode - s.measured_e2e_ms) / s.measured_e2e_ms
+                )
             measured = None
             if s.measured_ttft_ms is not None and s.completion_tokens >= 4 and per_token > 0:
                 measured = (s.measured_e2e_ms - s.measured_ttft_ms) / (s.completion_tokens - 1)
@@ -466,6 +497,8 @@ def explain(samples: list[Sample]) -> list[dict[str, Any]]:
                 "rows_recent": round(mean(recent), 2) if recent else float("nan"),
                 "e2e_over_half": sum(causes.values()),
                 **causes,
+                "p90_length_known": round(quantile(length_known, 0.9), 2),
+                "p90_rate_only": round(quantile(rate_only, 0.9), 2),
             }
         )
     return rows
@@ -490,6 +523,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=48, help="counted requests per level")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--streamed",
+        choices=["half", "all"],
+        default="half",
+        help="which requests stream: half of them (the earlier turns of follow-ups sent "
+        "whole), or all (the gateway then sees every request's progress token by token)",
+    )
     ap.add_argument(
         "--variants",
         nargs="+",
@@ -530,10 +570,13 @@ def main(argv: list[str] | None = None) -> int:
         extra += SERVE_VARIANTS.get(variant, [])
         # every variant gets a fresh fleet (nothing learned or cached carries over), the same mix
         with embedded_default(extra, log_path=args.log) as base:
-            asyncio.run(run_level(base, 1, args.warmup, args.seed + 999, variant))
+            all_streamed = args.streamed == "all"
+            asyncio.run(run_level(base, 1, args.warmup, args.seed + 999, variant, all_streamed))
             for i, c in enumerate(args.concurrency):
                 t0 = time.perf_counter()
-                samples += asyncio.run(run_level(base, c, args.requests, args.seed + i, variant))
+                samples += asyncio.run(
+                    run_level(base, c, args.requests, args.seed + i, variant, all_streamed)
+                )
                 took = time.perf_counter() - t0
                 print(f"{variant}: concurrency {c}: {args.requests} requests in {took:.1f} s")
             m, learned[variant] = asyncio.run(scrape_gateway(base))

@@ -165,15 +165,19 @@ class LatencyKnobs(BaseModel):
         "joining after its first token; on the embedded default it over-predicted the e2e at "
         "concurrency 4, p90 1.87 against 0.67 in one paired run: docs/benchmarks.md)",
     )
-    arrival_population: Literal["recent_mean", "in_hand", "in_slots"] = Field(
+    arrival_population: Literal["recent_mean", "in_hand", "in_slots", "gateway_share"] = Field(
         default="recent_mean",
         description="the population future_arrivals keeps a node at: its mean number of this "
         "gateway's requests over arrival_window_s, or what it holds at the decision with the "
         "new request (in_hand: a closed loop of clients replaces each request that finishes), "
-        "or that at most its slots (in_slots: a queue is not refilled); on the embedded default "
+        "or that at most its slots (in_slots: a queue is not refilled), or the gateway's "
+        "requests in flight now times the node's share of their time lately (gateway_share: a "
+        "closed loop refills the gateway, not each node); on the embedded default "
         "in_hand with median work took the decode's measured / predicted from 1.4-2.0 to "
-        "0.8-1.1 and the concurrency-4 e2e median error from 0.22 to 0.16, but not the p90s "
-        "(pooled runs, docs/benchmarks.md)",
+        "0.8-1.1 and the concurrency-4 e2e median error from 0.22 to 0.16, but not the p90s; "
+        "gateway_share with median work, pooled over three runs against four, took the "
+        "concurrency-16 e2e error from 0.17 / 0.47 (median / p90) to 0.09 / 0.44 and the "
+        "concurrency-4 p90 from 0.56 to 0.62 (docs/benchmarks.md)",
     )
     arrival_work: Literal["mean", "median", "rows"] = Field(
         default="mean",

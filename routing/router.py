@@ -182,13 +182,28 @@ class DispatchLedger:
     def in_flight(self, node_id: str) -> int:
         return len(self._times.get(node_id, ()))
 
+    def gateway_in_flight(self) -> int:
+        """This gateway's requests in flight, on every node."""
+        return sum(len(items) for items in self._times.values())
+
     def arrivals(
-        self, node_id: str, now: float, window_s: float, typical: Typical = "mean"
+        self,
+        node_id: str,
+        now: float,
+        window_s: float,
+        typical: Typical = "mean",
+        share: bool = False,
     ) -> Arrivals | None:
         """What this gateway is expected to keep on the node: the mean number of its requests
         in flight there over the last ``window_s`` (or since the first, when more recent),
         rounded, each newcomer with the ``typical`` (mean or median) prefill work, decode steps
-        and prompt of the requests sent in that time; None when nothing was sent in it."""
+        and prompt of the requests sent in that time; None when nothing was sent in it.
+
+        With ``share`` the population is instead this gateway's requests in flight now, the
+        one being decided included, times the node's share of the gateway's request-time over
+        the window (its mean population over all nodes'): a closed loop of clients replaces
+        each request that finishes somewhere, and the newcomer lands here as often as
+        requests lately spent their time here."""
         sent = self._sent.get(node_id)
         window_s = min(window_s, self.keep_finished_s)
         start = now - window_s
@@ -200,6 +215,13 @@ class DispatchLedger:
         if now - start <= 0:
             return None
         population = self.mean_in_flight(node_id, start, now)
+        if share:
+            window_start = now - window_s
+            total = sum(self.mean_in_flight(n, window_start, now) for n in self._times)
+            own = self.mean_in_flight(node_id, window_start, now)
+            if total <= 0:
+                return None
+            population = (self.gateway_in_flight() + 1) * own / total
         of = statistics.median if typical == "median" else statistics.fmean
         work = Work(
             max(1.0, of(s[1] for s in sent)),
@@ -357,6 +379,7 @@ class Router:
                         now,
                         window,
                         "mean" if cfg.latency.arrival_work == "mean" else "median",
+                        share=cfg.latency.arrival_population == "gateway_share",
                     )
                     if cfg.latency.future_arrivals
                     else None,

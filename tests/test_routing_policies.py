@@ -449,6 +449,46 @@ def test_arrivals_can_hold_the_node_at_what_it_has_and_take_the_median_work():
     assert recent < rows < hold
 
 
+def test_gateway_share_keeps_a_node_at_its_share_of_the_gateways_requests():
+    """``arrival_population: gateway_share``: a closed loop refills the gateway, not each
+    node: the node is kept at the gateway's requests in flight (the new one included) times
+    the node's share of their time lately, however many it holds at the decision."""
+    clock = [NOW]
+    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
+    fleet = view(edge(max_batch=64), cloud())
+    # for 10 s the edge held three of ours and the cloud one: the edge's share is 3/4
+    long_ones = [r.begin(r.decide(profile(40), fleet), profile=profile(40)) for _ in range(3)]
+    cloud_one = Router(PolicyConfig(policy="cloud_only"), clock=lambda: clock[0])
+    cloud_one.ledger = r.ledger
+    c = cloud_one.begin(cloud_one.decide(profile(40), fleet), profile=profile(40))
+    assert {t.node.id for t in long_ones} == {"edge-eu"} and c.node.id == "cloud-us"
+    clock[0] += 10.0
+    assert r.ledger.gateway_in_flight() == 4
+    share = r.ledger.arrivals("edge-eu", clock[0], 10.0, "median", share=True)
+    assert share is not None and share.population == 4  # (4 + 1) * 3/4 = 3.75
+    cloud_share = r.ledger.arrivals("cloud-us", clock[0], 10.0, "median", share=True)
+    assert cloud_share is not None and cloud_share.population == 1  # (4 + 1) / 4
+    # two of the edge's finish: the gateway holds two, the edge's share is still about 3/4
+    for t in long_ones[:2]:
+        r.finish(t)
+    share = r.ledger.arrivals("edge-eu", clock[0], 10.0, "median", share=True)
+    assert share is not None and share.population == 2  # (2 + 1) * 3/4 = 2.25
+    # the recent mean would keep it at three, though only one of ours is left there
+    recent = r.ledger.arrivals("edge-eu", clock[0], 10.0, "median")
+    assert recent is not None and recent.population == 3
+    # the router uses the share where the knob says so: fewer rows held, a faster decode
+    knobs = {"future_arrivals": True, "arrival_work": "median"}
+
+    def decode_ms(**more: object) -> float:
+        cfg = PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs, **more))
+        held = Router(cfg, clock=lambda: clock[0])
+        held.ledger = r.ledger
+        est = held.candidates(profile(40, out=64), fleet)[0]
+        return next(x.estimate for x in est if x.node.id == "edge-eu").decode_ms_per_token
+
+    assert decode_ms(arrival_population="gateway_share") < decode_ms()
+
+
 def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():
     busy = edge("edge-a", prefill_tokens_per_s=1000.0, running=3)  # three answers streaming
     idle = edge("edge-b", prefill_tokens_per_s=500.0)
