@@ -180,6 +180,11 @@ VARIANTS = {
 SERVE_VARIANTS = {
     # the edge prefills in full 256-token chunks even while answers decode (the old loop)
     "full_chunks": ["--edge-prefill-stall-ratio", "off"],
+    # both nodes give a prompt's chunk half a decode step's time while answers decode (the
+    # default: one), so what requests sent later do to an answer's rate is bounded tighter
+    "stall_half": ["--edge-prefill-stall-ratio", "0.5", "--cloud-prefill-stall-ratio", "0.5"],
+    # a quarter of a decode step's time
+    "stall_quarter": ["--edge-prefill-stall-ratio", "0.25", "--cloud-prefill-stall-ratio", "0.25"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
     # 64 was the CPU default before 2026-12-03)
     "cloud_rows8": ["--cloud-max-running", "8"],
@@ -537,6 +542,14 @@ def main(argv: list[str] | None = None) -> int:
         choices=["default", *VARIANTS, *SERVE_VARIANTS],
         help="policy or node variants to run one after the other, each on a fresh fleet",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of every variant, pooled (round r runs the mix of --seed + 10 r, the "
+        "variants in turn, every other round in reverse order; a p90 over 48 requests moves "
+        "by 0.1 from run to run on a 2-core machine)",
+    )
     ap.add_argument("--log", type=Path, default=None, help="write serve's output here")
     ap.add_argument("--out", type=Path, default=RESULTS / "prediction_error.json")
     ap.add_argument(
@@ -558,10 +571,19 @@ def main(argv: list[str] | None = None) -> int:
         print(table(explain(pooled), EXPLAIN_COLUMNS))
         return 0
 
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     samples: list[Sample] = []
     metrics: dict[str, str] = {}
     learned: dict[str, Any] = {}
-    for variant in args.variants:
+    rounds = [
+        (r, variant)
+        for r in range(args.repeat)
+        for variant in (args.variants if r % 2 == 0 else args.variants[::-1])
+    ]
+    for r, variant in rounds:
+        seed = args.seed + 10 * r
+        key = variant if r == 0 else f"{variant}#{r}"  # what the gateway learned, per round
         extra: list[str] = []
         if variant in VARIANTS:
             policy = Path(tempfile.mkdtemp(prefix="prediction-error-")) / f"{variant}.yaml"
@@ -571,20 +593,27 @@ def main(argv: list[str] | None = None) -> int:
         # every variant gets a fresh fleet (nothing learned or cached carries over), the same mix
         with embedded_default(extra, log_path=args.log) as base:
             all_streamed = args.streamed == "all"
-            asyncio.run(run_level(base, 1, args.warmup, args.seed + 999, variant, all_streamed))
+            asyncio.run(run_level(base, 1, args.warmup, seed + 999, variant, all_streamed))
+            mine: list[Sample] = []
             for i, c in enumerate(args.concurrency):
                 t0 = time.perf_counter()
-                samples += asyncio.run(
-                    run_level(base, c, args.requests, args.seed + i, variant, all_streamed)
+                mine += asyncio.run(
+                    run_level(base, c, args.requests, seed + i, variant, all_streamed)
                 )
                 took = time.perf_counter() - t0
-                print(f"{variant}: concurrency {c}: {args.requests} requests in {took:.1f} s")
-            m, learned[variant] = asyncio.run(scrape_gateway(base))
-            metrics.update({f"{variant}:{k}": v for k, v in m.items()})
+                print(f"{key}: concurrency {c}: {args.requests} requests in {took:.1f} s")
+            m, learned[key] = asyncio.run(scrape_gateway(base))
+            metrics.update({f"{key}:{k}": v for k, v in m.items()})
+        if args.repeat > 1:
+            met = goal_cells_met([x for x in summarize(mine) if x["tier"] == "all"])
+            print(f"{key}: {met[variant]} of {4 * len(args.concurrency)} goal cells met alone")
+        samples += mine
     rows = summarize(samples)
     print(table(rows, COLUMNS))
     for variant, met in goal_cells_met(rows).items():
         print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
+    if args.repeat > 1:
+        print(table(explain(samples), EXPLAIN_COLUMNS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
