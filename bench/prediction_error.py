@@ -112,6 +112,8 @@ class Sample:
 
 # Policy files for --variants (the default policy is the gateway's own).
 VARIANTS = {
+    # no future arrivals in the replay (the default before 2026-12-04, eighth session)
+    "no_arrivals": "latency:\n  future_arrivals: false\n",
     # the output-length statistics without the whole-prompt key (first block and coarser)
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
@@ -122,7 +124,8 @@ VARIANTS = {
     "harmonic": "expected_output:\n  average: harmonic\n",
     # both: the node held at what it has in hand, answer lengths at their harmonic mean
     "hold_harmonic": "expected_output:\n  average: harmonic\n"
-    "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n",
+    "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
+    "  arrival_weight: 1.0\n",
     # a stream in flight as far along as its prediction says, not as its relayed tokens
     "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)
@@ -139,40 +142,58 @@ VARIANTS = {
     # the replay of a node that reports its fitted step cost runs its steps with it
     "step_cost": "latency:\n  node_step_cost: true\n",
     # the requests expected after the decision in its replay (not only those in hand)
-    "future_arrivals": "latency:\n  future_arrivals: true\n",
+    "future_arrivals": "latency:\n  future_arrivals: true\n  arrival_population: recent_mean\n"
+    "  arrival_work: mean\n  arrival_weight: 1.0\n",
     # future arrivals keeping the node at what it holds at the decision, newcomers with the
     # median work of recent sends (a closed loop replaces each request that finishes)
     "hold": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
-    "  arrival_work: median\n",
+    "  arrival_work: median\n"
+    "  arrival_weight: 1.0\n",
     # holding the node at what it has in hand, newcomers with the mean work
-    "hold_mean": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n",
+    "hold_mean": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
+    "  arrival_work: mean\n  arrival_weight: 1.0\n",
     # all three: the node held at what it has in hand, harmonic answer lengths, learned passes
     "pass_hold_harmonic": "expected_output:\n  average: harmonic\n"
     "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
-    "  prefill_pass: true\n",
+    "  prefill_pass: true\n"
+    "  arrival_weight: 1.0\n",
     # holding the node at what it has in hand up to its slots, harmonic answer lengths
     "slots_harmonic": "expected_output:\n  average: harmonic\n"
-    "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n  arrival_work: median\n",
+    "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n  arrival_work: median\n"
+    "  arrival_weight: 1.0\n",
     # learned passes, and the waits a node's accounts hold beyond the replay's, by load, on
     # every node
     "pass_wait": "latency:\n  prefill_pass: true\n  busy_wait: true\n",
     # pass_wait with the node held at what it has in hand (newcomers' passes between its steps)
     "pass_wait_hold": "latency:\n  prefill_pass: true\n  busy_wait: true\n"
-    "  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n",
+    "  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
+    "  arrival_weight: 1.0\n",
     # holding the node at what it has in hand up to its slots (answer lengths as shipped)
     "slots": "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n"
-    "  arrival_work: median\n",
+    "  arrival_work: median\n"
+    "  arrival_weight: 1.0\n",
     # holding the node at what it has in hand, newcomers as decode rows only
     "hold_rows": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
-    "  arrival_work: rows\n",
+    "  arrival_work: rows\n"
+    "  arrival_weight: 1.0\n",
     # the gateway's requests in flight now times the node's share of their time lately,
     # newcomers with the median work (a closed loop refills the gateway, not each node)
     "share": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
-    "  arrival_work: median\n",
+    "  arrival_work: median\n"
+    "  arrival_weight: 1.0\n",
+    # the node held at what it has in hand, the decode half way (geometrically) between the
+    # replays without and with the arrivals
+    "hold_blend": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
+    "  arrival_work: median\n  arrival_weight: 0.5\n",
+    # the same with the gateway's share
+    "share_blend": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
+    "  arrival_work: median\n  arrival_weight: 0.5\n",
     # the same with the mean work
-    "share_mean": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n",
+    "share_mean": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
+    "  arrival_work: mean\n  arrival_weight: 1.0\n",
     # the same with the recent mean population
-    "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_work: median\n",
+    "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_population: recent_mean\n"
+    "  arrival_work: median\n  arrival_weight: 1.0\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
 }

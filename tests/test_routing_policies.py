@@ -7,6 +7,7 @@ fast prefill).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
-from routing.latency import LatencyKnobs
+from routing.latency import Estimate, LatencyKnobs
 from routing.policies import NoRoute
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import RequestProfile
@@ -379,7 +380,8 @@ def test_a_node_state_taken_before_our_requests_finished_is_not_double_counted()
 
 def test_the_population_a_node_usually_has_is_expected_to_stay():
     clock = [NOW]
-    on = PolicyConfig(policy="edge_first", latency=LatencyKnobs(future_arrivals=True))
+    recent = LatencyKnobs(arrival_population="recent_mean", arrival_work="mean", arrival_weight=1)
+    on = PolicyConfig(policy="edge_first", latency=recent)
     r = Router(on, clock=lambda: clock[0])
     fleet = view(edge(max_batch=64))
     quiet = r.candidates(profile(40, out=64), fleet)[0][0].estimate
@@ -400,7 +402,7 @@ def test_the_population_a_node_usually_has_is_expected_to_stay():
     # their prefill chunks between its decode steps and their rows in its batch
     assert busy.ttft_ms == pytest.approx(quiet.ttft_ms)
     assert busy.decode_ms_per_token > 2.5 * quiet.decode_ms_per_token
-    off = Router(PolicyConfig(), clock=lambda: clock[0])  # off by default
+    off = Router(PolicyConfig(latency=LatencyKnobs(future_arrivals=False)), clock=lambda: clock[0])
     off.ledger = r.ledger
     assert off.candidates(profile(40, out=64), fleet)[0][0].estimate == quiet
     clock[0] += 11.0  # nothing sent for longer than the window: nothing expected
@@ -428,7 +430,10 @@ def test_arrivals_can_hold_the_node_at_what_it_has_and_take_the_median_work():
     assert median.population == mean.population == 1  # one at a time, each for 0.5 s
 
     def decode_ms(**knobs: object) -> float:
-        cfg = PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs))
+        # from no arrivals, the recent mean population and the mean work, in full
+        base: dict[str, object] = {"future_arrivals": False, "arrival_weight": 1.0}
+        base |= {"arrival_population": "recent_mean", "arrival_work": "mean"}
+        cfg = PolicyConfig(policy="edge_first", latency=LatencyKnobs(**(base | knobs)))
         held = Router(cfg, clock=lambda: clock[0])
         held.ledger = r.ledger
         return held.candidates(profile(40, out=64), fleet)[0][0].estimate.decode_ms_per_token
@@ -477,7 +482,7 @@ def test_gateway_share_keeps_a_node_at_its_share_of_the_gateways_requests():
     recent = r.ledger.arrivals("edge-eu", clock[0], 10.0, "median")
     assert recent is not None and recent.population == 3
     # the router uses the share where the knob says so: fewer rows held, a faster decode
-    knobs = {"future_arrivals": True, "arrival_work": "median"}
+    knobs = {"future_arrivals": True, "arrival_work": "median", "arrival_weight": 1.0}
 
     def decode_ms(**more: object) -> float:
         cfg = PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs, **more))
@@ -486,7 +491,36 @@ def test_gateway_share_keeps_a_node_at_its_share_of_the_gateways_requests():
         est = held.candidates(profile(40, out=64), fleet)[0]
         return next(x.estimate for x in est if x.node.id == "edge-eu").decode_ms_per_token
 
-    assert decode_ms(arrival_population="gateway_share") < decode_ms()
+    recent_ms = decode_ms(arrival_population="recent_mean")
+    assert decode_ms(arrival_population="gateway_share") < recent_ms
+
+
+def test_arrival_weight_blends_the_decode_of_the_replays_with_and_without_arrivals():
+    """``arrival_weight``: the decode time is the geometric blend of the replay's without
+    future arrivals (0) and with them (1); the first token is the same in all three."""
+    clock = [NOW]
+    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
+    fleet = view(edge(max_batch=64))
+    for _ in range(3):  # three in hand: held at four, each finish replaced
+        p = profile(40, out=4)
+        r.begin(r.decide(p, fleet), profile=p)
+    clock[0] += 0.01  # what was sent is known after it was sent
+
+    def estimate(**knobs: object) -> Estimate:
+        cfg = PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs))
+        held = Router(cfg, clock=lambda: clock[0])
+        held.ledger = r.ledger
+        return held.candidates(profile(40, out=64), fleet)[0][0].estimate
+
+    hold = {"future_arrivals": True, "arrival_population": "in_hand", "arrival_work": "median"}
+    without, full = estimate(future_arrivals=False), estimate(**hold, arrival_weight=1.0)
+    half, none = estimate(**hold, arrival_weight=0.5), estimate(**hold, arrival_weight=0.0)
+    decode = {k: e.e2e_ms - e.ttft_ms for k, e in [("0", without), ("1", full), ("h", half)]}
+    assert decode["1"] > 1.5 * decode["0"]  # the arrivals slow its decode
+    assert decode["h"] == pytest.approx(math.sqrt(decode["0"] * decode["1"]))
+    assert none.e2e_ms == pytest.approx(without.e2e_ms)
+    assert half.ttft_ms == pytest.approx(full.ttft_ms) == pytest.approx(without.ttft_ms)
+    assert without.mean_batch < half.mean_batch < full.mean_batch
 
 
 def test_a_long_prefill_is_kept_off_the_node_whose_answers_it_would_stall():

@@ -63,8 +63,16 @@ class BlindLedger(DispatchLedger):
     ) -> list[Work]:
         return []
 
+    def gateway_in_flight(self) -> int:
+        return 0
+
     def arrivals(
-        self, node_id: str, now: float, window_s: float, typical: Typical = "mean"
+        self,
+        node_id: str,
+        now: float,
+        window_s: float,
+        typical: Typical = "mean",
+        share: bool = False,
     ) -> Arrivals | None:
         return None
 
