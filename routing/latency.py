@@ -164,9 +164,10 @@ class LatencyKnobs(BaseModel):
         "runs there (arrival_population, arrival_work, joining after its first token; with "
         "the node held at what it has in hand, newcomers at the median work and half the "
         "arrivals' weight, the default since 2026-12-04, on the embedded default, pooled over "
-        "four rounds, the concurrency-4 e2e error went from 0.24 / 0.58 (median / p90) to "
-        "0.15 / 0.49 and the goal cells met from 8 to 10 of 12; on the GPU machine's H200, two "
-        "runs, from 0 to 3; off: the default before, docs/benchmarks.md)",
+        "six rounds, the concurrency-4 e2e error went from 0.26 / 0.58 (median / p90) to "
+        "0.16 / 0.50 and the concurrency-16 p90s from 0.56 / 0.56 to 0.67 / 0.66 (TTFT / e2e), "
+        "the goal cells met from 8 to 9 of 12; on the GPU machine's H200, two runs, from 0 to "
+        "3; off: the default before, docs/benchmarks.md)",
     )
     arrival_population: Literal["recent_mean", "in_hand", "in_slots", "gateway_share"] = Field(
         default="in_hand",
@@ -199,8 +200,8 @@ class LatencyKnobs(BaseModel):
         "replay's without arrivals (0) and with them (1); in full (1) they remove the "
         "decode's bias at concurrency 4 and 16 on the embedded default (measured / predicted "
         "1.56 to 1.04-1.10) but err wider where the next requests go elsewhere, and the p90s "
-        "stayed; at 0.5 the concurrency-4 e2e p90 was met for the first time (0.49 over four "
-        "rounds against 0.58 without arrivals and 0.60 in full: docs/benchmarks.md)",
+        "stayed; at 0.5 the concurrency-4 e2e p90 was met for the first time (0.50 over six "
+        "rounds against 0.58 without arrivals; 0.60 in full over two: docs/benchmarks.md)",
     )
     arrival_window_s: float = Field(
         default=10.0,
