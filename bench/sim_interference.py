@@ -38,11 +38,22 @@ FLEET_REGIONS = {
     "morning_peak_fleet.yaml": "eu-west",
     "embedded_fleet.yaml": "local",
 }
+NO_ARRIVALS = {"future_arrivals": False}
 VARIANTS = {
-    "each for itself": {},
-    "interference_weight 1": {"interference_weight": 1.0},
-    "future_arrivals": {"latency": {"future_arrivals": True}},
-    "both": {"interference_weight": 1.0, "latency": {"future_arrivals": True}},
+    "each for itself": {"latency": NO_ARRIVALS},
+    "interference_weight 1": {"interference_weight": 1.0, "latency": NO_ARRIVALS},
+    # the node kept at its recent mean population, newcomers with the mean work, in full
+    "future_arrivals": {
+        "latency": {
+            "arrival_population": "recent_mean",
+            "arrival_work": "mean",
+            "arrival_weight": 1.0,
+        }
+    },
+    # held at what it has in hand, median newcomers, half their weight: the default since
+    # 2026-12-04
+    "held arrivals (default)": {},
+    "both": {"interference_weight": 1.0},
 }
 
 
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"{len(base)} requests (Azure conv, first {args.minutes:g} min, lengths x0.25, "
             f"arrivals x{args.time_scale:g}), latency policy; `_vs_first` against "
-            "`each for itself` (the default) on the same fleet.",
+            "`each for itself` (no arrivals, no weight) on the same fleet.",
             "",
             table(rows, list(rows[0])),
         ]
