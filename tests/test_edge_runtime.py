@@ -564,6 +564,8 @@ async def test_a_prompt_beside_decoding_answers_is_prefilled_in_small_chunks(
     it). B's greedy tokens are the same either way."""
     small_steps, small_tokens = await _beside_a_decoding_answer(tiny_gqa, 0.0)
     full_steps, full_tokens = await _beside_a_decoding_answer(tiny_gqa, None)
-    assert small_steps >= 8
-    assert full_steps <= 2
+    assert small_steps >= 8, (small_steps, full_steps)
+    # one full chunk stalls A for all of B's prompt; on a loaded machine A's stream drains
+    # late and its queued tokens count in both runs alike, so the two are also compared
+    assert full_steps <= 2 or small_steps >= full_steps + 6, (small_steps, full_steps)
     assert small_tokens == full_tokens and len(small_tokens) == 4
