@@ -214,14 +214,14 @@ class DispatchLedger:
         start = max(start, self._first_sent[node_id])
         if now - start <= 0:
             return None
-        population = self.mean_in_flight(node_id, start, now)
         if share:
-            window_start = now - window_s
-            total = sum(self.mean_in_flight(n, window_start, now) for n in self._times)
-            own = self.mean_in_flight(node_id, window_start, now)
+            held = {n: self.mean_in_flight(n, now - window_s, now) for n in self._times}
+            total = sum(held.values())
             if total <= 0:
                 return None
-            population = (self.gateway_in_flight() + 1) * own / total
+            population = (self.gateway_in_flight() + 1) * held.get(node_id, 0.0) / total
+        else:
+            population = self.mean_in_flight(node_id, start, now)
         of = statistics.median if typical == "median" else statistics.fmean
         work = Work(
             max(1.0, of(s[1] for s in sent)),

@@ -63,9 +63,6 @@ class BlindLedger(DispatchLedger):
     ) -> list[Work]:
         return []
 
-    def gateway_in_flight(self) -> int:
-        return 0
-
     def arrivals(self, *args: object, **kwargs: object) -> Arrivals | None:
         """Nothing expected, whatever is asked (the signature accepts every call of the
         ledger's own)."""
