@@ -44,14 +44,17 @@ def _fleet(now: float) -> FleetView:
                      prefix_blocks={})  # fmt: skip
 
 
-def cost_us(policy: str, in_flight: int, rounds: int) -> float:
+def cost_us(policy: str, in_flight: int, rounds: int, arrivals: bool = True) -> float:
+    """``arrivals``: the latency model's future arrivals as shipped (on, two replays a node
+    when blended), else off (one replay)."""
     prof = RequestProfile(
         model="m", model_identity="m", route="chat", prompt_token_ids=list(range(300)),
         block_hashes=[], max_tokens=64, expected_output_tokens=64.0, stream=True,
         client_region="local",
     )  # fmt: skip
     view = _fleet(time.time())
-    filler = Router(PolicyConfig(policy="round_robin"))
+    knobs = {} if arrivals else {"latency": {"future_arrivals": False}}
+    filler = Router(PolicyConfig.model_validate({"policy": "round_robin", **knobs}))
     for _ in range(in_flight):
         filler.begin(filler.decide(prof, view), profile=prof)
     t0 = time.perf_counter()
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in args.in_flight:
         lat, thr = cost_us("latency", n, args.rounds), cost_us("threshold", n, args.rounds)
+        no_arrivals = cost_us("latency", n, args.rounds, arrivals=False)
         routing.latency.replay = replay_literal  # the peer: the literal loop
         try:
             literal = cost_us("latency", n, args.rounds)
@@ -76,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             routing.latency.replay = replay
         rows.append({"in_flight": n, "latency_us": round(lat, 1), "threshold_us": round(thr, 1),
                      "latency_literal_loop_us": round(literal, 1),
+                     "latency_no_arrivals_us": round(no_arrivals, 1),
                      "speedup": round(literal / lat, 2)})  # fmt: skip
-    cols = ["in_flight", "latency_us", "threshold_us", "latency_literal_loop_us", "speedup"]
+    cols = ["in_flight", "latency_us", "latency_no_arrivals_us", "threshold_us",
+            "latency_literal_loop_us", "speedup"]  # fmt: skip
     print(table(rows, cols))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
