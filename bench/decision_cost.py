@@ -5,9 +5,11 @@ node's engine over the work the gateway has in flight there (``routing/backlog.p
 policies pay for the replay: the rows show how that cost grows with the requests in hand
 (against the same decision with none), on one fleet (an edge node with 4 slots, a cloud node
 with 64) after ``begin`` of N requests of 300 prompt tokens spread by round robin, in this
-process. The peer is the same decision with the literal engine loop
+process. The peers are the same decision with the literal engine loop
 (``routing.backlog.replay_literal``, one pass over the rows per step) in place of the heap
-replay the gateway runs.
+replay the gateway runs, without future arrivals (one replay a node), and with the blend's two
+replays run apart (``two_replays``) in place of ``replay_pair``'s fork at the new request's
+first token.
 
     python bench/decision_cost.py --in-flight 0 16 64 256
 """
@@ -18,13 +20,22 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import routing.latency
 from bench._common import RESULTS, machine, recorded_command, table
-from routing.backlog import replay, replay_literal
+from routing.backlog import (
+    Arrivals,
+    EngineShape,
+    Replayed,
+    Work,
+    replay,
+    replay_literal,
+    replay_pair,
+)
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
 from routing.policy_config import PolicyConfig
@@ -63,6 +74,28 @@ def cost_us(policy: str, in_flight: int, rounds: int, arrivals: bool = True) -> 
     return (time.perf_counter() - t0) / rounds * 1e6
 
 
+def _apart(
+    run: Callable[..., Replayed],
+) -> Callable[[EngineShape, Sequence[Work], Work, Arrivals], tuple[Replayed, Replayed]]:
+    """``replay_pair`` as two whole runs of ``run``, without arrivals and with them."""
+
+    def pair(
+        shape: EngineShape, ahead: Sequence[Work], new: Work, arrivals: Arrivals
+    ) -> tuple[Replayed, Replayed]:
+        return run(shape, ahead, new), run(shape, ahead, new, arrivals=arrivals)
+
+    return pair
+
+
+def _with(run: Callable[..., Replayed], in_flight: int, rounds: int) -> float:
+    """The latency decision's cost with ``run`` as the gateway's replay, whole runs each."""
+    routing.latency.replay, routing.latency.replay_pair = run, _apart(run)
+    try:
+        return cost_us("latency", in_flight, rounds)
+    finally:
+        routing.latency.replay, routing.latency.replay_pair = replay, replay_pair
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--in-flight", type=int, nargs="+", default=[0, 16, 64, 256])
@@ -73,16 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.in_flight:
         lat, thr = cost_us("latency", n, args.rounds), cost_us("threshold", n, args.rounds)
         no_arrivals = cost_us("latency", n, args.rounds, arrivals=False)
-        routing.latency.replay = replay_literal  # the peer: the literal loop
-        try:
-            literal = cost_us("latency", n, args.rounds)
-        finally:
-            routing.latency.replay = replay
+        literal = _with(replay_literal, n, args.rounds)
+        two_replays = _with(replay, n, args.rounds)
         rows.append({"in_flight": n, "latency_us": round(lat, 1), "threshold_us": round(thr, 1),
                      "latency_literal_loop_us": round(literal, 1),
                      "latency_no_arrivals_us": round(no_arrivals, 1),
+                     "latency_two_replays_us": round(two_replays, 1),
                      "speedup": round(literal / lat, 2)})  # fmt: skip
-    cols = ["in_flight", "latency_us", "latency_no_arrivals_us", "threshold_us",
+    cols = ["in_flight", "latency_us", "latency_no_arrivals_us", "latency_two_replays_us",
+            "threshold_us",
             "latency_literal_loop_us", "speedup"]  # fmt: skip
     print(table(rows, cols))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +177,54 @@ def _run_step_chunks(
     return total, own, finished
 
 
+class _Clock(NamedTuple):
+    """A replay's scalars between loops (see :func:`_advance`)."""
+
+    t: float = 0.0  # ms from the decision
+    done: float = 0.0  # decode steps run (the decoding rows' shared counter)
+    base: float = 0.0  # the decoding rows' context less the count each started at, summed
+    queue_ms: float = -1.0
+    first: float = -1.0
+    target_end: float = -1.0  # the step count the new request finishes at, once it decodes
+    row_steps: float = 0.0
+    steps: float = 0.0
+    stall: float = 0.0
+    ctx_steps: float = 0.0
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class _Loop:
+    """A replay paused between two loops: what waits, prefills and decodes, and its clock."""
+
+    waiting: deque[_Req]
+    prefilling: deque[_Req]  # in slots, prompt not done, oldest first
+    # heap of (step count it finishes at, tiebreak, its context less the count it started at)
+    decoding: list[tuple[float, int, float]]
+    target: _Req
+    loops: int  # loops left before it gives up
+    clock: _Clock = field(default_factory=_Clock)
+
+    @classmethod
+    def start(cls, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
+        waiting = deque(_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0)
+        target = _req(new, new=True)
+        waiting.append(target)
+        return cls(waiting, deque(), [], target, max_loops)
+
+    def fork(self) -> _Loop:
+        """An independent copy (requests not yet decoding are copied: chunks change them)."""
+        copies = {id(r): replace(r) for r in (*self.waiting, *self.prefilling)}
+        return _Loop(
+            deque(copies[id(r)] for r in self.waiting),
+            deque(copies[id(r)] for r in self.prefilling),
+            list(self.decoding),
+            copies.get(id(self.target), self.target),
+            self.loops,
+            self.clock,
+        )
+
+
 def replay(
     shape: EngineShape,
     ahead: Sequence[Work],
@@ -184,7 +233,39 @@ def replay(
     arrivals: Arrivals | None = None,
 ) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
-    ``arrivals`` that keep the node's population.
+    ``arrivals`` that keep the node's population."""
+    r = _advance(shape, _Loop.start(ahead, new, max_loops), arrivals, pause_at_first=False)
+    assert r is not None  # only a pausing run stops short
+    return r
+
+
+def replay_pair(
+    shape: EngineShape,
+    ahead: Sequence[Work],
+    new: Work,
+    arrivals: Arrivals,
+    max_loops: int = 4096,
+) -> tuple[Replayed, Replayed]:
+    """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
+    once the new request has its first token, so both run the same loops until then; those
+    run once, and the rest forks."""
+    loop = _Loop.start(ahead, new, max_loops)
+    shared = _advance(shape, loop, None, pause_at_first=True)
+    if shared is not None:  # done by its first token (no decode, or out of loops)
+        return shared, shared
+    held = loop.fork()
+    without = _advance(shape, loop, None, pause_at_first=False)
+    with_arrivals = _advance(shape, held, arrivals, pause_at_first=False)
+    assert without is not None and with_arrivals is not None
+    return without, with_arrivals
+
+
+def _advance(
+    shape: EngineShape, loop: _Loop, arrivals: Arrivals | None, pause_at_first: bool
+) -> Replayed | None:
+    """Run ``loop`` on to the new request's last token; with ``pause_at_first``, stop instead
+    before the first loop that begins after its first token (where arrivals would join),
+    save the clock in ``loop`` and return None.
 
     Every decoding request advances one step per decode step, so they share one step counter
     (``done``) and each is a heap entry keyed by the count at which it finishes: a step, a jump
@@ -193,18 +274,14 @@ def replay(
     ``c + done - s`` tokens, so the rows' sum is ``base + rows * done`` with ``base`` the sum
     of their ``c - s``.
     """
-    waiting = deque(_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0)
-    target = _req(new, new=True)
-    waiting.append(target)
-    prefilling: deque[_Req] = deque()  # in slots, prompt not done, oldest first
-    # heap of (step count it finishes at, tiebreak, its context less the count it started at)
-    decoding: list[tuple[float, int, float]] = []
+    waiting, prefilling, decoding, target = (
+        loop.waiting,
+        loop.prefilling,
+        loop.decoding,
+        loop.target,
+    )
+    t, done, base, queue_ms, first, target_end, row_steps, steps, stall, ctx_steps, seq = loop.clock
     slots = max(1, shape.slots)
-    t = done = base = 0.0
-    queue_ms = first = -1.0
-    target_end = -1.0  # the step count the target finishes at, once it decodes
-    row_steps = steps = stall = ctx_steps = 0.0
-    seq = 0
 
     def start_decoding(r: _Req) -> None:
         nonlocal seq, target_end, base
@@ -224,10 +301,18 @@ def replay(
             return Replayed(queue_ms, first, last, 1.0, stall)
         return Replayed(queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps)
 
-    for _ in range(max_loops):
-        if arrivals is not None and first >= 0:
-            for _ in range(arrivals.population - len(waiting) - len(prefilling) - len(decoding)):
-                waiting.append(_req(arrivals.work))
+    for ran in range(loop.loops):
+        if first >= 0:
+            if pause_at_first:
+                loop.loops -= ran
+                loop.clock = _Clock(t, done, base, queue_ms, first, target_end, row_steps,
+                                    steps, stall, ctx_steps, seq)  # fmt: skip
+                return None
+            if arrivals is not None:
+                for _ in range(
+                    arrivals.population - len(waiting) - len(prefilling) - len(decoding)
+                ):
+                    waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
             r = waiting.popleft()
             if r.new:

@@ -34,7 +34,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from routing.backlog import Arrivals, EngineShape, Replayed, Work, replay
+from routing.backlog import Arrivals, EngineShape, Replayed, Work, replay, replay_pair
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState, StepCost
 
@@ -911,9 +911,10 @@ class LatencyModel:
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         new = Work(work_tokens, out - 1.0, context=prompt_tokens)
-        r = replay(shape, work, new, arrivals=arrivals)
         if arrivals is not None and k.arrival_weight < 1.0:
-            r = _blend_decode(replay(shape, work, new), r, k.arrival_weight)
+            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
+        else:
+            r = replay(shape, work, new, arrivals=arrivals)
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)
         chunks = math.ceil(work_tokens / max(1, shape.chunk_tokens))

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from routing.backlog import Arrivals, EngineShape, Replayed, Work, replay, replay_literal
+from routing.backlog import (
+    Arrivals,
+    EngineShape,
+    Replayed,
+    Work,
+    replay,
+    replay_literal,
+    replay_pair,
+)
 
 SHAPE = EngineShape(
     slots=2, chunk_tokens=100, prefill_ms_per_token=1.0, decode_step_ms_b1=10.0, batch_slope=0.5
@@ -217,3 +225,25 @@ def test_replay_with_arrivals_equals_the_literal_loop(
     assert got.mean_batch == pytest.approx(want.mean_batch)
     assert got.stalled_others_ms == pytest.approx(want.stalled_others_ms)
     assert got.mean_context == pytest.approx(want.mean_context)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ahead=works,
+    new=st.builds(Work, st.sampled_from([1.0, 30.0, 512.0]), st.sampled_from([0.0, 1.0, 15.0])),
+    slots=st.sampled_from([1, 2, 4, 64]),
+    population=st.sampled_from([0, 1, 3, 8, 70]),
+    later=st.builds(Work, st.sampled_from([1.0, 64.0, 300.0]), st.sampled_from([0.0, 2.0, 20.0])),
+    max_loops=st.sampled_from([3, 4096]),
+)
+def test_replay_pair_equals_the_two_replays_it_forks(
+    ahead: Sequence[Work], new: Work, slots: int, population: int, later: Work, max_loops: int
+):
+    """The pair runs the loops up to the new request's first token once and forks there: each
+    half is exactly what its own replay gives, the loop budget included."""
+    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
+                        decode_ms_per_context_token=0.01)  # fmt: skip
+    arr = Arrivals(population, later)
+    without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops)
+    assert without == replay(shape, ahead, new, max_loops=max_loops)
+    assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr)
