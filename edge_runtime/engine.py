@@ -79,7 +79,10 @@ class EdgeEngineConfig:
     rest (``edge_runtime.slot_cache``); off: no reuse, no block events, no held blocks;
     ``prefill_stall_ratio``: while answers decode, a prompt is prefilled in chunks of at most
     this many decode steps' time, so a later prompt slows each of their tokens by at most
-    ``1 + ratio`` (``routing.prefill_budget``; None: full ``prefill_chunk`` chunks always).
+    ``1 + ratio`` (``routing.prefill_budget``; None: full ``prefill_chunk`` chunks always);
+    ``prefix_first``: with ``prefix_reuse``, a waiting request that reuses several more blocks
+    of a free slot than those ahead of it is admitted first, each passing them at most this
+    many times (0: strict priority-then-arrival order; ``edge_runtime.scheduler``).
     """
 
     slots: int = 4
@@ -94,6 +97,7 @@ class EdgeEngineConfig:
     huge_pages: bool = True
     prefix_reuse: bool = True
     prefill_stall_ratio: float | None = 1.0
+    prefix_first: int = 4
 
 
 class EdgeEngine:
@@ -195,6 +199,7 @@ class EdgeEngine:
             cfg.stream_interval_ms / 1e3,
             cache,
             stall_ratio=cfg.prefill_stall_ratio,
+            prefix_first=cfg.prefix_first,
         )
         if cfg.warmup:
             _warm_up(decoder, scheduler)

@@ -296,3 +296,34 @@ def test_grow_adopt_and_the_busy_slot_to_copy_from() -> None:
     cache.take(0, 3)
     with pytest.raises(IntegrityError):
         cache.adopt(2, 0, 4)  # slot 0 now keeps only 3 blocks
+
+
+@pytest.mark.parametrize("prefix_first, want", [(0, (0, 80)), (1, (80, 0)), (4, (80, 80))])
+async def test_a_request_reusing_a_freed_slots_prefix_goes_first(
+    tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory, prefix_first: int,
+    want: tuple[int, int],
+) -> None:  # fmt: skip
+    """Two slots, both busy: A (a long answer) and C (an app prompt S of five blocks and a
+    question). B (unrelated) waits, then D1 and D2 (S and other questions). When C ends, its
+    slot keeps S: in strict arrival order B takes it and overwrites S, so D1 prefills S again
+    (and D2 reuses D1's); admitted first, D1 reuses it, and D2 too unless B has been passed
+    its limit (``prefix_first``) by then and overwrites S when D1 ends. D1's greedy tokens
+    match a cold run."""
+    root = tmp_path_factory.getbasetemp() / "edge-onnx"
+    root.mkdir(exist_ok=True)
+    folder = ensure_export(tiny_model_path, "fp32", "gqa", root=root).folder
+    s, q1, q3, qd1, qd2, a, b = _prompts(80, 8, 8, 8, 8, 40, 40, seed=31)
+    warm = await _engine(folder, prefix_first=prefix_first)
+    cold = await _engine(folder, prefix_reuse=False, slots=1)
+    try:
+        assert (await _run(warm, s + q1)).cached == 0  # slot 0 keeps S
+        runs = [(a, 100), (s + q3, 8), (b, 6), (s + qd1, 8), (s + qd2, 6)]
+        done = await asyncio.gather(*(_collect(warm, p, new) for p, new in runs))
+        assert done[1][1] == 80  # C reused the kept S
+        assert done[2][1] == 0
+        assert (done[3][1], done[4][1]) == want
+        assert warm._require_started().cache.check_integrity() is None
+        assert done[3][0] == (await _run(cold, s + qd1, new=8)).tokens
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()

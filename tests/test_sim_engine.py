@@ -107,6 +107,16 @@ def test_edge_copies_a_prefix_from_a_running_request(tmp_path: Path) -> None:
     assert res.cached_tokens == [0, 48]
 
 
+def test_edge_admits_first_the_request_that_reuses_the_freed_slot(tmp_path: Path) -> None:
+    g = {"prefix_group": "sys", "prefix_tokens": 96}
+    trace = [_req(0, 112, 5, **g), _req(0.001, 64, 2), _req(0.002, 112, 2, **g)]
+    res = _run(_fleet(tmp_path, "edge", slots=1), trace)
+    # A's slot keeps the six shared blocks when it ends; C (behind B) reuses them and goes
+    # first, as the edge engine orders its queue; in arrival order B would overwrite them
+    assert res.cached_tokens == [0, 0, 96]
+    assert res.ttft_s[2] + 0.002 < res.ttft_s[1] + 0.001
+
+
 def test_cloud_prefix_cache_hit(tmp_path: Path) -> None:
     g = {"prefix_group": "sys", "prefix_tokens": 320}
     res = _run(_fleet(tmp_path, "cloud"), [_req(0, 320, 2, **g), _req(1.0, 320, 2, **g)])

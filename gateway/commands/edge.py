@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gateway.commands.argtypes import stall_ratio
+from gateway.commands.argtypes import nonneg_int, stall_ratio
 from gateway.commands.node_args import add_node_arguments
 from routing.model_store import DEFAULT_MODEL
 
@@ -127,6 +127,14 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         "'off': 256-token chunks always)",
     )
     s.add_argument(
+        "--prefix-first",
+        type=nonneg_int,
+        default=4,
+        help="admit a waiting request that reuses 4+ more blocks of a free slot's kept KV "
+        "before those ahead of it, passing each at most this many times (default 4; 0: "
+        "strict arrival order)",
+    )
+    s.add_argument(
         "--no-huge-pages",
         dest="huge_pages",
         action="store_false",
@@ -155,6 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream_interval_ms=args.stream_interval_ms,
         huge_pages=args.huge_pages,
         prefill_stall_ratio=args.prefill_stall_ratio,
+        prefix_first=args.prefix_first,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(

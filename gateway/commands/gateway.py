@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.commands.argtypes import cloud_stall_ratio, port, positive_int, stall_ratio
+from gateway.commands.argtypes import (
+    cloud_stall_ratio,
+    nonneg_int,
+    port,
+    positive_int,
+    stall_ratio,
+)
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
@@ -79,6 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         type=stall_ratio,
         default=1.0,
         help="the edge node's --prefill-stall-ratio (default 1; 'off': full chunks)",
+    )
+    s.add_argument(
+        "--edge-prefix-first",
+        type=nonneg_int,
+        default=4,
+        help="the edge node's --prefix-first (default 4; 0: strict arrival order)",
     )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(
@@ -209,6 +221,7 @@ def _node_argv(
         argv += ["--variant", args.edge_variant]
         ratio = args.edge_prefill_stall_ratio
         argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
+        argv += ["--prefix-first", str(args.edge_prefix_first)]
     else:
         argv += ["--device", args.cloud_device]
         if args.cloud_prefill_stall_ratio is not None:

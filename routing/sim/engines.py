@@ -1,8 +1,9 @@
 """Simulated engines: one event per engine step (a run of identical decode steps is one event,
 cut short when something arrives that would change the plan).
 
-- :class:`EdgeSim` mirrors ``edge_runtime.scheduler``: FCFS admission into ``slots``; a new
-  request takes the free slot holding most of its leading blocks (its kept KV), else an empty
+- :class:`EdgeSim` mirrors ``edge_runtime.scheduler``: FCFS admission into ``slots``, but
+  for a request that reuses ``PREFIX_FIRST_MIN_BLOCKS`` more of a free slot's kept blocks than
+  those ahead of it (each passed at most ``prefix_first`` times); a new request takes the free slot holding most of its leading blocks (its kept KV), else an empty
   slot, else the least recently freed, with a longer run a busy slot holds copied into it (a
   running request offers its prompt's blocks as its prefill writes them); each loop runs one
   prefill chunk of the oldest request
@@ -29,7 +30,9 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
+from routing.blocks import PREFIX_FIRST_MIN_BLOCKS, PREFIX_FIRST_WINDOW
 from routing.fleet.state import StepCost as FittedStepCost
 from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms
 from routing.sim.profiles import StepCost
@@ -57,6 +60,7 @@ class SimRequest:
     held: int = 0  # cloud: unhashed blocks held
     refs: list[int] = field(default_factory=list)  # cloud: hashed blocks referenced
     preempted: int = 0
+    passed: int = 0  # edge: times a later request was admitted before it (prefix_first)
     # compute of its own prompt chunks, as the node reports it (the cloud: its token share of
     # each step that ran them, beyond the decode rows' time)
     prefill_ms: float = 0.0
@@ -148,9 +152,11 @@ class EdgeSim(_Node):
         on_blocks: EventSink,
         prefix_cache: bool = True,
         stall_ratio: float | None = 1.0,
+        prefix_first: int = 4,
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
         self.chunk = chunk_tokens
+        self.prefix_first = prefix_first
         self.stall_ratio = stall_ratio
         self.prefix_cache = prefix_cache
         self.occupant: list[SimRequest | None] = [None] * slots
@@ -204,12 +210,33 @@ class EdgeSim(_Node):
             n += 1
         return n
 
+    def _next_waiting(self, free: Sequence[int]) -> SimRequest:
+        """Take the waiting request to admit next, as ``edge_runtime.scheduler`` does."""
+        if not self.prefix_cache or self.prefix_first == 0 or len(self.waiting) == 1:
+            return self.waiting.popleft()
+        best, ahead_most = 0, -1  # the most blocks any request before the one scanned reuses
+        for i, r in enumerate(islice(self.waiting, PREFIX_FIRST_WINDOW)):
+            limit = reusable(r.prompt)
+            n = max(self._leading(self.kept[s], r.blocks, limit) for s in free)
+            if i > 0 and n >= ahead_most + PREFIX_FIRST_MIN_BLOCKS:
+                best = i
+            ahead_most = max(ahead_most, n)
+            if r.passed >= self.prefix_first:
+                break
+        if best == 0:
+            return self.waiting.popleft()
+        for r in islice(self.waiting, best):
+            r.passed += 1
+        chosen = self.waiting[best]
+        del self.waiting[best]
+        return chosen
+
     def _admit(self) -> None:
         removed: list[int] = []
         stored: list[int] = []
         while self.waiting and len(self.order) < self.slots:
-            r = self.waiting.popleft()
             free = [i for i, o in enumerate(self.occupant) if o is None]
+            r = self._next_waiting(free)
             best, best_n = -1, 0
             limit = reusable(r.prompt)
             if self.prefix_cache:
