@@ -114,8 +114,6 @@ class Sample:
 VARIANTS = {
     # no future arrivals in the replay (the default before 2026-12-04, eighth session)
     "no_arrivals": "latency:\n  future_arrivals: false\n",
-    # a prompt token before the prefill fit at the blended rate, not the node's step cost
-    "no_step_prior": "latency:\n  step_cost_prefill_prior: false\n",
     # the output-length statistics without the whole-prompt key (first block and coarser)
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)

@@ -143,16 +143,6 @@ class LatencyKnobs(BaseModel):
     min_step_cost_steps: int = Field(
         default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
     )
-    step_cost_prefill_prior: bool = Field(
-        default=True,
-        description="until a node's prompts spread enough in new tokens to fit its prefill "
-        "line, take a new prompt token's cost from the step cost the node reports (fitted "
-        "over its steps' chunk sizes; min_step_cost_steps), the fixed cost through the prompts "
-        "seen, rather than the blended tokens/s, which carries their fixed cost: a CPU cloud "
-        "node that had served only prefix hits (16 new tokens in ~180 ms) was taken at 9-10 "
-        "ms a token and predicted 744 ms for a 74-token prompt it computed in 285 "
-        "(docs/benchmarks.md)",
-    )
     overrun_left: float = Field(
         default=0.0,
         ge=0,
@@ -801,32 +791,16 @@ class LatencyModel:
         cost = self.step_cost(node)
         if cost is not None:
             return 0.0, cost.ms_per_prompt_token, cost.ms_per_context_token
-        k = self.knobs
         rates = self.rates.get(node.id)
-        if rates is not None:
-            fit = rates.prefill_fit.solve(k.cached_prefill_cost)
-            if fit is not None and fit[1] > 0:
-                passes = k.enabled(k.prefill_pass, node) and k.defaults(node.kind).mixed_steps
-                return 0.0 if passes else max(0.0, fit[0]), fit[1], fit[2]
-        per_token = self._prior_ms_per_prompt_token(node)
+        per_token = 1000.0 / self.prefill_tokens_per_s(node)
         if rates is None:
             return 0.0, per_token, 0.0
+        k = self.knobs
         passes = k.enabled(k.prefill_pass, node) and k.defaults(node.kind).mixed_steps
+        fit = rates.prefill_fit.solve(self.knobs.cached_prefill_cost)
+        if fit is not None and fit[1] > 0:
+            return 0.0 if passes else max(0.0, fit[0]), fit[1], fit[2]
         return 0.0 if passes else rates.prefill_fit.fixed_at(per_token), per_token, 0.0
-
-    def _prior_ms_per_prompt_token(self, node: NodeState) -> float:
-        """A new prompt token's cost before the node's prefill line is fitted: its reported
-        step cost's marginal prompt token (``step_cost_prefill_prior``), else the blended
-        rate."""
-        k, cost = self.knobs, node.step_cost
-        if (
-            k.step_cost_prefill_prior
-            and cost is not None
-            and cost.steps >= k.min_step_cost_steps
-            and cost.ms_per_prompt_token > 0
-        ):
-            return cost.ms_per_prompt_token
-        return 1000.0 / self.prefill_tokens_per_s(node)
 
     def alone_pass_ms(self, node_id: str, one_row_ms: float) -> float:
         """The pass a prompt's chunk pays with no decode row beside it: the median of what

@@ -268,49 +268,6 @@ def test_prefill_fixed_cost_and_per_token_rate_are_fitted():
     assert est(m, n, prompt=10, out=1).ttft_ms == pytest.approx(5.0 + 100.0 + 20.0)
 
 
-def test_before_the_prefill_fit_a_new_token_costs_what_the_nodes_step_cost_says():
-    """A node that has served only prefix hits (16 new tokens after 1,136 cached, 180 ms each)
-    cannot fit its prefill line: the new tokens do not spread. Its blended tokens/s (16 tokens
-    in 180 ms: 89/s) carries the prompts' fixed cost and would take a cold 74-token prompt at
-    830 ms; the step cost the node reports prices the token at its margin (2.3 ms), the fixed
-    cost through the prompts seen (180 - 16 * 2.3 ms)."""
-    from routing.fleet.state import StepCost
-
-    cost = StepCost(pass_ms=46.0, ms_per_row=7.8, ms_per_prompt_token=2.3,
-                    ms_per_context_token=0.08, steps=76)  # fmt: skip
-    n = node(kind=NodeKind.CLOUD, prefill_tokens_per_s=89.0, step_cost=cost)
-    for knobs, per_token in (
-        (LatencyKnobs(), 2.3),
-        (LatencyKnobs(step_cost_prefill_prior=False), None),
-    ):
-        m = LatencyModel(knobs)
-        for _ in range(6):
-            e = est(m, n, prompt=1152, cached=1136, out=1)
-            m.observe(
-                Observation(
-                    node_id="e1", kind=NodeKind.CLOUD, prompt_tokens=1152, cached_tokens=1136,
-                    completion_tokens=1, ttft_ms=185.0, e2e_ms=185.0, net_rtt_ms=5.0, estimate=e,
-                )
-            )  # fmt: skip
-        fixed, got, _ = m.prefill_cost(n)
-        if per_token is None:  # the blended rate: about 89 tokens/s, 11 ms a token
-            assert got > 8.0
-            assert est(m, n, prompt=74, out=1).ttft_ms > 600.0
-        else:
-            assert got == pytest.approx(per_token)
-            assert fixed == pytest.approx(180.0 - 16 * 2.3, rel=0.02)
-            assert est(m, n, prompt=74, out=1).ttft_ms == pytest.approx(
-                5.0 + fixed + 74 * 2.3, rel=0.05
-            )
-    # a step cost fitted over too few steps is not trusted
-    young = node(
-        kind=NodeKind.CLOUD,
-        prefill_tokens_per_s=89.0,
-        step_cost=cost.model_copy(update={"steps": 3}),
-    )
-    assert LatencyModel().prefill_cost(young)[1] == pytest.approx(1000.0 / 89.0, rel=0.3)
-
-
 def test_the_cost_of_attending_to_a_cached_prefix_is_fitted():
     """Prompts that hit a long cached prefix still take time for it (attention over it, the
     engine walking its blocks): 100 ms + 2 ms a new token + 0.05 ms a cached token. Once

@@ -113,16 +113,11 @@ def test_the_router_replays_a_node_with_the_step_cost_it_reports():
     e = model.estimate(n, prompt_tokens=20, cached_tokens=0, expected_output_tokens=5, rtt_ms=0)
     # alone: one pass with the 20 tokens (90), then 4 steps of one row (60 each)
     assert (e.ttft_ms, e.e2e_ms) == (pytest.approx(90.0), pytest.approx(330.0))
-    # too few steps fitted, or the knob off (the default): the rates learned per request,
-    # a prompt token at the step cost's own until its prefill line is fitted
-    # (step_cost_prefill_prior), with too few steps fitted or that off too at the blended rate
-    young = cloud(step_cost=cost.model_copy(update={"steps": 10}))
-    no_prior = LatencyKnobs(node_step_cost=False, step_cost_prefill_prior=False)
-    for m, s, per_token in ((model, young, 1000.0 / 6000.0),
-                            (LatencyModel(LatencyKnobs(node_step_cost=False)), n, 2.0),
-                            (LatencyModel(no_prior), n, 1000.0 / 6000.0)):  # fmt: skip
+    # too few steps fitted, or the knob off (the default): the rates learned per request
+    for m, s in ((model, cloud(step_cost=cost.model_copy(update={"steps": 10}))),
+                 (LatencyModel(LatencyKnobs(node_step_cost=False)), n)):  # fmt: skip
         assert m.shape(s).step_fixed_ms == 0.0
-        assert m.shape(s).prefill_ms_per_token == pytest.approx(per_token)
+        assert m.shape(s).prefill_ms_per_token == pytest.approx(1000.0 / 6000.0)
 
 
 def test_a_batch_decoding_at_one_size_keeps_the_fit():
