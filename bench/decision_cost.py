@@ -27,15 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import routing.latency
 from bench._common import RESULTS, machine, recorded_command, table
-from routing.backlog import (
-    Arrivals,
-    EngineShape,
-    Replayed,
-    Work,
-    replay,
-    replay_literal,
-    replay_pair,
-)
+from routing import backlog
+from routing.backlog import Arrivals, EngineShape, Replayed, Work
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
 from routing.policy_config import PolicyConfig
@@ -93,7 +86,7 @@ def _with(run: Callable[..., Replayed], in_flight: int, rounds: int) -> float:
     try:
         return cost_us("latency", in_flight, rounds)
     finally:
-        routing.latency.replay, routing.latency.replay_pair = replay, replay_pair
+        routing.latency.replay, routing.latency.replay_pair = backlog.replay, backlog.replay_pair
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.in_flight:
         lat, thr = cost_us("latency", n, args.rounds), cost_us("threshold", n, args.rounds)
         no_arrivals = cost_us("latency", n, args.rounds, arrivals=False)
-        literal = _with(replay_literal, n, args.rounds)
-        two_replays = _with(replay, n, args.rounds)
+        literal = _with(backlog.replay_literal, n, args.rounds)
+        two_replays = _with(backlog.replay, n, args.rounds)
         rows.append({"in_flight": n, "latency_us": round(lat, 1), "threshold_us": round(thr, 1),
                      "latency_literal_loop_us": round(literal, 1),
                      "latency_no_arrivals_us": round(no_arrivals, 1),

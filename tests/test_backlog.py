@@ -203,19 +203,28 @@ def test_arrivals_come_after_the_new_requests_first_token():
         assert r.last_token_ms > alone.last_token_ms
 
 
-@settings(max_examples=300, deadline=None)
-@given(
+# a backlog, a new request and the arrivals after it (the node kept at ``population``)
+ARRIVAL_CASES = dict(
     ahead=works,
     new=st.builds(Work, st.sampled_from([1.0, 30.0, 512.0]), st.sampled_from([0.0, 1.0, 15.0])),
     slots=st.sampled_from([1, 2, 4, 64]),
     population=st.sampled_from([0, 1, 3, 8, 70]),
     later=st.builds(Work, st.sampled_from([1.0, 64.0, 300.0]), st.sampled_from([0.0, 2.0, 20.0])),
 )
+
+
+def _arrival_shape(slots: int) -> EngineShape:
+    """The engine of the arrival cases: mixed steps at two slots, a step per token otherwise."""
+    return EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
+                       decode_ms_per_context_token=0.01)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(**ARRIVAL_CASES)
 def test_replay_with_arrivals_equals_the_literal_loop(
     ahead: Sequence[Work], new: Work, slots: int, population: int, later: Work
 ):
-    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
-                        decode_ms_per_context_token=0.01)  # fmt: skip
+    shape = _arrival_shape(slots)
     arr = Arrivals(population, later)
     got = replay(shape, ahead, new, arrivals=arr)
     want = replay_literal(shape, ahead, new, arrivals=arr)
@@ -228,21 +237,13 @@ def test_replay_with_arrivals_equals_the_literal_loop(
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    ahead=works,
-    new=st.builds(Work, st.sampled_from([1.0, 30.0, 512.0]), st.sampled_from([0.0, 1.0, 15.0])),
-    slots=st.sampled_from([1, 2, 4, 64]),
-    population=st.sampled_from([0, 1, 3, 8, 70]),
-    later=st.builds(Work, st.sampled_from([1.0, 64.0, 300.0]), st.sampled_from([0.0, 2.0, 20.0])),
-    max_loops=st.sampled_from([3, 4096]),
-)
+@given(**ARRIVAL_CASES, max_loops=st.sampled_from([3, 4096]))
 def test_replay_pair_equals_the_two_replays_it_forks(
     ahead: Sequence[Work], new: Work, slots: int, population: int, later: Work, max_loops: int
 ):
     """The pair runs the loops up to the new request's first token once and forks there: each
     half is exactly what its own replay gives, the loop budget included."""
-    shape = EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
-                        decode_ms_per_context_token=0.01)  # fmt: skip
+    shape = _arrival_shape(slots)
     arr = Arrivals(population, later)
     without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops)
     assert without == replay(shape, ahead, new, max_loops=max_loops)
