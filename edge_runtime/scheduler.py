@@ -36,10 +36,9 @@ Invariants:
   thread runs or admits). A decode step's dummy row of a free slot writes at that slot's kept
   length, never inside its kept KV.
 - Admission order (with prefix reuse): priority, then arrival, except that a waiting request
-  holding at least ``PREFIX_FIRST_MIN_BLOCKS`` more leading blocks in a free slot than every
-  request ahead of it goes first (longest prefix match, as SGLang orders its queue): under a
-  queue only one slot is free at a time, and the request at the head would overwrite the kept
-  prefix another request waits for (at concurrency 16 on the embedded default half the shared
+  holding 4+ more leading blocks in a free slot than every request ahead of it of its
+  priority goes first (``routing.admission``): under a queue only one slot is free at a time,
+  and the request at the head would overwrite the kept prefix another request waits for (at concurrency 16 on the embedded default half the shared
   prompts sent to the edge lost their 1,136 cached tokens so, each then prefilled for ~2.5 s).
   Each request it goes ahead of counts one pass; no request is passed more than
   ``prefix_first`` times (0: strict order), so none starves.
@@ -53,13 +52,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 import numpy as np
 
 from edge_runtime.decoder import Decoder
 from edge_runtime.sampler import Sampler
 from edge_runtime.slot_cache import SlotCache
-from routing.blocks import PREFIX_FIRST_MIN_BLOCKS, PREFIX_FIRST_WINDOW
+from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
 from routing.prefill_budget import chunk_beside_decode
 
@@ -366,26 +366,17 @@ class SlotScheduler:
             self.cached_tokens += r.cached
 
     def _next_waiting(self, free: list[int]) -> SlotRequest:
-        """Under the lock: take the waiting request to admit next (see the module docstring's
-        admission order): the first in order, unless a later one, among the first
-        ``PREFIX_FIRST_WINDOW`` and none behind a request already passed ``prefix_first``
-        times, reuses at least ``PREFIX_FIRST_MIN_BLOCKS`` more blocks of a free slot than
-        each before it."""
-        cache = self.cache
-        if cache is None or self.prefix_first == 0 or len(self._waiting) == 1:
+        """Under the lock: take the waiting request to admit next (``routing.admission``:
+        the first in order unless a later one of the same priority reuses several more blocks
+        of a free slot)."""
+        if self.cache is None or self.prefix_first == 0 or len(self._waiting) == 1:
             return heapq.heappop(self._waiting)[2]
         order = heapq.nsmallest(PREFIX_FIRST_WINDOW, self._waiting)
-        best, ahead_most = 0, -1  # the most blocks any request before the one scanned reuses
-        for i, (_, _, r) in enumerate(order):
-            if r.request.priority != order[0][2].request.priority:
-                break  # never ahead of a request of higher priority
-            limit = (r.prompt_len - 1) // KV_BLOCK
-            n = max(cache.match(s, r.request.prompt_token_ids, r.hashes, limit) for s in free)
-            if i > 0 and n >= ahead_most + PREFIX_FIRST_MIN_BLOCKS:
-                best = i
-            ahead_most = max(ahead_most, n)
-            if r.passed >= self.prefix_first:  # nothing behind it goes first
-                break
+        top = order[0][2].request.priority  # never ahead of a request of higher priority
+        same = takewhile(lambda e: e[2].request.priority == top, order)
+        best = prefix_first(
+            ((self._reuse(e[2], free), e[2].passed) for e in same), self.prefix_first
+        )
         chosen = order[best]
         if best == 0:
             return heapq.heappop(self._waiting)[2]
@@ -394,6 +385,12 @@ class SlotScheduler:
         self._waiting.remove(chosen)
         heapq.heapify(self._waiting)
         return chosen[2]
+
+    def _reuse(self, r: SlotRequest, free: list[int]) -> int:
+        """Under the lock: the most leading blocks of ``r`` that one of the ``free`` slots keeps."""
+        assert self.cache is not None
+        limit = (r.prompt_len - 1) // KV_BLOCK
+        return max(self.cache.match(s, r.request.prompt_token_ids, r.hashes, limit) for s in free)
 
     def _vacate(self, r: SlotRequest) -> None:
         """Under the lock: ``r`` leaves its slot; the KV it wrote stays there for reuse."""

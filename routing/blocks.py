@@ -16,12 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 BLOCK_SIZE = 16
-# Admission by prefix (``edge_runtime.scheduler`` and the simulator's twin of it): a waiting
-# request goes ahead of those before it only when it reuses this many more blocks of a free
-# slot's kept KV (64 prompt tokens, ~150 ms of a 2-core CPU edge's prefill; a block or two is
-# not worth the order), looking no further than the first ``PREFIX_FIRST_WINDOW`` waiting.
-PREFIX_FIRST_MIN_BLOCKS = 4
-PREFIX_FIRST_WINDOW = 32
 _MASK64 = (1 << 64) - 1
 
 

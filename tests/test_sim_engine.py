@@ -193,3 +193,14 @@ def test_warm_nodes_report_their_profiles_rates_from_the_start(tmp_path: Path) -
     given = Simulator(fleet, PolicyConfig(), warm_prompts=(24, 200), warm_rates={"c": (50.0, 80.0)})
     assert [s.prefill_tokens_per_s for s in given.states] == pytest.approx([1000.0, 50.0])
     assert [s.decode_ms_per_token for s in given.states] == pytest.approx([10.0, 80.0])
+
+
+def test_prefix_first_picks_the_longest_match_before_any_barrier() -> None:
+    from routing.admission import prefix_first
+
+    assert prefix_first([(0, 0), (5, 0), (3, 0)], limit=4) == 1
+    assert prefix_first([(0, 0), (3, 0)], limit=4) == 0  # 3 blocks more are not worth it
+    assert prefix_first([(0, 0), (5, 0), (9, 0), (12, 0)], limit=4) == 2  # 12 < 9 + 4
+    assert prefix_first([(0, 4), (9, 0)], limit=4) == 0  # the head was passed its limit
+    assert prefix_first([(0, 0), (1, 4), (9, 0)], limit=4) == 0  # a barrier before the match
+    assert prefix_first([(0, 0)] * 40 + [(9, 0)], limit=4) == 0  # beyond the window

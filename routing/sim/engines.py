@@ -2,9 +2,9 @@
 cut short when something arrives that would change the plan).
 
 - :class:`EdgeSim` mirrors ``edge_runtime.scheduler``: FCFS admission into ``slots``, but
-  for a request that reuses ``PREFIX_FIRST_MIN_BLOCKS`` more of a free slot's kept blocks than
-  those ahead of it (each passed at most ``prefix_first`` times); a new request takes the free slot holding most of its leading blocks (its kept KV), else an empty
-  slot, else the least recently freed, with a longer run a busy slot holds copied into it (a
+  for a request that reuses 4+ more of a free slot's kept blocks than those ahead of it
+  (``routing.admission``); a new request takes the free slot holding most of its leading
+  blocks (its kept KV), else an empty slot, else the least recently freed, with a longer run a busy slot holds copied into it (a
   running request offers its prompt's blocks as its prefill writes them); each loop runs one
   prefill chunk of the oldest request
   still prefilling (cut beside decoding rows as ``routing.prefill_budget`` says, from the
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-from routing.blocks import PREFIX_FIRST_MIN_BLOCKS, PREFIX_FIRST_WINDOW
+from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.fleet.state import StepCost as FittedStepCost
 from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms
 from routing.sim.profiles import StepCost
@@ -214,15 +214,11 @@ class EdgeSim(_Node):
         """Take the waiting request to admit next, as ``edge_runtime.scheduler`` does."""
         if not self.prefix_cache or self.prefix_first == 0 or len(self.waiting) == 1:
             return self.waiting.popleft()
-        best, ahead_most = 0, -1  # the most blocks any request before the one scanned reuses
-        for i, r in enumerate(islice(self.waiting, PREFIX_FIRST_WINDOW)):
-            limit = reusable(r.prompt)
-            n = max(self._leading(self.kept[s], r.blocks, limit) for s in free)
-            if i > 0 and n >= ahead_most + PREFIX_FIRST_MIN_BLOCKS:
-                best = i
-            ahead_most = max(ahead_most, n)
-            if r.passed >= self.prefix_first:
-                break
+        reuse = (
+            (max(self._leading(self.kept[s], r.blocks, reusable(r.prompt)) for s in free), r.passed)
+            for r in islice(self.waiting, PREFIX_FIRST_WINDOW)
+        )
+        best = prefix_first(reuse, self.prefix_first)
         if best == 0:
             return self.waiting.popleft()
         for r in islice(self.waiting, best):
