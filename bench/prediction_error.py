@@ -116,6 +116,9 @@ VARIANTS = {
     "no_arrivals": "latency:\n  future_arrivals: false\n",
     # the output-length statistics without the whole-prompt key (first block and coarser)
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
+    # without the last message's and the prompt length's statistics (the default before
+    # 2026-12-04, tenth session): an app's requests under one cap pooled
+    "app_output_keys": "expected_output:\n  last_message: false\n  length_bucket: false\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
     # answer lengths averaged as they are, not in log space (the arithmetic mean)

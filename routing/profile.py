@@ -50,6 +50,18 @@ class OutputKnobs(BaseModel):
     whole_prompt: bool = Field(
         default=True, description="a prompt sent again is predicted by its own answers first"
     )
+    last_message: bool = Field(
+        default=True,
+        description="next, requests of one app (first prompt block) and cap whose last message "
+        "is the same (a question asked in many chats, or with other histories) are predicted by "
+        "each other's answers",
+    )
+    length_bucket: bool = Field(
+        default=True,
+        description="next, requests of one app and cap with prompts of like length (within a "
+        "power of two) are predicted by each other's answers: a document to summarize and a "
+        "one-line question under one app answer at other lengths",
+    )
     average: Literal["geometric", "harmonic", "arithmetic"] = Field(
         default="geometric",
         description="how a statistic averages answer lengths, which stop anywhere from a few "
@@ -60,9 +72,11 @@ class OutputKnobs(BaseModel):
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens (of their logarithms or reciprocals, ``average``) per (API key, route, whole prompt, node kind), per (API key,
-    route, whole prompt), per (API key, route, max_tokens, first prompt block), per (API key,
-    route, max_tokens) and per (API key, route), LRU-bounded; a default until learned.
+    """EWMA of completion tokens (of their logarithms or reciprocals, ``average``) per (API key,
+    route, whole prompt, node kind), per (API key, route, whole prompt), per (API key, route,
+    max_tokens, first prompt block) and its last message, and its prompt length's power of two,
+    per (API key, route, max_tokens, first prompt block), per (API key, route, max_tokens) and
+    per (API key, route), LRU-bounded; a default until learned.
 
     A prompt sent again (an automation's fixed request, a retried question) is best predicted
     by its own earlier answers: under greedy decoding the length repeats, so that statistic
@@ -78,8 +92,13 @@ class OutputLengthEstimator:
     question at 16 tokens cold and at 7 with its prefix reused, and a bound kept for good
     predicted 16 for every later 7). Otherwise apps send one ``max_tokens`` per feature (a
     one-line answer, a summary, code) and one system prompt per feature, whose first block
-    hash names it; requests alike in both are the best guide to each other. The most specific
-    statistic with enough samples answers (``min_samples`` for all but the whole prompt).
+    hash names it; requests alike in both are the best guide to each other. Within one app
+    the same last message (a question asked in many chats) and then a like prompt length (a
+    document to summarize against a one-line question) tell requests apart further: a template
+    that adds a default system prompt gives every request without one the same first block,
+    and the benchmark's mix then pooled one-word answers, 16-token chat turns and summaries
+    the int8 edge ends at once. The most specific statistic with enough samples answers
+    (``min_samples`` for all but the whole prompt).
     """
 
     _ANY = -1  # the max_tokens or prefix slot of a coarser statistic
@@ -109,6 +128,17 @@ class OutputLengthEstimator:
             return round(1.0 / value, 6)
         return value
 
+    def _used(
+        self, prompt: int | None, last: int | None, prompt_tokens: int | None
+    ) -> tuple[int | None, int | None, int | None]:
+        """The whole prompt's key, the last message's and the length, where the knobs use them."""
+        k = self.knobs
+        return (
+            prompt if k.whole_prompt else None,
+            last if k.last_message else None,
+            prompt_tokens if k.length_bucket else None,
+        )
+
     def _trim(self) -> None:
         while len(self._stats) > self.knobs.max_keys:
             self._stats.popitem(last=False)
@@ -131,14 +161,21 @@ class OutputLengthEstimator:
         prefix: int | None,
         prompt: int | None = None,
         kind: str | None = None,
+        last: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> tuple[int, list[tuple[str, str, int, int]]]:
         """The statistics a request belongs to, most specific first, and how many of them
-        (first) are the whole prompt's."""
+        (first) are the whole prompt's. ``last`` names its last message, ``prompt_tokens``
+        its length (None: not used)."""
         key, any_ = api_key or "", cls._ANY
         cap = max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else any_
         out = [] if prompt is None else cls._prompt_keys(key, route, prompt, kind)
         whole = len(out)
         if cap != any_ and prefix is not None:
+            if last is not None:
+                out.append((key, f"{route}#last", cap, hash((prefix, last))))
+            if prompt_tokens is not None and prompt_tokens > 0:
+                out.append((key, f"{route}#len{prompt_tokens.bit_length()}", cap, prefix))
             out.append((key, route, cap, prefix))
         if cap != any_:
             out.append((key, route, cap, any_))
@@ -153,6 +190,8 @@ class OutputLengthEstimator:
         prefix: int | None = None,
         prompt: int | None = None,
         kind: str | None = None,
+        last: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> float:
         """The expected completion tokens on a node of ``kind`` (None: any kind).
 
@@ -160,9 +199,10 @@ class OutputLengthEstimator:
         length, and at least the longest cap they were cut at); the first of the two levels
         that has seen the prompt decides, then the coarser statistics."""
         value = self.knobs.default_tokens
-        if not self.knobs.whole_prompt:
-            prompt = None
-        whole, keys = self._keys(api_key, route, max_tokens, prefix, prompt, kind)
+        prompt, last, prompt_tokens = self._used(prompt, last, prompt_tokens)
+        whole, keys = self._keys(
+            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens
+        )
         cuts = (
             [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
         )
@@ -195,12 +235,15 @@ class OutputLengthEstimator:
         prefix: int | None = None,
         prompt: int | None = None,
         kind: str | None = None,
+        last: int | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """Learn one answer of ``completion_tokens`` given by a node of ``kind``."""
         x = float(completion_tokens)
-        if not self.knobs.whole_prompt:
-            prompt = None
-        whole, keys = self._keys(api_key, route, max_tokens, prefix, prompt, kind)
+        prompt, last, prompt_tokens = self._used(prompt, last, prompt_tokens)
+        whole, keys = self._keys(
+            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens
+        )
         cuts = (
             [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
         )
@@ -240,6 +283,7 @@ class RequestProfile:
     client_region: str
     api_key: str | None = None  # an id for the caller (a key's hash or name), never a secret
     prompt_key: int | None = None  # names the whole prompt (see :func:`prompt_key`)
+    last_message_key: int | None = None  # names its last message (see :func:`last_message_key`)
     # node kind -> expected output there, where it differs from ``expected_output_tokens``
     # (an engine that answered this very prompt: :class:`OutputLengthEstimator`)
     expected_output_by_kind: Mapping[str, float] = field(default_factory=dict)
@@ -364,11 +408,16 @@ def build_profile(
     hashes = block_hashes(ids, _seed(model_identity))
     first = hashes[0] if hashes else None
     whole = prompt_key(ids, hashes)
-    expected = estimator.expected(api_key, route, max_tokens, first, whole)
+    last = last_message_key(body) if route == "chat" else None
+    expected = estimator.expected(api_key, route, max_tokens, first, whole, None, last, len(ids))
     by_kind = {
         kind: on_kind
         for kind in NodeKind
-        if (on_kind := estimator.expected(api_key, route, max_tokens, first, whole, kind))
+        if (
+            on_kind := estimator.expected(
+                api_key, route, max_tokens, first, whole, kind, last, len(ids)
+            )
+        )
         != expected
     }
     return RequestProfile(
@@ -383,8 +432,19 @@ def build_profile(
         client_region=client_region,
         api_key=api_key,
         prompt_key=whole,
+        last_message_key=last,
         expected_output_by_kind=by_kind,
     )
+
+
+def last_message_key(body: Any) -> int | None:
+    """A key for a chat's last message: its role and text (None: no messages). Hashed in
+    this process only, as :func:`prompt_key` is: output statistics are the gateway's own."""
+    messages = _get(body, "messages") or []
+    if not messages:
+        return None
+    last = messages[-1]
+    return hash((_get(last, "role"), _message_text(_get(last, "content"))))
 
 
 def prompt_key(ids: Sequence[int], hashes: Sequence[int]) -> int:

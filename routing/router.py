@@ -488,6 +488,8 @@ class Router:
                 p.first_block,
                 p.prompt_key,
                 ticket.node.kind,
+                p.last_message_key,
+                p.prompt_tokens,
             )
         return errors
 

@@ -299,3 +299,46 @@ def test_answer_lengths_are_averaged_in_log_space_or_as_reciprocals():
     # switching the knob starts the averages over (they are kept in the other space)
     geo.configure(OutputKnobs(alpha=0.5, average="arithmetic"))
     assert geo.expected("a", "chat", max_tokens=32) == 32.0  # the default (128) under the cap
+
+
+def test_one_apps_answers_are_told_apart_by_last_message_and_prompt_length(
+    formatter: PromptFormatter,
+):
+    """Under one first block and cap, the same question asked at the end of other chats
+    shares its answers' length, and a long document is not predicted by one-line answers."""
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0))
+    kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
+
+    def profile(*turns: str):
+        body = chat_body(max_tokens=16)
+        roles = ["user", "assistant"]
+        body["messages"] = [
+            {"role": "system", "content": "You are a helpful assistant. " * 8},  # > one block
+            *({"role": roles[i % 2], "content": t} for i, t in enumerate(turns)),
+        ]
+        return build_profile(body, formatter, api_key="a", **kw)
+
+    def learn(p, n: int) -> None:
+        est.observe(
+            "a", "chat", n, 16, p.first_block, p.prompt_key, None, p.last_message_key,
+            p.prompt_tokens,
+        )  # fmt: skip
+
+    yes = profile("Is it on?")
+    learn(yes, 3)
+    learn(profile("Describe the sea."), 12)
+    doc = profile("Summarize: " + "lorem ipsum dolor " * 60)
+    learn(doc, 1)  # an engine that ends a summary at once
+    in_chat = profile("Hello, chat 7.", "Hi there.", "Is it on?")
+    assert in_chat.first_block == yes.first_block and in_chat.prompt_key != yes.prompt_key
+    assert in_chat.last_message_key == yes.last_message_key
+    assert in_chat.expected_output_tokens == 3  # the same question's answer
+    # a new short question: the short prompts' statistic (12), not the summary's 1
+    assert profile("What is new?").expected_output_tokens == 12
+    assert profile("Summarize: " + "other words here " * 60).expected_output_tokens == 1
+    est.configure(OutputKnobs(default_tokens=100, alpha=1.0, last_message=False))
+    assert profile("Hello, chat 8.", "Hi there.", "Is it on?").expected_output_tokens == 1
+    est.configure(
+        OutputKnobs(default_tokens=100, alpha=1.0, last_message=False, length_bucket=False)
+    )
+    assert profile("What is new?").expected_output_tokens == 1  # the app's latest, the summary
