@@ -377,7 +377,11 @@ class Simulator:
                     block_hashes=blocks,
                     max_tokens=tr.max_tokens,
                     expected_output_tokens=router.outputs.expected(
-                        tr.api_key, route, tr.max_tokens, blocks[0] if blocks else None
+                        tr.api_key,
+                        route,
+                        tr.max_tokens,
+                        blocks[0] if blocks else None,
+                        prompt_tokens=tr.prompt_tokens,
                     ),
                     stream=tr.stream,
                     client_region=tr.region,
