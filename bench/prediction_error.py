@@ -121,9 +121,6 @@ VARIANTS = {
     "app_output_keys": "expected_output:\n  last_message: false\n  length_bucket: false\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
-    # the edge's admission replayed first come, first served, though it admits a kept
-    # prefix's request first (the default before 2026-12-04, tenth session)
-    "fifo_replay": "latency:\n  replay_prefix_first: false\n",
     # answer lengths averaged as they are, not in log space (the arithmetic mean)
     "arith_mean": "expected_output:\n  average: arithmetic\n",
     # answer lengths at their harmonic mean (relative errors balanced between short and long)

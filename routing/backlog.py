@@ -28,11 +28,6 @@ Invariants:
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
 - ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
   the requests decoding while it ran: the delay its prefill adds to the others.
-- On a node that admits by prefix (``EngineShape.prefix_first``, the edge) a waiting request
-  that reuses a kept prefix (``Work.cached_blocks``, what the router credited it with) goes
-  first when a slot frees, as :func:`routing.admission.prefix_first` picks (each request
-  passed at most that many times); elsewhere, and among requests alike, first come first
-  served. Which slot keeps the prefix is not replayed: any freed slot is taken to.
 - With :class:`Arrivals` the node keeps the population it usually has: once the new request
   has its first token, whenever fewer than ``population`` requests are left (the new one
   included), one more with the usual work joins the queue, behind the new request and never
@@ -48,8 +43,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from routing.admission import prefix_first
-
 
 @dataclass(frozen=True, slots=True)
 class Work:
@@ -61,7 +54,6 @@ class Work:
     decode_steps: float
     started: bool = False  # its prefill is under way (its fixed cost is paid)
     context: float = 0.0
-    cached_blocks: int = 0  # blocks of a prefix the node keeps that it reuses (credited)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +92,6 @@ class EngineShape:
     # what a mixed step's prompt chunk adds beside decode rows beyond its tokens: 0 where the
     # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
     chunk_beside_ms: float = 0.0
-    # times a waiting request reusing a kept prefix may pass each one ahead of it (0: first
-    # come, first served; ``routing.admission``)
-    prefix_first: int = 0
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -145,25 +134,6 @@ class _Req:
     new: bool = False
     started: bool = False  # its first prefill chunk has run (the fixed cost is paid)
     ctx: float = 0.0  # tokens its next decode step attends to
-    blocks: int = 0  # kept-prefix blocks it reuses (admission by prefix)
-    passed: int = 0  # times a later request was admitted before it
-    in_slot: bool = False  # work in hand already running (decoding, or its prefill begun)
-
-
-def _admit_next(waiting: deque[_Req], limit: int) -> _Req:
-    """Take the waiting request the node admits next: the head, or where it admits by prefix
-    (``limit`` > 0) the one :func:`routing.admission.prefix_first` picks, counting a pass for
-    each it goes before."""
-    if limit <= 0 or len(waiting) == 1 or waiting[0].in_slot:  # a running one holds its slot
-        return waiting.popleft()
-    best = prefix_first(((r.blocks, r.passed) for r in waiting), limit)
-    if best == 0:
-        return waiting.popleft()
-    for i in range(best):
-        waiting[i].passed += 1
-    chosen = waiting[best]
-    del waiting[best]
-    return chosen
 
 
 def _run_chunk(r: _Req, shape: EngineShape, chunk: float) -> float:
@@ -344,7 +314,7 @@ def _advance(
                 ):
                     waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
-            r = _admit_next(waiting, shape.prefix_first)
+            r = waiting.popleft()
             if r.new:
                 queue_ms = t
             if r.prefill > 0:
@@ -427,10 +397,7 @@ def _req(w: Work, new: bool = False) -> _Req:
     """A replay's request from ``w`` (the new one computes at least one prompt token; work in
     hand whose prefill is under way has paid its fixed cost)."""
     prefill = max(1.0, w.prefill_tokens) if new else max(0.0, w.prefill_tokens)
-    steps, ctx = max(0.0, w.decode_steps), max(0.0, w.context)
-    started = w.started and not new
-    running = not new and (started or prefill <= 0)
-    return _Req(prefill, steps, new, started, ctx, max(0, w.cached_blocks), in_slot=running)
+    return _Req(prefill, max(0.0, w.decode_steps), new, w.started and not new, max(0.0, w.context))
 
 
 def replay_literal(
@@ -443,9 +410,10 @@ def replay_literal(
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    waiting = deque(_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0)
+    waiting = [_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0]
     target = _req(new, new=True)
     waiting.append(target)
+    waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)
     t = 0.0
@@ -473,9 +441,9 @@ def replay_literal(
     for _ in range(max_loops):
         if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(running)):
-                waiting.append(_req(arrivals.work))
+                waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
-            r = _admit_next(waiting, shape.prefix_first)
+            r = waiting.pop()
             if r.new:
                 queue_ms = t
             running.append(r)

@@ -209,14 +209,6 @@ class LatencyKnobs(BaseModel):
         description="the recent past (at most 30 s) a node's mean population and work are "
         "taken over (future_arrivals)",
     )
-    replay_prefix_first: bool = Field(
-        default=True,
-        description="replay a node's admission by prefix where it says it admits so "
-        "(NodeState.prefix_first, the edge): a request credited with a kept prefix takes the "
-        "first slot that frees, before requests ahead of it that reuse less (off: first come, "
-        "first served, which predicted the edge's shared-prompt hits at concurrency 16 seconds "
-        "late)",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -861,9 +853,6 @@ class LatencyModel:
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
             chunk_beside_ms=beside_ms,
-            prefix_first=node.prefix_first
-            if node.prefix_cache and self.knobs.replay_prefix_first
-            else 0,
         )
 
     def estimate(
@@ -921,9 +910,7 @@ class LatencyModel:
             arrivals = Arrivals(len(work) + 1, arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
-        new = Work(
-            work_tokens, out - 1.0, context=prompt_tokens, cached_blocks=cached // BLOCK_SIZE
-        )
+        new = Work(work_tokens, out - 1.0, context=prompt_tokens)
         if arrivals is not None and k.arrival_weight < 1.0:
             r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:

@@ -278,10 +278,7 @@ class DispatchLedger:
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
-                blocks = est.cached_tokens // BLOCK_SIZE  # what it was credited with reusing
-                out.append(
-                    Work(prefill, steps, started=left < 1.0, context=prompt, cached_blocks=blocks)
-                )
+                out.append(Work(prefill, steps, started=left < 1.0, context=prompt))
         return out
 
 

@@ -53,7 +53,6 @@ works = st.lists(
         st.sampled_from([0.0, 1.0, 3.0, 7.5, 16.0, 31.0, 127.0]),
         st.booleans(),
         st.sampled_from([0.0, 40.0, 1200.0]),
-        st.sampled_from([0, 0, 2, 71]),
     ),
     max_size=40,
 )
@@ -67,7 +66,6 @@ works = st.lists(
         st.sampled_from([1.0, 30.0, 512.0]),
         st.sampled_from([0.0, 1.0, 15.0]),
         context=st.sampled_from([0.0, 700.0]),
-        cached_blocks=st.sampled_from([0, 71]),
     ),
     slots=st.sampled_from([1, 2, 4, 64]),
     chunk=st.sampled_from([64, 256]),
@@ -76,7 +74,6 @@ works = st.lists(
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
-    by_prefix=st.sampled_from([0, 1, 4]),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -88,7 +85,6 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
-    by_prefix: int,
 ):
     shape = EngineShape(
         slots,
@@ -100,7 +96,6 @@ def test_replay_equals_the_literal_loop(
         chunk_tokens_decoding=beside,
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
-        prefix_first=by_prefix,
     )
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
@@ -253,26 +248,3 @@ def test_replay_pair_equals_the_two_replays_it_forks(
     without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops)
     assert without == replay(shape, ahead, new, max_loops=max_loops)
     assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr)
-
-
-def test_a_request_reusing_a_kept_prefix_takes_the_first_free_slot_where_the_node_says_so():
-    """One slot, busy decoding 10 steps; three cold 100-token prompts wait; the new request
-    reuses 71 kept blocks and computes 16 tokens. In arrival order it waits for all three;
-    admitted by prefix (``routing.admission``) it takes the slot when it frees, and a second
-    such request behind it does not pass it (its reuse is no larger)."""
-    cold = [Work(100.0, 4.0) for _ in range(3)]
-    ahead = [Work(0.0, 10.0), *cold]
-    new = Work(16.0, 2.0, cached_blocks=71)
-    fifo = EngineShape(1, 256, 1.0, 10.0, 0.0)
-    by_prefix = replace(fifo, prefix_first=4)
-    assert replay(fifo, ahead, new).queue_ms == pytest.approx(100.0 + 3 * (100.0 + 40.0))
-    got = replay(by_prefix, ahead, new)
-    assert got.queue_ms == pytest.approx(100.0)  # the busy row's 10 steps, then its turn
-    assert got.first_token_ms == pytest.approx(116.0)
-    twin = replay(by_prefix, [*ahead, Work(16.0, 2.0, cached_blocks=71)], new)
-    assert twin.queue_ms == pytest.approx(100.0 + 16.0 + 20.0)  # behind the one alike
-    limited = [Work(0.0, 10.0), *(replace(w, cached_blocks=0) for w in cold)]
-    assert replay(replace(fifo, prefix_first=1), limited, new).queue_ms == pytest.approx(100.0)
-    for shape, work in ((by_prefix, ahead), (fifo, ahead)):
-        want = replay_literal(shape, work, new)
-        assert replay(shape, work, new).queue_ms == pytest.approx(want.queue_ms)

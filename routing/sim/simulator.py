@@ -268,7 +268,6 @@ class Simulator:
             device=n.device,  # type: ignore[attr-defined]
             max_batch=n.slots,
             prefix_cache=n.id in self.prefix_nodes,
-            prefix_first=getattr(n, "prefix_first", 0) if getattr(n, "prefix_cache", False) else 0,
             timestamp=0.0,
         )
 
