@@ -1,7 +1,8 @@
 """The cloud engine's first requests after a start: cold against warmed up (CPU).
 
-Each round loads the default model twice into fresh engine cores on the CPU, one left cold and
-one put through ``EngineCore.warm_up`` (what ``edgecloud cloud serve`` does unless told
+Each round loads the default model twice, each time in a new process (a node's process is new
+when it starts: torch's own first calls are part of what is cold), one core left cold and one
+put through ``EngineCore.warm_up`` (what ``edgecloud cloud serve`` does unless told
 ``--no-warmup``), then serves the same requests on each, one at a time, greedy, 4 tokens: the
 mix's short questions and chat turns (20-85 prompt tokens, random ids) and one 300-token
 prompt. Each request's time to its first token is timed from ``add`` to the step that samples
@@ -16,10 +17,12 @@ Writes bench/results/cloud_warmup.json and .md and prints a table.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         order = ("cold", "warm") if r % 2 == 0 else ("warm", "cold")
         for name in order:
-            times, took = serve(name == "warm", args.threads, seed=r)
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                times, took = pool.submit(serve, name == "warm", args.threads, r).result()
             runs[name].append(times)
             if name == "warm":
                 warmups.append(took)
