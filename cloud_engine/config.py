@@ -36,8 +36,6 @@ class EngineConfig:
     # launch the next decode step before reading this one's tokens; default: on for CUDA
     overlap: bool | None = None
     debug_checks: bool = False  # run the block integrity check around every step
-    # a single-process CPU core runs a few synthetic requests before it serves (``warm_up``)
-    warmup: bool = True
     threads: int | None = None  # CPU: torch intra-op threads (None leaves torch's choice)
     # while rows decode, a step's prompt tokens are cut to what takes this many decode steps
     # (``routing.prefill_budget``); "off": the whole step budget; None: 1 on CPU, off on CUDA

@@ -46,14 +46,7 @@ from cloud_engine.sampler import prepare
 from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
-from routing.engine import (
-    EngineError,
-    FinishReason,
-    GenerationRequest,
-    QueueFull,
-    RequestTooLong,
-    SamplingParams,
-)
+from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
 from routing.prefill_budget import chunk_beside_decode
 from routing.step_cost import StepCostFit
 
@@ -186,57 +179,6 @@ class EngineCore:
         self._ahead: _Launch | None = None  # a look-ahead step launched but not yet collected
         self._last_collect = 0.0
         self._failed: list[SeqOutput] = []  # requests refused by add(), reported by step()
-        self._warm = False  # warm_up ran (once at most)
-
-    # -- warm-up ---------------------------------------------------------------------------
-    def warm_up(self, prompt_lengths: tuple[int, ...] = (16, 48, 160), out: int = 4) -> int:
-        """Serve a few synthetic requests before the first real one, then forget them; returns
-        the steps run (0: not warmed).
-
-        A torch model's first passes on the CPU, each new shape's above all, take about twice
-        a warm pass (a 20-token prompt: 240 ms cold, 100-128 warm, the default model on two
-        cores): the first users after a start would pay that, and the router would learn it
-        as the node's speed. One prompt of each length, then a batch of ``max_running`` rows
-        decoding together, run through the whole step path. Afterwards the core is as a new
-        one, except that its rates' averages (what it reports as its speed) start from the
-        warm-up's: no request or block is held, the prefix cache is empty and its block events
-        are dropped (the fleet index never hears of these prompts), the counters and the step
-        fit start over. Only a core that has served nothing and runs on one process on the
-        CPU warms up (CUDA's graph capture warms its own; parallel ranks are left alone)."""
-        if self._warm or not isinstance(self.runner, TorchRunner):
-            return 0
-        if self.seqs or self.counters.steps:
-            return 0
-        self._warm = True
-        vocab = max(2, self.vocab_size)
-        greedy = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
-
-        def request(i: int, n: int) -> GenerationRequest:
-            ids = [(7919 * (i + 1) + 104729 * k) % vocab for k in range(n)]
-            return GenerationRequest(ids, greedy, request_id=f"warm-up-{i}")
-
-        rows = max(1, self.scheduler.config.max_running)
-        waves = [[n] for n in prompt_lengths if n + out <= self.max_context]
-        waves.append([min(16, self.max_context - out)] * rows)
-        i = 0
-        for wave in waves:
-            for n in wave:
-                self.add(request(i, n))
-                i += 1
-            while self.has_work():
-                self.step()
-        steps = self.counters.steps
-        self.blocks.reset_cache()
-        self.blocks.drain_events()
-        c = self.counters
-        self.counters = CoreCounters(
-            prefill_tok_s=c.prefill_tok_s,
-            decode_ms=c.decode_ms,
-            prefill_ms_per_token=c.prefill_ms_per_token,
-        )
-        self.step_fit = StepCostFit()
-        self.blocks.check_integrity()
-        return steps
 
     # -- admission -------------------------------------------------------------------------
     def check(self, request: GenerationRequest) -> None:

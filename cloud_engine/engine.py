@@ -117,8 +117,6 @@ class CloudEngine:
         warm = getattr(self.core.runner, "capture_graphs", None)
         if warm is not None:
             await asyncio.get_running_loop().run_in_executor(None, warm)
-        if self.core.config.warmup:
-            await asyncio.get_running_loop().run_in_executor(None, self.core.warm_up)
         self._stop = False
         self._handoff = Handoff("cloud-engine-handoff")
         self._thread = threading.Thread(target=self._run, name="cloud-engine-step", daemon=True)

@@ -466,24 +466,3 @@ def test_request_needing_the_whole_pool_runs(tiny: LlamaForCausalLM) -> None:
     )  # 128 slots = 8 blocks
     core.check(req)
     assert drive(core, [req]) == reference(tiny, [req])
-
-
-def test_a_warm_up_leaves_the_core_as_new_but_for_its_rates(tiny: LlamaForCausalLM) -> None:
-    """The warm-up's synthetic requests run through the step path and leave nothing behind:
-    no request, block, cached prefix or block event; counters and step fit start over; the
-    rates it measured seed what the node reports; what follows matches the dense model."""
-    core = make_core(tiny, max_kv_blocks=200)
-    steps = core.warm_up()
-    assert steps >= 4  # three prompts alone and a batch of rows, each with decode steps
-    assert not core.seqs and not core.has_work()
-    assert core.blocks.num_used == 0 and core.blocks.num_cached == 0
-    assert not core.blocks.drain_events()
-    c = core.counters
-    assert (c.steps, c.prompt_tokens, c.prefill_tokens, c.decode_tokens) == (0, 0, 0, 0)
-    assert c.prefill_tok_s > 0 and c.decode_ms > 0  # the node's first self-report
-    assert core.step_fit.solve() is None
-    core.blocks.check_integrity()
-    assert core.warm_up() == 0  # a core that has warmed (or served) is left alone
-    reqs = random_requests(6, seed=5)
-    assert drive(core, reqs) == reference(tiny, reqs)
-    assert make_core(tiny, "fused", max_kv_blocks=200).warm_up() == 0  # CUDA's runner: its own

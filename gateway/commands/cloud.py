@@ -40,13 +40,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "prompt tokens, so each of their tokens waits at most 1 + ratio steps ('off': the "
         "whole step budget; default 1 on CPU, off on CUDA)",
     )
-    s.add_argument(
-        "--no-warmup",
-        dest="warmup",
-        action="store_false",
-        help="serve at once, without first running a few synthetic requests (on the CPU, a "
-        "cold model's first passes take about twice a warm one's)",
-    )
     s.set_defaults(func=run_serve)
 
 
@@ -76,7 +69,6 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting if args.max_waiting is not None else 1024,
         kv_memory_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
         prefill_stall_ratio=args.prefill_stall_ratio,
-        warmup=args.warmup,
     )
     if args.tp * args.pp > 1:  # rank processes on this host, or this rank of a torchrun world
         from cloud_engine.parallel.launch import parallel_engine_for

@@ -109,13 +109,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument(
         "--cloud-device", default="auto", help="the cloud node's device: cuda, cpu, auto"
     )
-    s.add_argument(
-        "--cloud-no-warmup",
-        dest="cloud_warmup",
-        action="store_false",
-        help="the cloud node's --no-warmup: it serves without first running a few synthetic "
-        "requests",
-    )
     s.add_argument("--policy-file", type=Path, default=None, help="routing policy YAML")
     s.add_argument(
         "--ready-timeout",
@@ -235,8 +228,6 @@ def _node_argv(
             argv += ["--prefill-stall-ratio", str(args.cloud_prefill_stall_ratio)]
         if args.cloud_max_running is not None:
             argv += ["--max-running", str(args.cloud_max_running)]
-        if not args.cloud_warmup:
-            argv += ["--no-warmup"]
     return argv
 
 
