@@ -56,6 +56,12 @@ class OutputKnobs(BaseModel):
         "is the same (a question asked in many chats, or with other histories) are predicted by "
         "each other's answers",
     )
+    last_message_cut: bool = Field(
+        default=False,
+        description="an answer cut at its cap counts toward its last message's statistic "
+        "(off: only answers that ended on their own do: a question cut at 16 tokens on its own "
+        "says little of how long it runs at the end of a chat, where it ended at 5-16)",
+    )
     length_bucket: bool = Field(
         default=True,
         description="next, requests of one app and cap with prompts of like length (within a "
@@ -247,7 +253,10 @@ class OutputLengthEstimator:
         cuts = (
             [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
         )
-        if cuts and max_tokens is not None and completion_tokens >= max_tokens:
+        cut_off = max_tokens is not None and completion_tokens >= max_tokens
+        if cut_off and not self.knobs.last_message_cut:  # a bound, not a length of its question
+            keys = [k for k in keys if not k[1].endswith("#last")]
+        if cuts and cut_off:
             keys = keys[whole:]  # cut at its cap: not its own length, only a bound on it
             for cut in cuts:
                 prev_cut = self._stats.pop(cut, None)
