@@ -120,7 +120,7 @@ VARIANTS = {
     # 2026-12-04, tenth session): an app's requests under one cap pooled
     "app_output_keys": "expected_output:\n  last_message: false\n  length_bucket: false\n",
     # answers cut at their cap counted toward their last message's statistic (the default
-    # before 2026-12-04, tenth session, later)
+    # until late in the tenth session, 2026-12-04)
     "last_cut": "expected_output:\n  last_message_cut: true\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",

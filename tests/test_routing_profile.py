@@ -350,25 +350,28 @@ def test_an_answer_cut_at_its_cap_does_not_speak_for_its_question_elsewhere(
     """A question cut at its cap on its own (16 of 16) says only that it runs at least that
     long there: its last message's statistic keeps answers that ended on their own, unless
     ``last_message_cut`` says to count the cut ones too."""
-    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0))
-    kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
     system = {"role": "system", "content": "You are a helpful assistant. " * 8}
 
-    def profile(*turns: str):
+    def profile(est: OutputLengthEstimator, *turns: str):
         body = chat_body(max_tokens=16)
         roles = ["user", "assistant"]
         body["messages"] = [system, *({"role": roles[i % 2], "content": t} for i, t in
                                       enumerate(turns))]  # fmt: skip
+        kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
         return build_profile(body, formatter, api_key="a", **kw)
 
     for counted, want in ((False, 5.0), (True, 16.0)):
-        est.configure(OutputKnobs(default_tokens=100, alpha=1.0, last_message_cut=counted))
-        est._stats.clear()
-        alone, other = profile("Tell me more."), profile("Hi, chat 3.", "Hello.", "Go on.")
+        est = OutputLengthEstimator(
+            OutputKnobs(default_tokens=100, alpha=1.0, last_message_cut=counted)
+        )
+        alone, other = (
+            profile(est, "Tell me more."),
+            profile(est, "Hi, chat 3.", "Hello.", "Go on."),
+        )
         est.observe("a", "chat", 16, 16, alone.first_block, alone.prompt_key, None,
                     alone.last_message_key, alone.prompt_tokens)  # fmt: skip
         est.observe("a", "chat", 5, 16, other.first_block, other.prompt_key, None,
                     other.last_message_key, other.prompt_tokens)  # fmt: skip
-        in_chat = profile("Hi, chat 9.", "Hello.", "Tell me more.")
+        in_chat = profile(est, "Hi, chat 9.", "Hello.", "Tell me more.")
         assert in_chat.last_message_key == alone.last_message_key
         assert in_chat.expected_output_tokens == want  # counted: the cut 16; else the app's 5
