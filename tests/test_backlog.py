@@ -53,6 +53,7 @@ works = st.lists(
         st.sampled_from([0.0, 1.0, 3.0, 7.5, 16.0, 31.0, 127.0]),
         st.booleans(),
         st.sampled_from([0.0, 40.0, 1200.0]),
+        prefix_key=st.sampled_from([None, 1, 2]),
     ),
     max_size=40,
 )
@@ -66,6 +67,7 @@ works = st.lists(
         st.sampled_from([1.0, 30.0, 512.0]),
         st.sampled_from([0.0, 1.0, 15.0]),
         context=st.sampled_from([0.0, 700.0]),
+        prefix_key=st.sampled_from([None, 1]),
     ),
     slots=st.sampled_from([1, 2, 4, 64]),
     chunk=st.sampled_from([64, 256]),
@@ -74,6 +76,8 @@ works = st.lists(
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
+    by_prefix=st.sampled_from([0, 2]),
+    in_flight=st.booleans(),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -85,6 +89,8 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
+    by_prefix: int,
+    in_flight: bool,
 ):
     shape = EngineShape(
         slots,
@@ -96,6 +102,8 @@ def test_replay_equals_the_literal_loop(
         chunk_tokens_decoding=beside,
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
+        prefix_first=by_prefix,
+        step_in_flight=in_flight,
     )
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
