@@ -59,7 +59,12 @@ class BlindLedger(DispatchLedger):
         return 0
 
     def work(
-        self, node_id: str, now: float, overrun_left: float = 0.0, progress: bool = True
+        self,
+        node_id: str,
+        now: float,
+        overrun_left: float = 0.0,
+        progress: bool = True,
+        overrun_spread: float = 0.0,
     ) -> list[Work]:
         return []
 
