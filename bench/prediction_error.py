@@ -142,8 +142,6 @@ VARIANTS = {
     "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)
     "late_half": "latency:\n  overrun_left: 0.5\n",
-    # a late request's rest as the mean of what late requests take yet (log-sd 0.2)
-    "late_spread": "latency:\n  overrun_spread: 0.2\n",
     # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
     # busy_wait
     "prefill_pass": "latency:\n  prefill_pass: true\n  busy_wait: false\n",

@@ -153,16 +153,6 @@ class LatencyKnobs(BaseModel):
         "paired prediction_error runs on the embedded default, 0 erred less than 0.5, the mean "
         "of a uniform guess: docs/benchmarks.md)",
     )
-    overrun_spread: float = Field(
-        default=0.0,
-        ge=0,
-        le=2,
-        description="log-sd of a node's measured / predicted times that a request in flight "
-        "late against its prediction is taken to follow: what is left of it is the mean of "
-        "what such requests take beyond the time already spent (a prompt just late, at 0.2, "
-        "about a fifth of its prediction still to go), at least overrun_left; 0: "
-        "overrun_left alone",
-    )
     stream_progress: bool = Field(
         default=True,
         description="a stream in flight is as far along as the tokens the gateway has relayed "

@@ -28,7 +28,6 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import math
 import statistics
 import time
 from collections.abc import Callable, Collection
@@ -89,23 +88,6 @@ class _InFlight:
     prefix_key: int | None = None  # its prompt's, for admission by prefix (routing.admission)
     first_token_at: float | None = None
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
-
-
-def overrun_ratio(late: float, spread: float) -> float:
-    """How long, in units of its prediction, a request is expected to take in all once it
-    has taken ``late`` (> 1) of them: the mean of ``r`` given ``r > late`` for ``r`` the
-    measured / predicted ratio, log-normal around 1 with log-sd ``spread`` (0: ``late``).
-    Grows from ``1 + 0.8 spread`` or so just past the prediction towards ``late`` itself,
-    never below it."""
-    if spread <= 0 or late <= 0:
-        return max(1.0, late)
-    b = math.log(max(late, 1e-9))
-    z = b / spread
-    if z > 8.0:  # deep in the tail: E[X | X > b] ~ b + spread^2 / b (Mills ratio)
-        return late * math.exp(spread * spread / b)
-    tail = 0.5 * math.erfc(z / math.sqrt(2.0))  # P(X > b)
-    above = 0.5 * math.erfc((z - spread) / math.sqrt(2.0))
-    return max(late, math.exp(spread * spread / 2.0) * above / tail)
 
 
 class DispatchLedger:
@@ -259,12 +241,7 @@ class DispatchLedger:
         return len(items) - bisect.bisect_right(items, (t, float("inf")))
 
     def work(
-        self,
-        node_id: str,
-        now: float,
-        overrun_left: float = 0.0,
-        progress: bool = True,
-        overrun_spread: float = 0.0,
+        self, node_id: str, now: float, overrun_left: float = 0.0, progress: bool = True
     ) -> list[Work]:
         """What each request in flight on the node still has to do, oldest first, as far as
         its prediction and what was seen of it (its first token) tell; its context is its
@@ -275,8 +252,7 @@ class DispatchLedger:
         prompt left at least: its last chunk); one not finished is still decoding, however
         late. How far along a late one is, is not known:
         ``overrun_left`` of its prefill work or its decode steps is taken as left (at least one
-        step; ``latency.overrun_left``); with ``overrun_spread`` > 0, what is left of it is
-        what a late request is expected to take yet (:func:`overrun_ratio`, at least that)."""
+        step; ``latency.overrun_left``)."""
         out: list[Work] = []
         for _, ticket_id in self._times.get(node_id, ()):
             e = self._entries.get(ticket_id)
@@ -294,19 +270,14 @@ class DispatchLedger:
                     # a stream: the tokens relayed after its first, and one more at most
                     done = min(max(done, e.tokens_seen - 1.0), float(e.tokens_seen), steps)
                 elif done >= steps:  # past its predicted last token, not finished: still at it
-                    late = (
-                        overrun_ratio(done / steps, overrun_spread) - done / steps if steps else 0.0
-                    )
-                    done = steps * (1.0 - max(overrun_left, min(1.0, late)))
+                    done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
                 ctx = prompt + 1.0 + steps - left
                 out.append(Work(0.0, left, context=ctx, prefix_key=e.prefix_key))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
-                    late = elapsed / max(t_first, 1e-3)
-                    yet = t_first * (overrun_ratio(late, overrun_spread) - late)
-                    left = max(overrun_left, min(1.0, yet / max(est.own_prefill_ms, 1e-3)))
+                    left = overrun_left
                 tokens = est.prefill_work_tokens or float(est.uncached_tokens)
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
@@ -407,11 +378,7 @@ class Router:
                     # what other gateways sent it: its own counts beyond ours it had seen
                     extra_inflight=max(0, node.running + node.waiting - seen),
                     ahead=self.ledger.work(
-                        node.id,
-                        now,
-                        cfg.latency.overrun_left,
-                        cfg.latency.stream_progress,
-                        cfg.latency.overrun_spread,
+                        node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
                     ),
                     arrivals=self.ledger.arrivals(
                         node.id,

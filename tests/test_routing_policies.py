@@ -19,7 +19,7 @@ from routing.latency import Estimate, LatencyKnobs
 from routing.policies import NoRoute
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import RequestProfile
-from routing.router import Measured, Router, overrun_ratio
+from routing.router import Measured, Router
 
 NOW = 10_000.0
 
@@ -567,34 +567,6 @@ def test_a_late_request_is_still_at_it():
     clock[0] += 15 * t.estimate.decode_ms_per_token / 1000.0 * 3
     assert r.ledger.work("edge-eu", clock[0], 0.5)[0].decode_steps == pytest.approx(7.5)
     assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 1.0  # the default: one step
-
-
-def test_a_late_request_has_left_what_late_requests_take_yet():
-    """With ``overrun_spread`` a request past its prediction has left the mean of what one
-    that late takes beyond it, measured / predicted being log-normal with that log-sd:
-    just late, about a fifth more (0.2); far past, little more than the time it has spent."""
-    assert overrun_ratio(1.0, 0.2) == pytest.approx(1.182, abs=1e-3)
-    assert overrun_ratio(2.0, 0.2) == pytest.approx(2.106, abs=1e-3)
-    assert 100.0 < overrun_ratio(100.0, 0.2) < 101.0  # the tail's asymptote
-    assert overrun_ratio(1.3, 0.0) == 1.3
-    clock = [NOW]
-    spread = PolicyConfig(policy="edge_first", latency=LatencyKnobs(overrun_spread=0.2))
-    r = Router(spread, clock=lambda: clock[0])
-    fleet = view(edge())
-    p = profile(400, out=16)
-    t = r.begin(r.decide(p, fleet), profile=p)
-    est = t.estimate
-    first_ms = est.ttft_ms - est.rtt_ms
-    clock[0] += first_ms * 1.05 / 1000.0  # 5% late, no first token yet
-    late = r.ledger.work("edge-eu", clock[0], 0.0, True, 0.2)[0]
-    yet = first_ms * (overrun_ratio(1.05, 0.2) - 1.05)  # ~17% of its prediction
-    want = est.prefill_work_tokens * min(1.0, yet / est.own_prefill_ms)
-    assert late.prefill_tokens == pytest.approx(want)
-    assert late.prefill_tokens > 1.0  # where overrun_left alone leaves one token
-    r.first_token(t)
-    clock[0] += 15 * est.decode_ms_per_token / 1000.0 * 2  # twice its predicted decode
-    steps = r.ledger.work("edge-eu", clock[0], 0.0, True, 0.2)[0].decode_steps
-    assert steps == pytest.approx(15 * (overrun_ratio(2.0, 0.2) - 2.0), rel=1e-3)
 
 
 def test_a_streams_relayed_tokens_say_how_far_its_decode_is():

@@ -59,12 +59,7 @@ class BlindLedger(DispatchLedger):
         return 0
 
     def work(
-        self,
-        node_id: str,
-        now: float,
-        overrun_left: float = 0.0,
-        progress: bool = True,
-        overrun_spread: float = 0.0,
+        self, node_id: str, now: float, overrun_left: float = 0.0, progress: bool = True
     ) -> list[Work]:
         return []
 
