@@ -118,12 +118,6 @@ VARIANTS = {
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
     # without the last message's and the prompt length's statistics (the default before
     # 2026-12-04, tenth session): an app's requests under one cap pooled
-    # the edge's admission by prefix replayed slot by slot: a freed slot keeps its last
-    # request's prompt, and a waiting one with its leading blocks goes first
-    "slot_prefix": "latency:\n  replay_prefix_first: true\n",
-    # the cloud's step under way holds the prompts it began with; a new request joins the next
-    "step_in_flight": "latency:\n  step_in_flight: true\n",
-    "slot_prefix_in_flight": "latency:\n  replay_prefix_first: true\n  step_in_flight: true\n",
     "app_output_keys": "expected_output:\n  last_message: false\n  length_bucket: false\n",
     # answers cut at their cap counted toward their last message's statistic (the default
     # until late in the tenth session, 2026-12-04)

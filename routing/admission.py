@@ -15,7 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 # 64 prompt tokens, ~150 ms of a 2-core CPU edge's prefill: a block or two is not worth the order
 PREFIX_FIRST_MIN_BLOCKS = 4
@@ -37,13 +37,3 @@ def prefix_first(candidates: Iterable[tuple[int, int]], limit: int) -> int:
         if passed >= limit:  # nothing behind it goes first
             break
     return best
-
-
-def prefix_key(block_hashes: Sequence[int]) -> int | None:
-    """What a request's kept KV is told apart by in the router's replay of this rule: the
-    hash of its leading ``PREFIX_FIRST_MIN_BLOCKS + 1`` blocks (chained hashes: equal keys,
-    equal runs), so two requests with one key reuse that many blocks of each other's slot,
-    enough to go first before requests that share at most the chat template's block with
-    it; None for a prompt shorter than that."""
-    n = PREFIX_FIRST_MIN_BLOCKS + 1
-    return block_hashes[n - 1] if len(block_hashes) >= n else None

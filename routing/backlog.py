@@ -26,15 +26,6 @@ Invariants:
 - Runs of identical decode steps are jumped over in one move (to the next finish), so the loop
   runs once per prefill chunk and once per finish, not once per token, and each run costs
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
-- On a node that admits by prefix (``EngineShape.prefix_first``, the edge) a slot that frees
-  keeps its last request's prompt (``Work.prefix_key``), and a waiting request with that key
-  goes before those ahead of it that lack it, as :func:`routing.admission.prefix_first`
-  picks (each passed at most that many times); the work already in slots keeps them, and a
-  request that matches no freed slot takes the least recently freed one (slots free before
-  the replay first). Elsewhere first come, first served.
-- With ``EngineShape.step_in_flight`` (a mixed-step engine) the step under way holds the
-  prompts in hand whose prefill has begun (``Work.started``) and the decode rows: prompts
-  that came after it, the new one included, join the next step.
 - ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
   the requests decoding while it ran: the delay its prefill adds to the others.
 - With :class:`Arrivals` the node keeps the population it usually has: once the new request
@@ -52,8 +43,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS, prefix_first
-
 
 @dataclass(frozen=True, slots=True)
 class Work:
@@ -65,8 +54,6 @@ class Work:
     decode_steps: float
     started: bool = False  # its prefill is under way (its fixed cost is paid)
     context: float = 0.0
-    # what its slot's kept KV is told apart by once it finishes (``routing.admission``)
-    prefix_key: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +92,6 @@ class EngineShape:
     # what a mixed step's prompt chunk adds beside decode rows beyond its tokens: 0 where the
     # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
     chunk_beside_ms: float = 0.0
-    # times a waiting request reusing a freed slot's kept prompt may pass each one ahead of
-    # it (0: first come, first served; ``routing.admission``)
-    prefix_first: int = 0
-    # mixed steps: the step under way holds only the prompts already begun (see the module)
-    step_in_flight: bool = False
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -152,41 +134,6 @@ class _Req:
     new: bool = False
     started: bool = False  # its first prefill chunk has run (the fixed cost is paid)
     ctx: float = 0.0  # tokens its next decode step attends to
-    key: int | None = None  # its prompt's prefix key (admission by prefix)
-    passed: int = 0  # times a later request was admitted before it
-    in_slot: bool = False  # work in hand already in a slot (decoding, or its prefill begun)
-
-
-# what a request reuses of a freed slot that kept its key, in ``prefix_first``'s terms
-_KEPT_BLOCKS = PREFIX_FIRST_MIN_BLOCKS + 1
-
-
-def _admit_next(waiting: deque[_Req], kept: deque[int | None], free: int, limit: int) -> _Req:
-    """Take the waiting request the node admits next into one of its ``free`` slots, of
-    which ``kept`` holds the keys of those freed in the replay (least recently freed first;
-    the others, freed before, hold nothing known): the head, or the one
-    :func:`routing.admission.prefix_first` picks for a freed slot's key (``limit`` > 0),
-    counting a pass for each it goes before. The slot it takes leaves ``kept``: the one with
-    its key, else one freed before the replay, else the least recently freed."""
-    best = 0
-    if limit > 0 and kept and len(waiting) > 1 and not waiting[0].in_slot:
-        best = prefix_first(
-            ((_KEPT_BLOCKS if r.key is not None and r.key in kept else 0, r.passed)
-             for r in waiting),
-            limit,
-        )  # fmt: skip
-    if best == 0:
-        chosen = waiting.popleft()
-    else:
-        for i in range(best):
-            waiting[i].passed += 1
-        chosen = waiting[best]
-        del waiting[best]
-    if chosen.key is not None and chosen.key in kept:
-        kept.remove(chosen.key)
-    elif kept and len(kept) >= free:
-        kept.popleft()
-    return chosen
 
 
 def _run_chunk(r: _Req, shape: EngineShape, chunk: float) -> float:
@@ -257,22 +204,13 @@ class _Loop:
     target: _Req
     loops: int  # loops left before it gives up
     clock: _Clock = field(default_factory=_Clock)
-    kept: deque[int | None] = field(default_factory=deque)  # freed slots' keys (prefix_first)
-    held: bool = False  # the next step is the one under way (step_in_flight)
 
     @classmethod
-    def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
+    def start(cls, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
         waiting = deque(_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0)
-        if shape.prefix_first > 0:  # what runs holds its slot, whatever came before it
-            waiting = deque(sorted(waiting, key=lambda r: not r.in_slot))
-        held = (
-            shape.mixed_steps
-            and shape.step_in_flight
-            and any(r.started and r.prefill > 0 for r in waiting)
-        )
         target = _req(new, new=True)
         waiting.append(target)
-        return cls(waiting, deque(), [], target, max_loops, held=held)
+        return cls(waiting, deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
         """An independent copy (requests not yet decoding are copied: chunks change them)."""
@@ -284,8 +222,6 @@ class _Loop:
             copies.get(id(self.target), self.target),
             self.loops,
             self.clock,
-            deque(self.kept),
-            self.held,
         )
 
 
@@ -298,7 +234,7 @@ def replay(
 ) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
     ``arrivals`` that keep the node's population."""
-    r = _advance(shape, _Loop.start(shape, ahead, new, max_loops), arrivals, pause_at_first=False)
+    r = _advance(shape, _Loop.start(ahead, new, max_loops), arrivals, pause_at_first=False)
     assert r is not None  # only a pausing run stops short
     return r
 
@@ -313,7 +249,7 @@ def replay_pair(
     """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
     once the new request has its first token, so both run the same loops until then; those
     run once, and the rest forks."""
-    loop = _Loop.start(shape, ahead, new, max_loops)
+    loop = _Loop.start(ahead, new, max_loops)
     shared = _advance(shape, loop, None, pause_at_first=True)
     if shared is not None:  # done by its first token (no decode, or out of loops)
         return shared, shared
@@ -338,20 +274,18 @@ def _advance(
     ``c + done - s`` tokens, so the rows' sum is ``base + rows * done`` with ``base`` the sum
     of their ``c - s``.
     """
-    waiting, prefilling, decoding, target, kept = (
+    waiting, prefilling, decoding, target = (
         loop.waiting,
         loop.prefilling,
         loop.decoding,
         loop.target,
-        loop.kept,
     )
-    held = loop.held
     t, done, base, queue_ms, first, target_end, row_steps, steps, stall, ctx_steps, seq = loop.clock
     slots = max(1, shape.slots)
 
     def start_decoding(r: _Req) -> None:
         nonlocal seq, target_end, base
-        heapq.heappush(decoding, (done + r.steps, seq, r.ctx - done, r.key))
+        heapq.heappush(decoding, (done + r.steps, seq, r.ctx - done))
         base += r.ctx - done
         seq += 1
         if r.new:
@@ -360,10 +294,7 @@ def _advance(
     def finish_decoding() -> None:
         nonlocal base
         while decoding and decoding[0][0] <= done:
-            _, _, offset, key = heapq.heappop(decoding)
-            base -= offset
-            if shape.prefix_first > 0:
-                kept.append(key)
+            base -= heapq.heappop(decoding)[2]
 
     def result(last: float) -> Replayed:
         if steps <= 0:
@@ -376,7 +307,6 @@ def _advance(
                 loop.loops -= ran
                 loop.clock = _Clock(t, done, base, queue_ms, first, target_end, row_steps,
                                     steps, stall, ctx_steps, seq)  # fmt: skip
-                loop.held = held
                 return None
             if arrivals is not None:
                 for _ in range(
@@ -384,8 +314,7 @@ def _advance(
                 ):
                     waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
-            free = slots - len(prefilling) - len(decoding)
-            r = _admit_next(waiting, kept, free, shape.prefix_first)
+            r = waiting.popleft()
             if r.new:
                 queue_ms = t
             if r.prefill > 0:
@@ -395,15 +324,12 @@ def _advance(
         pre = prefilling[0] if prefilling else None
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
-            # (the step under way: only the prompts it began with)
-            prompts = [r for r in prefilling if r.started] if held else prefilling
-            held = False
-            ms, own, finished = _run_step_chunks(prompts, shape, len(decoding))
+            ms, own, finished = _run_step_chunks(prefilling, shape, len(decoding))
             t += ms + (shape.chunk_beside_ms if decoding else shape.step_fixed_ms)
             if own > 0:
                 stall += (own + shape.chunk_beside_ms) * len(decoding)
-            for r in finished:  # the oldest, but for a step under way's
-                prefilling.remove(r)
+            for _ in finished:  # the finished ones are the oldest
+                prefilling.popleft()
             n = len(decoding)
             if n:
                 ms, ctx = shape.decode_steps_ms(1.0, n, base + n * done)
@@ -423,8 +349,6 @@ def _advance(
                         return result(first)
                 if r.steps > 0:
                     start_decoding(r)
-                elif shape.prefix_first > 0:
-                    kept.append(r.key)
             continue
         if pre is not None:
             ms = _run_chunk(pre, shape, shape.chunk(len(decoding))) + shape.step_fixed_ms
@@ -439,8 +363,6 @@ def _advance(
                         return result(first)
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
                     start_decoding(pre)
-                elif shape.prefix_first > 0:
-                    kept.append(pre.key)
         if not decoding:
             if pre is None and not waiting:
                 break
@@ -475,10 +397,7 @@ def _req(w: Work, new: bool = False) -> _Req:
     """A replay's request from ``w`` (the new one computes at least one prompt token; work in
     hand whose prefill is under way has paid its fixed cost)."""
     prefill = max(1.0, w.prefill_tokens) if new else max(0.0, w.prefill_tokens)
-    started = w.started and not new
-    in_slot = not new and (started or prefill <= 0)
-    steps, ctx = max(0.0, w.decode_steps), max(0.0, w.context)
-    return _Req(prefill, steps, new, started, ctx, w.prefix_key, in_slot=in_slot)
+    return _Req(prefill, max(0.0, w.decode_steps), new, w.started and not new, max(0.0, w.context))
 
 
 def replay_literal(
@@ -491,8 +410,10 @@ def replay_literal(
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    loop = _Loop.start(shape, ahead, new, max_loops)
-    waiting, target, kept, held = loop.waiting, loop.target, loop.kept, loop.held
+    waiting = [_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0]
+    target = _req(new, new=True)
+    waiting.append(target)
+    waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)
     t = 0.0
@@ -517,26 +438,19 @@ def replay_literal(
             ctx_steps += ctx
             steps += k
 
-    def prune() -> list[_Req]:
-        """Requests with nothing left leave their slots, which keep their keys."""
-        if shape.prefix_first > 0:
-            kept.extend(r.key for r in running if r.prefill <= 0 and r.steps <= 0)
-        return [r for r in running if r.prefill > 0 or r.steps > 0]
-
     for _ in range(max_loops):
         if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(running)):
-                waiting.append(_req(arrivals.work))
+                waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
-            r = _admit_next(waiting, kept, slots - len(running), shape.prefix_first)
+            r = waiting.pop()
             if r.new:
                 queue_ms = t
             running.append(r)
         pre = next((r for r in running if r.prefill > 0), None)
         if pre is not None and shape.mixed_steps:
             rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
-            begun_only, held = held, False
-            prompts = (r for r in running if r.prefill > 0 and (r.started or not begun_only))
+            prompts = (r for r in running if r.prefill > 0)
             ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
             t += ms + (shape.chunk_beside_ms if rows else shape.step_fixed_ms)
             if own > 0:
@@ -549,7 +463,7 @@ def replay_literal(
                 first = t
                 if target.steps <= 0:
                     return result(first)
-            running = prune()
+            running = [r for r in running if r.prefill > 0 or r.steps > 0]
             continue
         if pre is not None:
             rows_n = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
@@ -565,7 +479,7 @@ def replay_literal(
         if pre is not None and pre.prefill <= 0 and pre.steps > 0:
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
         if not decoding:
-            running = prune()
+            running = [r for r in running if r.prefill > 0 or r.steps > 0]
             if pre is None and not waiting:
                 break
             continue
@@ -576,7 +490,7 @@ def replay_literal(
         decode(decoding, k)
         if first >= 0 and target.steps <= 0:
             return result(t)
-        running = prune()
+        running = [r for r in running if r.prefill > 0 or r.steps > 0]
     # Out of loops (a pathological backlog): finish the target alone from here.
     if first < 0:
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms

@@ -209,20 +209,6 @@ class LatencyKnobs(BaseModel):
         description="the recent past (at most 30 s) a node's mean population and work are "
         "taken over (future_arrivals)",
     )
-    replay_prefix_first: bool = Field(
-        default=False,
-        description="replay a node's admission by prefix where it says it admits so "
-        "(NodeState.prefix_first, the edge): a slot that frees keeps its last request's "
-        "prompt, and a waiting request with the same leading blocks takes it before those "
-        "ahead of it (off: first come, first served)",
-    )
-    step_in_flight: bool = Field(
-        default=False,
-        description="on a node whose steps mix prompt chunks with decode rows (the cloud "
-        "engine), the step under way holds the prompts in hand that it began with: a new "
-        "request joins the next one, the step's rest its wait (off: it joins the first step "
-        "of the replay after half a decode step)",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -867,10 +853,6 @@ class LatencyModel:
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
             chunk_beside_ms=beside_ms,
-            prefix_first=node.prefix_first
-            if node.prefix_cache and self.knobs.replay_prefix_first
-            else 0,
-            step_in_flight=kd.mixed_steps and self.knobs.step_in_flight,
         )
 
     def estimate(
@@ -884,7 +866,6 @@ class LatencyModel:
         extra_inflight: int = 0,
         ahead: Sequence[Work] | None = None,
         arrivals: Arrivals | None = None,
-        prefix_key: int | None = None,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -896,9 +877,7 @@ class LatencyModel:
         ``ahead``, everything beyond the node's own running and waiting counts): each is taken
         as half of a typical request's decoding. ``arrivals`` are the requests expected after
         this one (``DispatchLedger.arrivals``); they queue behind it. On a node with work in
-        hand the request first waits for the step in flight (half a decode step, on average;
-        with ``step_in_flight``, where that step holds prompts, the replay runs it).
-        ``prefix_key`` tells its prompt apart for admission by prefix (``routing.admission``).
+        hand the request first waits for the step in flight (half a decode step, on average).
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -931,7 +910,7 @@ class LatencyModel:
             arrivals = Arrivals(len(work) + 1, arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
-        new = Work(work_tokens, out - 1.0, context=prompt_tokens, prefix_key=prefix_key)
+        new = Work(work_tokens, out - 1.0, context=prompt_tokens)
         if arrivals is not None and k.arrival_weight < 1.0:
             r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
@@ -964,8 +943,7 @@ class LatencyModel:
             own_prefill = floor
         # a busy engine takes a new request in between steps: half the step in flight, on
         # average, before anything of the replay (100+ ms a step on a CPU cloud node)
-        begun = shape.step_in_flight and any(w.started and w.prefill_tokens > 0 for w in work)
-        if work and not begun:
+        if work:
             rows = work[: shape.slots]
             in_flight = 0.5 * shape.decode_step_ms(len(rows), sum(w.context for w in rows))
             r = replace(

@@ -34,7 +34,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
 
-from routing.admission import prefix_key
 from routing.backlog import Arrivals, Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeState
@@ -85,7 +84,6 @@ class _InFlight:
     dispatched_at: float
     estimate: Estimate
     output_tokens: float
-    prefix_key: int | None = None  # its prompt's, for admission by prefix (routing.admission)
     first_token_at: float | None = None
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
 
@@ -113,11 +111,10 @@ class DispatchLedger:
         ticket_id: int,
         estimate: Estimate | None = None,
         output_tokens: float = 0.0,
-        prefix_key: int | None = None,
     ) -> None:
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
         if estimate is not None:
-            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens, prefix_key)
+            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens)
             work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
             sent.append((at, work, max(0.0, output_tokens - 1.0), float(estimate.prompt_tokens)))
@@ -272,8 +269,7 @@ class DispatchLedger:
                 elif done >= steps:  # past its predicted last token, not finished: still at it
                     done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
-                ctx = prompt + 1.0 + steps - left
-                out.append(Work(0.0, left, context=ctx, prefix_key=e.prefix_key))
+                out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
@@ -282,9 +278,7 @@ class DispatchLedger:
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
-                out.append(
-                    Work(prefill, steps, left < 1.0, context=prompt, prefix_key=e.prefix_key)
-                )
+                out.append(Work(prefill, steps, started=left < 1.0, context=prompt))
         return out
 
 
@@ -389,7 +383,6 @@ class Router:
                     )
                     if cfg.latency.future_arrivals
                     else None,
-                    prefix_key=prefix_key(profile.block_hashes),
                 )
                 out.append(Candidate(node, est))
         out.sort(key=lambda c: c.node.id)
@@ -435,8 +428,7 @@ class Router:
         cand = candidate or decision.chosen
         ticket = Ticket(next(self._ids), cand.node, cand.estimate, self.clock(), profile)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
-        key = prefix_key(profile.block_hashes) if profile is not None else None
-        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out, key)
+        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out)
         return ticket
 
     def first_token(self, ticket: Ticket) -> None:

@@ -53,7 +53,6 @@ works = st.lists(
         st.sampled_from([0.0, 1.0, 3.0, 7.5, 16.0, 31.0, 127.0]),
         st.booleans(),
         st.sampled_from([0.0, 40.0, 1200.0]),
-        prefix_key=st.sampled_from([None, 1, 2]),
     ),
     max_size=40,
 )
@@ -67,7 +66,6 @@ works = st.lists(
         st.sampled_from([1.0, 30.0, 512.0]),
         st.sampled_from([0.0, 1.0, 15.0]),
         context=st.sampled_from([0.0, 700.0]),
-        prefix_key=st.sampled_from([None, 1]),
     ),
     slots=st.sampled_from([1, 2, 4, 64]),
     chunk=st.sampled_from([64, 256]),
@@ -76,8 +74,6 @@ works = st.lists(
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
-    by_prefix=st.sampled_from([0, 2]),
-    in_flight=st.booleans(),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -89,8 +85,6 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
-    by_prefix: int,
-    in_flight: bool,
 ):
     shape = EngineShape(
         slots,
@@ -102,8 +96,6 @@ def test_replay_equals_the_literal_loop(
         chunk_tokens_decoding=beside,
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
-        prefix_first=by_prefix,
-        step_in_flight=in_flight,
     )
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
@@ -256,54 +248,3 @@ def test_replay_pair_equals_the_two_replays_it_forks(
     without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops)
     assert without == replay(shape, ahead, new, max_loops=max_loops)
     assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr)
-
-
-EDGE_BY_PREFIX = EngineShape(slots=2, chunk_tokens=256, prefill_ms_per_token=1.0,
-                             decode_step_ms_b1=10.0, batch_slope=0.0, prefix_first=4)  # fmt: skip
-
-
-def test_a_slot_freed_by_a_request_with_the_same_prefix_is_taken_first():
-    # In slots: A (key 7) decodes 10 steps, B 20; waiting: C (no key), 50 tokens. The new
-    # request has key 7: when A's slot frees at 100 ms it keeps A's prefix, and the new
-    # request goes before C (20 tokens: first token at 120 ms).
-    ahead = [Work(0, 10, prefix_key=7), Work(0, 20), Work(50, 5)]
-    new = Work(20, 3, prefix_key=7)
-    r = replay(EDGE_BY_PREFIX, ahead, new)
-    assert (r.queue_ms, r.first_token_ms) == (100.0, 120.0)
-    assert replay_literal(EDGE_BY_PREFIX, ahead, new) == r
-    # first come, first served: C takes A's slot; the new request waits for B's (200 ms)
-    fifo = replay(replace(EDGE_BY_PREFIX, prefix_first=0), ahead, new)
-    assert (fifo.queue_ms, fifo.first_token_ms) == (200.0, 220.0)
-
-
-def test_a_slot_freed_by_another_prefix_is_taken_in_order():
-    ahead = [Work(0, 10, prefix_key=8), Work(0, 20), Work(50, 5)]
-    r = replay(EDGE_BY_PREFIX, ahead, Work(20, 3, prefix_key=7))
-    assert r.queue_ms == 200.0
-
-
-def test_a_request_passed_as_often_as_the_node_allows_is_not_passed_again():
-    # C waits ahead of two requests with key 7; A's and then the next freed slot keep key 7.
-    # With prefix_first 1, the first key-7 request passes C once; then C is a barrier.
-    shape = replace(EDGE_BY_PREFIX, slots=1, prefix_first=1)
-    ahead = [Work(0, 10, prefix_key=7), Work(50, 5), Work(10, 4, prefix_key=7)]
-    r = replay(shape, ahead, Work(20, 3, prefix_key=7))
-    # A ends at 100; the key-7 request ahead goes (10 ms, then 4 steps: 150); C is passed
-    # once, so it goes next (50 ms, 5 steps: 250); then the new one (20 ms: 270)
-    assert (r.queue_ms, r.first_token_ms) == (250.0, 270.0)
-    assert replay_literal(shape, ahead, Work(20, 3, prefix_key=7)) == r
-
-
-def test_a_mixed_step_under_way_holds_only_the_prompts_it_began_with():
-    # A's prompt (30 tokens at 2 ms) began a step; the new one (30 tokens) joins the next,
-    # beside A's first decode row (50 ms): first token at 60 + 60 + 50 = 170 ms, where
-    # joining A's step would give it at 120.
-    cloud = EngineShape(slots=8, chunk_tokens=512, prefill_ms_per_token=2.0,
-                        decode_step_ms_b1=50.0, batch_slope=0.0, mixed_steps=True,
-                        step_in_flight=True)  # fmt: skip
-    ahead, new = [Work(30, 5, started=True, context=30)], Work(30, 5, context=30)
-    assert replay(cloud, ahead, new).first_token_ms == 170.0
-    assert replay(replace(cloud, step_in_flight=False), ahead, new).first_token_ms == 120.0
-    # nothing begun (A arrived after the step under way): they share the next step
-    queued = [Work(30, 5, context=30)]
-    assert replay(cloud, queued, new).first_token_ms == 120.0
