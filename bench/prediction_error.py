@@ -136,6 +136,9 @@ VARIANTS = {
     "no_progress": "latency:\n  stream_progress: false\n",
     # a request late against its prediction taken to be half way (not as good as done)
     "late_half": "latency:\n  overrun_left: 0.5\n",
+    # what a busy node's accounts of its waits held beyond the replay's, by requests in hand,
+    # added on every node (the default: only on accelerators)
+    "busy_wait": "latency:\n  busy_wait: on\n",
     # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
     # busy_wait
     "prefill_pass": "latency:\n  prefill_pass: true\n  busy_wait: false\n",
