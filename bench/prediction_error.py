@@ -139,6 +139,11 @@ VARIANTS = {
     # what a busy node's accounts of its waits held beyond the replay's, by requests in hand,
     # added on every node (the default: only on accelerators)
     "busy_wait": "latency:\n  busy_wait: on\n",
+    # a cloud node on a CPU assumed a GPU's speed until measured (the default before
+    # 2026-12-04, eleventh session)
+    "cloud_gpu_prior": "latency:\n  cloud_cpu:\n    prefill_tokens_per_s: 6000\n"
+    "    decode_ms_per_token: 20\n    batch_slope: 0.03\n    prefill_chunk: 1024\n"
+    "    mixed_steps: true\n",
     # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
     # busy_wait
     "prefill_pass": "latency:\n  prefill_pass: true\n  busy_wait: false\n",

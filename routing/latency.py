@@ -43,7 +43,11 @@ Switch = Literal["off", "on", "accelerators"]
 
 def on_cpu(node: NodeState) -> bool:
     """Whether the node computes on CPUs (its torch device or execution provider says so)."""
-    return node.device.lower().startswith("cpu")
+    return _cpu_device(node.device)
+
+
+def _cpu_device(device: object) -> bool:
+    return str(device).lower().startswith("cpu")
 
 
 class KindDefaults(BaseModel):
@@ -222,6 +226,16 @@ class LatencyKnobs(BaseModel):
         prefill_chunk=1024,
         mixed_steps=True,
     )
+    # a cloud node whose torch device is a CPU (the embedded default's): measured on the
+    # 2-core test machines, 130-270 prompt tokens/s and 55-95 ms a decode step of one row;
+    # the GPU's figures above made a first 560-token prompt there look 96 ms (it took 2.8 s)
+    cloud_cpu: KindDefaults = KindDefaults(
+        prefill_tokens_per_s=250.0,
+        decode_ms_per_token=60.0,
+        batch_slope=0.25,
+        prefill_chunk=1024,
+        mixed_steps=True,
+    )
     openai: KindDefaults = KindDefaults(
         prefill_tokens_per_s=3000.0, decode_ms_per_token=25.0, batch_slope=0.0
     )
@@ -236,11 +250,13 @@ class LatencyKnobs(BaseModel):
         """Whether a :data:`Switch` knob applies to ``node``."""
         return switch == "on" or (switch == "accelerators" and not on_cpu(node))
 
-    def defaults(self, kind: NodeKind) -> KindDefaults:
+    def defaults(self, kind: NodeKind, node: NodeState | None = None) -> KindDefaults:
+        """What to assume of a node of ``kind`` (of ``node``, where known: a cloud node on a
+        CPU takes ``cloud_cpu``)."""
         if kind == NodeKind.EDGE:
             return self.edge
         if kind == NodeKind.CLOUD:
-            return self.cloud
+            return self.cloud_cpu if node is not None and on_cpu(node) else self.cloud
         return self.openai
 
 
@@ -652,8 +668,14 @@ class LatencyModel:
         slope = self._slope(node_id, kind)
         return 1.0 + slope * max(0.0, batch - 1.0)
 
+    def _assumed_slope(self, node_id: str | None, kind: NodeKind) -> float:
+        """The default slope for the node's kind and, once the node was seen, its device."""
+        group = self._peer_group.get(node_id) if node_id is not None else None
+        cpu_cloud = group is not None and kind == NodeKind.CLOUD and _cpu_device(group[1])
+        return (self.knobs.cloud_cpu if cpu_cloud else self.knobs.defaults(kind)).batch_slope
+
     def _slope(self, node_id: str | None, kind: NodeKind) -> float:
-        assumed = self.knobs.defaults(kind).batch_slope
+        assumed = self._assumed_slope(node_id, kind)
         if node_id is not None:
             own = self.rates.get(node_id)
             for rates in [own, *self._peer_rates(node_id)]:  # its own fit, else a peer's
@@ -666,7 +688,7 @@ class LatencyModel:
         rates = self.rates.get(node_id)
         if rates is None:
             return None
-        fit = rates.decode_fit.solve(self.knobs.defaults(kind).batch_slope)
+        fit = rates.decode_fit.solve(self._assumed_slope(node_id, kind))
         return fit if fit is not None and fit.b1_ms > 0 else None
 
     def context_cost(self, node: NodeState) -> float:
@@ -689,7 +711,7 @@ class LatencyModel:
 
     def prefill_tokens_per_s(self, node: NodeState) -> float:
         rates = self.rates.get(node.id) or _NO_RATES
-        default = self.knobs.defaults(node.kind).prefill_tokens_per_s
+        default = self.knobs.defaults(node.kind, node).prefill_tokens_per_s
         if rates.prefill_tokens_per_s.n == 0 and node.prefill_tokens_per_s <= 0:
             peers = self._peers(node)
             default = (
@@ -703,8 +725,9 @@ class LatencyModel:
 
     def decode_ms_per_token_b1(self, node: NodeState) -> float:
         """Decode ms/token of one sequence at batch 1 (the node's report is normalized)."""
+        self._register(node)  # its device: the batch slope it is assumed to have
         rates = self.rates.get(node.id) or _NO_RATES
-        default = self.knobs.defaults(node.kind).decode_ms_per_token
+        default = self.knobs.defaults(node.kind, node).decode_ms_per_token
         factor = self.batch_factor(node.kind, max(1, node.running), node.id)
         reported = node.decode_ms_per_token / factor
         measured = rates.decode_ms_per_token_b1
@@ -735,7 +758,8 @@ class LatencyModel:
     # ---- prediction --------------------------------------------------------------------------
     def batch_slope(self, node: NodeState) -> float:
         """Relative decode slowdown per extra row: fitted on this node's observations once they
-        span several batch sizes, else the kind's default."""
+        span several batch sizes, else the default for its kind and device."""
+        self._register(node)
         return self._slope(node.id, node.kind)
 
     @staticmethod
@@ -796,7 +820,7 @@ class LatencyModel:
         if rates is None:
             return 0.0, per_token, 0.0
         k = self.knobs
-        passes = k.enabled(k.prefill_pass, node) and k.defaults(node.kind).mixed_steps
+        passes = k.enabled(k.prefill_pass, node) and k.defaults(node.kind, node).mixed_steps
         fit = rates.prefill_fit.solve(self.knobs.cached_prefill_cost)
         if fit is not None and fit[1] > 0:
             return 0.0 if passes else max(0.0, fit[0]), fit[1], fit[2]
@@ -825,7 +849,7 @@ class LatencyModel:
 
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
-        kd = self.knobs.defaults(node.kind)
+        kd = self.knobs.defaults(node.kind, node)
         self._register(node)
         fixed, per_token, _ = self.prefill_cost(node)
         chunk = node.prefill_chunk or kd.prefill_chunk

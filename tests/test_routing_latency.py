@@ -314,7 +314,9 @@ def test_an_unmeasured_replica_borrows_its_peers_rates():
     # a twin that reports its own rate is taken at its word
     assert m.prefill_tokens_per_s(node("c3", NodeKind.CLOUD, prefill_tokens_per_s=300.0)) == 300.0
     m.forget("c0")
-    assert m.prefill_tokens_per_s(twin) == 6000.0  # nothing left to borrow
+    # nothing left to borrow: the defaults of a cloud node on a CPU (a GPU's, 6000, above)
+    assert m.prefill_tokens_per_s(twin) == m.knobs.cloud_cpu.prefill_tokens_per_s == 250.0
+    assert m.decode_ms_per_token_b1(twin) == pytest.approx(60.0)
 
 
 def test_the_chunks_a_node_reports_are_the_chunks_replayed():
