@@ -117,7 +117,8 @@ def test_the_router_replays_a_node_with_the_step_cost_it_reports():
     for m, s in ((model, cloud(step_cost=cost.model_copy(update={"steps": 10}))),
                  (LatencyModel(LatencyKnobs(node_step_cost=False)), n)):  # fmt: skip
         assert m.shape(s).step_fixed_ms == 0.0
-        assert m.shape(s).prefill_ms_per_token == pytest.approx(1000.0 / 6000.0)
+        # a CPU cloud's default rate (latency.cloud_cpu)
+        assert m.shape(s).prefill_ms_per_token == pytest.approx(1000.0 / 250.0)
 
 
 def test_a_batch_decoding_at_one_size_keeps_the_fit():
