@@ -216,29 +216,37 @@ class LatencyKnobs(BaseModel):
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
-    edge: KindDefaults = KindDefaults(
-        prefill_tokens_per_s=400.0, decode_ms_per_token=30.0, batch_slope=0.6, prefill_chunk=256
-    )
-    cloud: KindDefaults = KindDefaults(
-        prefill_tokens_per_s=6000.0,
-        decode_ms_per_token=20.0,
-        batch_slope=0.03,
-        prefill_chunk=1024,
-        mixed_steps=True,
-    )
-    # a cloud node whose torch device is a CPU (the embedded default's): measured on the
-    # 2-core test machines, 130-270 prompt tokens/s and 55-95 ms a decode step of one row;
-    # the GPU's figures above made a first 560-token prompt there look 96 ms (it took 2.8 s)
-    cloud_cpu: KindDefaults = KindDefaults(
-        prefill_tokens_per_s=250.0,
-        decode_ms_per_token=60.0,
-        batch_slope=0.25,
-        prefill_chunk=1024,
-        mixed_steps=True,
-    )
-    openai: KindDefaults = KindDefaults(
-        prefill_tokens_per_s=3000.0, decode_ms_per_token=25.0, batch_slope=0.0
-    )
+    edge: KindDefaults = Field(
+        default=KindDefaults(
+            prefill_tokens_per_s=400.0, decode_ms_per_token=30.0, batch_slope=0.6,
+            prefill_chunk=256,
+        ),
+        description="an edge node's rates before it reports or is measured, where no peer "
+        "(same kind, device and models) was",
+    )  # fmt: skip
+    cloud: KindDefaults = Field(
+        default=KindDefaults(
+            prefill_tokens_per_s=6000.0, decode_ms_per_token=20.0, batch_slope=0.03,
+            prefill_chunk=1024, mixed_steps=True,
+        ),
+        description="a cloud node's on an accelerator, likewise",
+    )  # fmt: skip
+    cloud_cpu: KindDefaults = Field(
+        default=KindDefaults(
+            prefill_tokens_per_s=250.0, decode_ms_per_token=60.0, batch_slope=0.25,
+            prefill_chunk=1024, mixed_steps=True,
+        ),
+        description="a cloud node's whose torch device is a CPU (the embedded default's), "
+        "likewise: measured on the 2-core test machines, 130-270 prompt tokens/s and 55-95 ms "
+        "a one-row decode step (the accelerator's figures made a first 560-token prompt there "
+        "look 96 ms; it took 2.8 s)",
+    )  # fmt: skip
+    openai: KindDefaults = Field(
+        default=KindDefaults(
+            prefill_tokens_per_s=3000.0, decode_ms_per_token=25.0, batch_slope=0.0
+        ),
+        description="an OpenAI-compatible upstream's, likewise",
+    )  # fmt: skip
 
     @field_validator("prefill_pass", "busy_wait", mode="before")
     @classmethod
