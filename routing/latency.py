@@ -46,8 +46,8 @@ def on_cpu(node: NodeState) -> bool:
     return _cpu_device(node.device)
 
 
-def _cpu_device(device: object) -> bool:
-    return str(device).lower().startswith("cpu")
+def _cpu_device(device: str) -> bool:
+    return device.lower().startswith("cpu")
 
 
 class KindDefaults(BaseModel):
@@ -258,13 +258,13 @@ class LatencyKnobs(BaseModel):
         """Whether a :data:`Switch` knob applies to ``node``."""
         return switch == "on" or (switch == "accelerators" and not on_cpu(node))
 
-    def defaults(self, kind: NodeKind, node: NodeState | None = None) -> KindDefaults:
-        """What to assume of a node of ``kind`` (of ``node``, where known: a cloud node on a
+    def defaults(self, kind: NodeKind, device: str | None = None) -> KindDefaults:
+        """What to assume of a node of ``kind`` (on ``device``, where known: a cloud node on a
         CPU takes ``cloud_cpu``)."""
         if kind == NodeKind.EDGE:
             return self.edge
         if kind == NodeKind.CLOUD:
-            return self.cloud_cpu if node is not None and on_cpu(node) else self.cloud
+            return self.cloud_cpu if device is not None and _cpu_device(device) else self.cloud
         return self.openai
 
 
@@ -679,8 +679,8 @@ class LatencyModel:
     def _assumed_slope(self, node_id: str | None, kind: NodeKind) -> float:
         """The default slope for the node's kind and, once the node was seen, its device."""
         group = self._peer_group.get(node_id) if node_id is not None else None
-        cpu_cloud = group is not None and kind == NodeKind.CLOUD and _cpu_device(group[1])
-        return (self.knobs.cloud_cpu if cpu_cloud else self.knobs.defaults(kind)).batch_slope
+        device = str(group[1]) if group is not None else None
+        return self.knobs.defaults(kind, device).batch_slope
 
     def _slope(self, node_id: str | None, kind: NodeKind) -> float:
         assumed = self._assumed_slope(node_id, kind)
@@ -719,7 +719,7 @@ class LatencyModel:
 
     def prefill_tokens_per_s(self, node: NodeState) -> float:
         rates = self.rates.get(node.id) or _NO_RATES
-        default = self.knobs.defaults(node.kind, node).prefill_tokens_per_s
+        default = self.knobs.defaults(node.kind, node.device).prefill_tokens_per_s
         if rates.prefill_tokens_per_s.n == 0 and node.prefill_tokens_per_s <= 0:
             peers = self._peers(node)
             default = (
@@ -735,7 +735,7 @@ class LatencyModel:
         """Decode ms/token of one sequence at batch 1 (the node's report is normalized)."""
         self._register(node)  # its device: the batch slope it is assumed to have
         rates = self.rates.get(node.id) or _NO_RATES
-        default = self.knobs.defaults(node.kind, node).decode_ms_per_token
+        default = self.knobs.defaults(node.kind, node.device).decode_ms_per_token
         factor = self.batch_factor(node.kind, max(1, node.running), node.id)
         reported = node.decode_ms_per_token / factor
         measured = rates.decode_ms_per_token_b1
@@ -828,7 +828,7 @@ class LatencyModel:
         if rates is None:
             return 0.0, per_token, 0.0
         k = self.knobs
-        passes = k.enabled(k.prefill_pass, node) and k.defaults(node.kind, node).mixed_steps
+        passes = k.enabled(k.prefill_pass, node) and k.defaults(node.kind, node.device).mixed_steps
         fit = rates.prefill_fit.solve(self.knobs.cached_prefill_cost)
         if fit is not None and fit[1] > 0:
             return 0.0 if passes else max(0.0, fit[0]), fit[1], fit[2]
@@ -857,7 +857,7 @@ class LatencyModel:
 
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
-        kd = self.knobs.defaults(node.kind, node)
+        kd = self.knobs.defaults(node.kind, node.device)
         self._register(node)
         fixed, per_token, _ = self.prefill_cost(node)
         chunk = node.prefill_chunk or kd.prefill_chunk
