@@ -144,6 +144,9 @@ VARIANTS = {
     "cloud_gpu_prior": "latency:\n  cloud_cpu:\n    prefill_tokens_per_s: 6000\n"
     "    decode_ms_per_token: 20\n    batch_slope: 0.03\n    prefill_chunk: 1024\n"
     "    mixed_steps: true\n",
+    # each request in hand computes what the prefix index credited it at dispatch, however
+    # many before it share its prompt (the default before 2026-12-05)
+    "no_in_hand_prefix": "latency:\n  in_hand_prefix: false\n",
     # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
     # busy_wait
     "prefill_pass": "latency:\n  prefill_pass: true\n  busy_wait: false\n",

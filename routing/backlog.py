@@ -54,6 +54,17 @@ class Work:
     decode_steps: float
     started: bool = False  # its prefill is under way (its fixed cost is paid)
     context: float = 0.0
+    shared: SharedPrefix | None = None  # prompt blocks an earlier request in hand computes
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Leading prompt blocks a request has in common with an earlier request in hand: once that
+    one's prefill is done the node holds them, and ``tokens`` of the request's prompt are
+    cached instead of computed (those beyond what the prefix index credited it)."""
+
+    source: int  # the earlier request's index in the work in hand
+    tokens: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,7 @@ class EngineShape:
     # what a mixed step's prompt chunk adds beside decode rows beyond its tokens: 0 where the
     # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
     chunk_beside_ms: float = 0.0
+    cached_token_ms: float = 0.0  # what a cached prompt token still costs its prompt's prefill
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -125,6 +137,7 @@ class Replayed:
     # times the requests decoding while it ran (what it costs them, summed)
     stalled_others_ms: float = 0.0
     mean_context: float = 0.0  # mean context its decode steps attended to (all rows, summed)
+    reused_tokens: float = 0.0  # prefill work it took from an earlier request's (``shared``)
 
 
 @dataclass(slots=True)
@@ -134,6 +147,36 @@ class _Req:
     new: bool = False
     started: bool = False  # its first prefill chunk has run (the fixed cost is paid)
     ctx: float = 0.0  # tokens its next decode step attends to
+    reuse: float = 0.0  # prefill work an earlier request's prefix saves it (``Work.shared``)
+    source: _Req | None = None  # that request (None: its prefill is done)
+    reused: float = 0.0  # what it saved, once in a slot
+
+
+def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[list[_Req], _Req]:
+    """The replay's requests: those of ``ahead`` with work left, in order, and the new one,
+    each linked to the earlier request whose prefix it shares (``Work.shared``) with the
+    prefill work that saves it."""
+    reqs = [_req(w) for w in ahead]
+    target = _req(new, new=True)
+    per_token = max(shape.prefill_ms_per_token, 1e-9)
+    saves = max(0.0, 1.0 - shape.cached_token_ms / per_token)
+    for i, (w, r) in enumerate((*zip(ahead, reqs, strict=True), (new, target))):
+        if w.shared is not None and 0 <= w.shared.source < i:
+            r.reuse = max(0.0, w.shared.tokens) * saves
+            r.source = reqs[w.shared.source]
+    kept = [
+        r for w, r in zip(ahead, reqs, strict=True) if w.prefill_tokens > 0 or w.decode_steps > 0
+    ]
+    return kept, target
+
+
+def _take_slot(r: _Req) -> None:
+    """``r`` enters a slot: it reuses the prefix its source wrote if that one's prefill is done
+    (the engines match a prefix at admission only); at least one token is still computed."""
+    if r.reuse > 0 and (r.source is None or r.source.prefill <= 0) and r.prefill > 1.0:
+        r.reused = min(r.reuse, r.prefill - 1.0)
+        r.prefill -= r.reused
+    r.reuse, r.source = 0.0, None
 
 
 def _run_chunk(r: _Req, shape: EngineShape, chunk: float) -> float:
@@ -206,15 +249,19 @@ class _Loop:
     clock: _Clock = field(default_factory=_Clock)
 
     @classmethod
-    def start(cls, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
-        waiting = deque(_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0)
-        target = _req(new, new=True)
+    def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
+        kept, target = _requests(shape, ahead, new)
+        waiting = deque(kept)
         waiting.append(target)
         return cls(waiting, deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
-        """An independent copy (requests not yet decoding are copied: chunks change them)."""
+        """An independent copy (requests not yet decoding are copied: chunks change them, and
+        a waiting one's source is its copy's)."""
         copies = {id(r): replace(r) for r in (*self.waiting, *self.prefilling)}
+        for r in copies.values():
+            if r.source is not None:
+                r.source = copies.get(id(r.source), r.source)
         return _Loop(
             deque(copies[id(r)] for r in self.waiting),
             deque(copies[id(r)] for r in self.prefilling),
@@ -234,7 +281,7 @@ def replay(
 ) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
     ``arrivals`` that keep the node's population."""
-    r = _advance(shape, _Loop.start(ahead, new, max_loops), arrivals, pause_at_first=False)
+    r = _advance(shape, _Loop.start(shape, ahead, new, max_loops), arrivals, pause_at_first=False)
     assert r is not None  # only a pausing run stops short
     return r
 
@@ -249,7 +296,7 @@ def replay_pair(
     """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
     once the new request has its first token, so both run the same loops until then; those
     run once, and the rest forks."""
-    loop = _Loop.start(ahead, new, max_loops)
+    loop = _Loop.start(shape, ahead, new, max_loops)
     shared = _advance(shape, loop, None, pause_at_first=True)
     if shared is not None:  # done by its first token (no decode, or out of loops)
         return shared, shared
@@ -298,8 +345,10 @@ def _advance(
 
     def result(last: float) -> Replayed:
         if steps <= 0:
-            return Replayed(queue_ms, first, last, 1.0, stall)
-        return Replayed(queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps)
+            return Replayed(queue_ms, first, last, 1.0, stall, reused_tokens=target.reused)
+        return Replayed(
+            queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps, target.reused
+        )
 
     for ran in range(loop.loops):
         if first >= 0:
@@ -315,6 +364,7 @@ def _advance(
                     waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
             r = waiting.popleft()
+            _take_slot(r)
             if r.new:
                 queue_ms = t
             if r.prefill > 0:
@@ -390,7 +440,9 @@ def _advance(
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
     left = target_end - done if target_end >= 0 else target.steps
     last = first + left * shape.decode_step_ms(rows or 1, (rows or 1) * target.ctx)
-    return Replayed(max(queue_ms, 0.0), first, last, float(rows or 1), stall)
+    return Replayed(
+        max(queue_ms, 0.0), first, last, float(rows or 1), stall, reused_tokens=target.reused
+    )
 
 
 def _req(w: Work, new: bool = False) -> _Req:
@@ -410,8 +462,7 @@ def replay_literal(
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    waiting = [_req(w) for w in ahead if w.prefill_tokens > 0 or w.decode_steps > 0]
-    target = _req(new, new=True)
+    waiting, target = _requests(shape, ahead, new)
     waiting.append(target)
     waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
@@ -422,8 +473,10 @@ def replay_literal(
 
     def result(last: float) -> Replayed:
         if steps <= 0:
-            return Replayed(queue_ms, first, last, 1.0, stall)
-        return Replayed(queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps)
+            return Replayed(queue_ms, first, last, 1.0, stall, reused_tokens=target.reused)
+        return Replayed(
+            queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps, target.reused
+        )
 
     def decode(rows: list[_Req], k: float) -> None:
         """``k`` steps of ``rows``: each attends to its context, one token more each step."""
@@ -444,6 +497,7 @@ def replay_literal(
                 waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
             r = waiting.pop()
+            _take_slot(r)
             if r.new:
                 queue_ms = t
             running.append(r)
@@ -496,4 +550,6 @@ def replay_literal(
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
     rows_n = len(running) or 1
     last = first + target.steps * shape.decode_step_ms(rows_n, rows_n * target.ctx)
-    return Replayed(max(queue_ms, 0.0), first, last, float(rows_n), stall)
+    return Replayed(
+        max(queue_ms, 0.0), first, last, float(rows_n), stall, reused_tokens=target.reused
+    )

@@ -34,7 +34,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from routing.backlog import Arrivals, EngineShape, Replayed, Work, replay, replay_pair
+from routing.backlog import (
+    Arrivals,
+    EngineShape,
+    Replayed,
+    SharedPrefix,
+    Work,
+    replay,
+    replay_pair,
+)
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState, StepCost
 
@@ -213,6 +221,15 @@ class LatencyKnobs(BaseModel):
         description="the recent past (at most 30 s) a node's mean population and work are "
         "taken over (future_arrivals)",
     )
+    in_hand_prefix: bool = Field(
+        default=True,
+        description="on a node with a prefix cache, a request whose leading blocks an earlier "
+        "request in hand computes too is replayed computing only the rest when it takes a "
+        "slot after that one's prefill (both engines hand a running request's written blocks "
+        "to the next); off, each computes what the prefix index credited it at dispatch "
+        "(a burst of one app's prompts on the edge was predicted seconds of prefill ahead "
+        "that the node took from the first one's blocks)",
+    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -320,6 +337,9 @@ class Estimate:
     # what it takes beyond the engine (in ``ttft_ms`` and ``e2e_ms``): the gateway's share and,
     # on an idle node, the node's own before its engine starts it
     overhead_ms: float = 0.0
+    # prefill work it was predicted to take from an earlier request's prefix (not in
+    # ``prefill_work_tokens``, which it computes; see ``routing.backlog.SharedPrefix``)
+    reused_tokens: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -859,7 +879,7 @@ class LatencyModel:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
         kd = self.knobs.defaults(node.kind, node.device)
         self._register(node)
-        fixed, per_token, _ = self.prefill_cost(node)
+        fixed, per_token, per_cached = self.prefill_cost(node)
         chunk = node.prefill_chunk or kd.prefill_chunk
         cost = self.step_cost(node)
         if cost is not None:  # the node's own fit: a pass, then rows, tokens and context
@@ -881,6 +901,7 @@ class LatencyModel:
             decode_step_ms_b1=b1,
             batch_slope=slope,
             prefill_fixed_ms=fixed,
+            cached_token_ms=per_cached,
             mixed_steps=kd.mixed_steps,
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
@@ -898,6 +919,7 @@ class LatencyModel:
         extra_inflight: int = 0,
         ahead: Sequence[Work] | None = None,
         arrivals: Arrivals | None = None,
+        shared_prefix: SharedPrefix | None = None,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -908,8 +930,12 @@ class LatencyModel:
         requests on the node that ``ahead`` does not describe (other gateways', or, without
         ``ahead``, everything beyond the node's own running and waiting counts): each is taken
         as half of a typical request's decoding. ``arrivals`` are the requests expected after
-        this one (``DispatchLedger.arrivals``); they queue behind it. On a node with work in
-        hand the request first waits for the step in flight (half a decode step, on average).
+        this one (``DispatchLedger.arrivals``); they queue behind it. ``shared_prefix`` is the
+        longest run of its leading blocks a request in ``ahead`` has too (its prompt tokens:
+        ``DispatchLedger.shared_prefix``); with ``in_hand_prefix``, on a node with a prefix
+        cache, those beyond the credit are cached if that request's prefill is done when this
+        one takes a slot (``routing.backlog``). On a node with work in hand the request first
+        waits for the step in flight (half a decode step, on average).
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -923,6 +949,19 @@ class LatencyModel:
         else:
             unknown = max(0, extra_inflight)
             work = list(ahead)
+        reuse = k.in_hand_prefix and node.prefix_cache
+        shared = None
+        if reuse and shared_prefix is not None and ahead is not None:
+            beyond = shared_prefix.tokens - cached
+            if beyond > 0:
+                shared = SharedPrefix(shared_prefix.source + unknown, beyond)
+        # what work in hand shares is counted from its index among what is replayed
+        work = [
+            w if w.shared is None
+            else replace(w, shared=replace(w.shared, source=w.shared.source + unknown)
+                         if reuse else None)
+            for w in work
+        ]  # fmt: skip
         if unknown:
             half = 0.5 * self.mean_output_tokens(node.id)
             typical = Work(0.0, half, context=self.mean_prompt_tokens(node.id) + half)
@@ -934,19 +973,19 @@ class LatencyModel:
                 # no room in the KV cache: it starts when a request in hand finishes
                 shape = replace(shape, slots=min(shape.slots, len(work)))
         # the cached tokens' cost as prefill work of the same rate (what replay schedules)
-        per_cached = self.prefill_cost(node)[2]
-        work_tokens = uncached + cached * per_cached / shape.prefill_ms_per_token
+        work_tokens = uncached + cached * shape.cached_token_ms / shape.prefill_ms_per_token
         if arrivals is not None and k.arrival_work == "rows":
             arrivals = Arrivals(arrivals.population, replace(arrivals.work, prefill_tokens=1.0))
         if arrivals is not None and k.arrival_population == "in_hand":
             arrivals = Arrivals(len(work) + 1, arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
-        new = Work(work_tokens, out - 1.0, context=prompt_tokens)
+        new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
         if arrivals is not None and k.arrival_weight < 1.0:
             r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
             r = replay(shape, work, new, arrivals=arrivals)
+        work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)
         chunks = math.ceil(work_tokens / max(1, shape.chunk_tokens))
@@ -1022,6 +1061,7 @@ class LatencyModel:
             passes=passes,
             extra_wait_ms=extra_wait,
             overhead_ms=overhead,
+            reused_tokens=r.reused_tokens,
         )
 
     # ---- learning ----------------------------------------------------------------------------

@@ -30,11 +30,11 @@ import collections
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from routing.backlog import Arrivals, Work
+from routing.backlog import Arrivals, SharedPrefix, Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeState
 from routing.fleet.store import FleetView
@@ -86,6 +86,30 @@ class _InFlight:
     output_tokens: float
     first_token_at: float | None = None
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
+    hashes: Sequence[int] = ()  # its prompt's leading block hashes, as far as a node reuses
+
+
+def _holders(entries: Iterable[_InFlight]) -> dict[int, int]:
+    """Block hash -> the index (in ``entries``' order) of the first entry whose prompt has it."""
+    held: dict[int, int] = {}
+    for i, e in enumerate(entries):
+        for h in e.hashes:
+            held.setdefault(h, i)
+    return held
+
+
+def _shared(hashes: Sequence[int], held: Mapping[int, int]) -> tuple[int, int]:
+    """``(blocks, index)``: the longest run of ``hashes``' leading blocks an entry of ``held``
+    has, and the first such entry (-1: none). Hashes are chained, so an entry holding a block
+    holds every block before it: the run is found by bisection."""
+    lo, hi = 0, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if hashes[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, held[hashes[lo - 1]] if lo else -1
 
 
 class DispatchLedger:
@@ -111,10 +135,11 @@ class DispatchLedger:
         ticket_id: int,
         estimate: Estimate | None = None,
         output_tokens: float = 0.0,
+        hashes: Sequence[int] = (),
     ) -> None:
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
         if estimate is not None:
-            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens)
+            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens, hashes=hashes)
             work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
             sent.append((at, work, max(0.0, output_tokens - 1.0), float(estimate.prompt_tokens)))
@@ -251,10 +276,15 @@ class DispatchLedger:
         ``overrun_left`` of its prefill work or its decode steps is taken as left (at least one
         step; ``latency.overrun_left``)."""
         out: list[Work] = []
+        held: dict[int, int] = {}  # block hash -> the first request in hand with it
         for _, ticket_id in self._times.get(node_id, ()):
             e = self._entries.get(ticket_id)
             if e is None:
                 continue
+            index = len(out)
+            blocks, source = _shared(e.hashes, held)
+            for h in e.hashes:
+                held.setdefault(h, index)
             est = e.estimate
             elapsed = (now - e.dispatched_at) * 1000.0
             steps = max(0.0, e.output_tokens - 1.0)
@@ -275,11 +305,29 @@ class DispatchLedger:
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
                     left = overrun_left
                 tokens = est.prefill_work_tokens or float(est.uncached_tokens)
+                started = left < 1.0
+                beyond = blocks * BLOCK_SIZE - est.cached_tokens
+                shared = None
+                if beyond > 0 and not started:  # replayed afresh: what it may take, and from
+                    tokens += est.reused_tokens
+                    shared = SharedPrefix(source, beyond)
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
-                out.append(Work(prefill, steps, started=left < 1.0, context=prompt))
+                out.append(Work(prefill, steps, started, prompt, shared))
         return out
+
+    def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:
+        """The longest run of leading blocks of a new prompt (its block ``hashes``) that a
+        request of ours in hand on the node has too, as ``SharedPrefix(index in
+        :meth:`work`, its prompt tokens)``; None when none shares a block."""
+        entries = (
+            e
+            for _, ticket_id in self._times.get(node_id, ())
+            if (e := self._entries.get(ticket_id)) is not None
+        )
+        blocks, source = _shared(hashes, _holders(entries))
+        return SharedPrefix(source, float(blocks * BLOCK_SIZE)) if blocks else None
 
 
 class Router:
@@ -374,6 +422,10 @@ class Router:
                     ahead=self.ledger.work(
                         node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
                     ),
+                    shared_prefix=self.ledger.shared_prefix(
+                        node.id,
+                        profile.block_hashes[: max(0, profile.prompt_tokens - 1) // BLOCK_SIZE],
+                    ),
                     arrivals=self.ledger.arrivals(
                         node.id,
                         now,
@@ -428,7 +480,10 @@ class Router:
         cand = candidate or decision.chosen
         ticket = Ticket(next(self._ids), cand.node, cand.estimate, self.clock(), profile)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
-        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out)
+        hashes: Sequence[int] = ()
+        if profile is not None:  # the blocks an engine reuses: at least one token computed
+            hashes = profile.block_hashes[: max(0, profile.prompt_tokens - 1) // BLOCK_SIZE]
+        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out, hashes)
         return ticket
 
     def first_token(self, ticket: Ticket) -> None:

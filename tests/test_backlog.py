@@ -13,6 +13,7 @@ from routing.backlog import (
     Arrivals,
     EngineShape,
     Replayed,
+    SharedPrefix,
     Work,
     replay,
     replay_literal,
@@ -46,7 +47,7 @@ def test_identical_steps_are_jumped_without_rounding_an_extra_step():
         shape, [Work(0, 0.1 + 0.2), Work(0, 13.29)], Work(1, 6.7)).last_token_ms)  # fmt: skip
 
 
-works = st.lists(
+plain_works = st.lists(
     st.builds(
         Work,
         st.sampled_from([0.0, 1.0, 16.0, 100.0, 250.0, 700.0]),
@@ -58,9 +59,30 @@ works = st.lists(
 )
 
 
+@st.composite
+def works(draw: st.DrawFn) -> list[Work]:
+    """Work in hand, some of it sharing an earlier request's prefix."""
+    out = []
+    for i, w in enumerate(draw(plain_works)):
+        if i and draw(st.booleans()):
+            source = draw(st.integers(0, i - 1))
+            w = replace(w, shared=SharedPrefix(source, draw(st.sampled_from([16.0, 90.0, 800.0]))))
+        out.append(w)
+    return out
+
+
+def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
+    """``new`` sharing the prefix of ``ahead[source]`` (modulo its length), if any."""
+    if source is None or not ahead:
+        return new
+    return replace(new, shared=SharedPrefix(source % len(ahead), 400.0))
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    ahead=works,
+    ahead=works(),
+    new_source=st.sampled_from([None, 0, 5]),
+    cached_ms=st.sampled_from([0.0, 0.1]),
     new=st.builds(
         Work,
         st.sampled_from([1.0, 30.0, 512.0]),
@@ -77,6 +99,8 @@ works = st.lists(
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
+    new_source: int | None,
+    cached_ms: float,
     new: Work,
     slots: int,
     chunk: int,
@@ -96,7 +120,9 @@ def test_replay_equals_the_literal_loop(
         chunk_tokens_decoding=beside,
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
+        cached_token_ms=cached_ms,
     )
+    new = _sharing(new, ahead, new_source)
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
@@ -104,6 +130,7 @@ def test_replay_equals_the_literal_loop(
     assert got.mean_batch == pytest.approx(want.mean_batch)
     assert got.stalled_others_ms == pytest.approx(want.stalled_others_ms)
     assert got.mean_context == pytest.approx(want.mean_context)
+    assert got.reused_tokens == pytest.approx(want.reused_tokens)
 
 
 def test_each_decode_step_reads_the_context_of_its_rows():
@@ -205,7 +232,7 @@ def test_arrivals_come_after_the_new_requests_first_token():
 
 # a backlog, a new request and the arrivals after it (the node kept at ``population``)
 ARRIVAL_CASES = dict(
-    ahead=works,
+    ahead=works(),
     new=st.builds(Work, st.sampled_from([1.0, 30.0, 512.0]), st.sampled_from([0.0, 1.0, 15.0])),
     slots=st.sampled_from([1, 2, 4, 64]),
     population=st.sampled_from([0, 1, 3, 8, 70]),
@@ -248,3 +275,24 @@ def test_replay_pair_equals_the_two_replays_it_forks(
     without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops)
     assert without == replay(shape, ahead, new, max_loops=max_loops)
     assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr)
+
+
+def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():
+    """The engines match a prefix at admission: a request that takes a slot once the earlier
+    request's prefill is done computes only the rest; one that takes a slot beside it while it
+    still prefills computes it again."""
+    ahead = [Work(200, 0)]
+    new = Work(200, 0, shared=SharedPrefix(0, 160))
+    one_slot = replace(SHAPE, slots=1)
+    r = replay(one_slot, ahead, new)
+    assert (r.queue_ms, r.first_token_ms, r.reused_tokens) == (200.0, 240.0, 160.0)
+    assert replay_literal(one_slot, ahead, new) == r
+    beside = replay(SHAPE, ahead, new)  # two slots: it starts at once, beside the first
+    assert (beside.queue_ms, beside.first_token_ms, beside.reused_tokens) == (0.0, 400.0, 0.0)
+    # a cached token still costs its share: a tenth of a computed one saves nine tenths
+    dear = replay(replace(one_slot, cached_token_ms=0.1), ahead, new)
+    assert dear.first_token_ms == pytest.approx(200.0 + 40.0 + 16.0)
+    # work in hand reuses likewise, and what it saves moves the new request up
+    chain = [Work(200, 0), Work(200, 0, shared=SharedPrefix(0, 160))]
+    assert replay(one_slot, chain, Work(10, 0)).first_token_ms == 200.0 + 40.0 + 10.0
+    assert replay(one_slot, [Work(200, 0), Work(200, 0)], Work(10, 0)).first_token_ms == 410.0

@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from routing.backlog import SharedPrefix
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
@@ -606,3 +607,49 @@ def test_the_ledger_says_how_many_requests_a_node_held_over_a_span():
     assert ledger.mean_in_flight("n", 4.0, 6.0) == pytest.approx((2.0 + 1.0) / 2.0)
     assert ledger.mean_in_flight("n", 6.0, 6.0) == 0.0
     assert ledger.mean_in_flight("other", 0.0, 10.0) == 0.0
+
+
+def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
+    """On a node with a prefix cache the second request of one prompt, queued behind the first,
+    takes the first's blocks once that one has prefilled them: its own prefill and what the
+    next request waits for are its last block's, not the whole prompt's. A node that keeps no
+    prefix cache, or the knob off, computes it twice."""
+
+    def two_then_one(node: NodeState, **knobs) -> tuple[Estimate, Estimate, float]:
+        r = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs)),
+                   clock=lambda: NOW)  # fmt: skip
+        fleet = view(node)
+        p = profile(800)  # 50 blocks; the engines reuse 49 (a token is always computed)
+        first = r.begin(r.decide(p, fleet), profile=p)
+        second = r.begin(r.decide(p, fleet), profile=p)
+        later = r.decide(profile(40, block_hashes=[900, 901]), fleet)
+        return first.estimate, second.estimate, later.predicted_ttft_ms
+
+    slot = edge(max_batch=1, prefix_cache=True)
+    first, second, later = two_then_one(slot)
+    assert first.reused_tokens == 0.0 and first.prefill_work_tokens == 800.0
+    assert second.reused_tokens == 49 * BLOCK_SIZE
+    assert second.prefill_work_tokens == 800.0 - 49 * BLOCK_SIZE
+    assert second.own_prefill_ms == pytest.approx(16 / 500 * 1000)
+    work = Router(PolicyConfig()).ledger.work("edge-eu", NOW)  # a fresh ledger holds nothing
+    assert work == []
+    for cold in (two_then_one(edge(max_batch=1)), two_then_one(slot, in_hand_prefix=False)):
+        assert cold[1].reused_tokens == 0.0 and cold[1].prefill_work_tokens == 800.0
+        # the later request waits for the second's whole prompt: 784 tokens at 500/s more
+        assert cold[2] - later == pytest.approx(784 / 500 * 1000, rel=0.05)
+    # two slots: the second starts beside the first, before its blocks exist, and computes them
+    _, beside, _ = two_then_one(edge(max_batch=2, prefix_cache=True))
+    assert beside.reused_tokens == 0.0
+
+
+def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
+    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: NOW)
+    fleet = view(edge(max_batch=1, prefix_cache=True))
+    a, b = profile(800), profile(400, block_hashes=[1007, 1008, 1009])
+    for p in (b, a, a):
+        r.begin(r.decide(p, fleet), profile=p)
+    work = r.ledger.work("edge-eu", NOW)
+    assert [w.shared for w in work] == [None, None, SharedPrefix(1, 49.0 * BLOCK_SIZE)]
+    assert r.ledger.shared_prefix("edge-eu", list(range(30))) == SharedPrefix(1, 30.0 * BLOCK_SIZE)
+    assert r.ledger.shared_prefix("edge-eu", [1007, 1008, 1010]) == SharedPrefix(0, 2.0 * BLOCK_SIZE)
+    assert r.ledger.shared_prefix("edge-eu", [5000]) is None
