@@ -205,6 +205,17 @@ def _describe(c: Candidate) -> str:
         f"({e.uncached_tokens} uncached, {e.cached_tokens} cached tokens); "
         f"e2e {e.e2e_ms:.0f} ms at {e.decode_ms_per_token:.1f} ms/token, batch {e.batch}"
         + (f"; holds up others {e.stalled_others_ms:.0f} ms" if e.stalled_others_ms > 0 else "")
+        + (
+            f"; {e.reused_tokens:.0f} tokens of prefill taken from a request in hand"
+            if e.reused_tokens > 0
+            else ""
+        )
+        + (
+            f"; fleet load ({e.fleet_in_flight} in flight elsewhere): ttft x{e.ttft_factor:.2f},"
+            f" decode x{e.decode_factor:.2f}"
+            if (e.ttft_factor, e.decode_factor) != (1.0, 1.0)
+            else ""
+        )
     )
 
 

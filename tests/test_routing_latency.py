@@ -649,3 +649,51 @@ def test_decode_is_learned_against_the_rows_seen_not_the_rows_predicted():
             )  # fmt: skip
     assert seen.decode_ms_per_token_b1(n) == pytest.approx(50.0, rel=0.05)
     assert predicted.decode_ms_per_token_b1(n) > 1.05 * 50.0
+
+
+def test_a_busy_fleet_scales_a_prediction_by_what_its_load_cell_took():
+    """``fleet_load``: once five requests with nothing in hand and 4-7 of the gateway's on the
+    other nodes took twice the predicted server time to first token and three times the
+    decode, the next prediction in that cell is scaled so; other cells, an idle fleet and the
+    knob off are not. What is learned is against the unscaled prediction: it never compounds."""
+    m = LatencyModel()
+    n = node()
+
+    def predict(fleet: int, model: LatencyModel = m, in_hand: list[Work] | None = None):
+        return model.estimate(
+            n, prompt_tokens=100, cached_tokens=0, expected_output_tokens=10, rtt_ms=5.0,
+            ahead=in_hand or [], fleet_in_flight=fleet,
+        )  # fmt: skip
+
+    def took(e, ttft_times: float, decode_times: float) -> Observation:
+        server = (e.ttft_ms - e.rtt_ms) / e.ttft_factor
+        decode = (e.e2e_ms - e.ttft_ms) / e.decode_factor
+        first = 5.0 + ttft_times * server
+        return Observation(
+            node_id="e1", kind=NodeKind.EDGE, prompt_tokens=100, cached_tokens=0,
+            completion_tokens=10, ttft_ms=first, e2e_ms=first + decode_times * decode,
+            net_rtt_ms=5.0, estimate=e,
+        )  # fmt: skip
+
+    first = predict(5)
+    for _ in range(5):
+        assert predict(5).ttft_factor == 1.0  # not before five were seen
+        m.observe(took(first, 2.0, 3.0))
+    idle, busy = predict(0), predict(5)
+    assert (busy.ttft_factor, busy.decode_factor) == (pytest.approx(2.0), pytest.approx(3.0))
+    assert busy.ttft_ms - busy.rtt_ms == pytest.approx(2.0 * (idle.ttft_ms - idle.rtt_ms))
+    assert busy.e2e_ms - busy.ttft_ms == pytest.approx(3.0 * (idle.e2e_ms - idle.ttft_ms))
+    assert (idle.ttft_factor, idle.decode_factor) == (1.0, 1.0)
+    assert predict(9).ttft_factor == 1.0  # 8 or more on the others: a cell not seen yet
+    assert predict(5, in_hand=[Work(0, 4)]).ttft_factor == 1.0  # one in hand: another cell
+    off = LatencyModel(LatencyKnobs(fleet_load=False))
+    off.rates = m.rates
+    assert predict(5, off).ttft_factor == 1.0
+    for _ in range(40):  # predictions already scaled, taking twice their unscaled time
+        m.observe(took(predict(5), 2.0, 3.0))
+    assert predict(5).ttft_factor == pytest.approx(2.0)
+    assert LatencyModel.load_cell(0, 0) is None
+    assert [LatencyModel.load_cell(h, 3) for h in (0, 1, 3, 4, 40)] == [
+        (0, 1), (1, 1), (1, 1), (2, 1), (2, 1)
+    ]  # fmt: skip
+    assert [LatencyModel.load_cell(0, f)[1] for f in (1, 3, 4, 7, 8, 100)] == [1, 1, 2, 2, 3, 3]
