@@ -49,9 +49,6 @@ from routing.fleet.state import NodeKind, NodeState, StepCost
 Switch = Literal["off", "on", "accelerators"]
 
 
-_LN4 = math.log(4.0)  # the most a load cell's factor moves a prediction, either way
-
-
 def on_cpu(node: NodeState) -> bool:
     """Whether the node computes on CPUs (its torch device or execution provider says so)."""
     return _cpu_device(node.device)
@@ -149,17 +146,6 @@ class LatencyKnobs(BaseModel):
         "(on the embedded default no better: docs/benchmarks.md)",
     )
 
-    fleet_load: bool = Field(
-        default=True,
-        description="scale a node's predicted server time (its time to first token, and its "
-        "decode apart) by what its requests took against their predictions lately with as "
-        "many in hand on it (none, 1-3, 4 or more) and as many of this gateway's in flight on "
-        "the other nodes (1-3, 4-7, 8 or more): the median of the last 31 such ratios once 5 "
-        "were seen, none with the other nodes idle. Nodes that share a machine's cores slow "
-        "each other, and a busy fleet sends the node more while it decodes: on the embedded "
-        "default, at concurrency 16 the CPU cloud with nothing in hand decoded 2.5-3x slower "
-        "than predicted while the edge was busy",
-    )
     min_alone_samples: int = Field(
         default=3,
         ge=1,
@@ -354,11 +340,6 @@ class Estimate:
     # prefill work it was predicted to take from an earlier request's prefix (not in
     # ``prefill_work_tokens``, which it computes; see ``routing.backlog.SharedPrefix``)
     reused_tokens: float = 0.0
-    # this gateway's requests in flight on the other nodes at the decision, and the factors
-    # its server time to first token and its decode were scaled by for them (``fleet_load``)
-    fleet_in_flight: int = 0
-    ttft_factor: float = 1.0
-    decode_factor: float = 1.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -601,10 +582,6 @@ class NodeRates:
     beside_pass_ms: _RecentMedian = field(default_factory=_RecentMedian)
     # the node's account of a request's wait less the replay's, by requests in hand (``busy_wait``)
     busy_wait_ms: dict[int, _RecentMedian] = field(default_factory=dict)
-    # log(measured / predicted) of the server's time to first token and of the decode, by
-    # ``LatencyModel.load_cell`` (``fleet_load``)
-    load_ttft: dict[tuple[int, int], _RecentMedian] = field(default_factory=dict)
-    load_decode: dict[tuple[int, int], _RecentMedian] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -828,31 +805,6 @@ class LatencyModel:
         seen = rates.busy_wait_ms.get(self._load_bucket(in_hand))
         return seen.value if seen is not None and seen.n >= 3 else 0.0
 
-    @staticmethod
-    def load_cell(in_hand: int, fleet_in_flight: int) -> tuple[int, int] | None:
-        """``(requests in hand: 0, 1-3, 4+ -> 0-2; the gateway's on other nodes: 1-3, 4-7,
-        8+ -> 1-3)``; None with the other nodes idle (no factor there)."""
-        if fleet_in_flight <= 0:
-            return None
-        own = 0 if in_hand <= 0 else 1 if in_hand < 4 else 2
-        return own, min(3, fleet_in_flight // 4 + 1)
-
-    def load_factors(self, node_id: str, in_hand: int, fleet_in_flight: int) -> tuple[float, float]:
-        """What the node's server time to first token and its decode took against their
-        predictions lately in this load cell (``fleet_load``): exp of the median log ratio of
-        the last 31, once 5 were seen, within [1/4, 4]; else 1."""
-        rates = self.rates.get(node_id)
-        cell = self.load_cell(in_hand, fleet_in_flight)
-        if not self.knobs.fleet_load or rates is None or cell is None:
-            return 1.0, 1.0
-
-        def factor(seen: _RecentMedian | None) -> float:
-            if seen is None or seen.n < 5:
-                return 1.0
-            return math.exp(min(max(seen.value, -_LN4), _LN4))
-
-        return factor(rates.load_ttft.get(cell)), factor(rates.load_decode.get(cell))
-
     def overhead_ms(self, node_id: str, idle: bool) -> float:
         """What a request on the node takes beyond its engine and the RTT, as learned: the
         gateway's share and, when the node has nothing in hand (``idle``), the node's own
@@ -968,7 +920,6 @@ class LatencyModel:
         ahead: Sequence[Work] | None = None,
         arrivals: Arrivals | None = None,
         shared_prefix: SharedPrefix | None = None,
-        fleet_in_flight: int = 0,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -984,8 +935,7 @@ class LatencyModel:
         ``DispatchLedger.shared_prefix``); with ``in_hand_prefix``, on a node with a prefix
         cache, those beyond the credit are cached if that request's prefill is done when this
         one takes a slot (``routing.backlog``). On a node with work in hand the request first
-        waits for the step in flight (half a decode step, on average). ``fleet_in_flight``
-        counts this gateway's requests on the other nodes (``fleet_load``).
+        waits for the step in flight (half a decode step, on average).
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -1082,15 +1032,6 @@ class LatencyModel:
                 last_token_ms=r.last_token_ms + extra_wait,
             )
         overhead = self.overhead_ms(node.id, idle=not work)
-        ttft_factor, decode_factor = self.load_factors(node.id, len(work), fleet_in_flight)
-        if (ttft_factor, decode_factor) != (1.0, 1.0):
-            first = (overhead + r.first_token_ms) * ttft_factor - overhead
-            r = replace(
-                r,
-                queue_ms=r.queue_ms * ttft_factor,
-                first_token_ms=first,
-                last_token_ms=first + (r.last_token_ms - r.first_token_ms) * decode_factor,
-            )
         rtt = max(0.0, rtt_ms) + overhead
         steps = out - 1.0
         per_token = (r.last_token_ms - r.first_token_ms) / steps if steps > 0 else 0.0
@@ -1121,9 +1062,6 @@ class LatencyModel:
             extra_wait_ms=extra_wait,
             overhead_ms=overhead,
             reused_tokens=r.reused_tokens,
-            fleet_in_flight=fleet_in_flight,
-            ttft_factor=ttft_factor,
-            decode_factor=decode_factor,
         )
 
     # ---- learning ----------------------------------------------------------------------------
@@ -1196,8 +1134,7 @@ class LatencyModel:
             per_token = (obs.e2e_ms - ttft_at_gateway) / (obs.completion_tokens - 1)
             if est is not None and est.step_ms > 0:
                 # the decode steps' own time: less the stall that was predicted between them
-                own_per_token = est.decode_ms_per_token / est.decode_factor  # as replayed
-                stall = max(0.0, own_per_token - est.step_ms)
+                stall = max(0.0, est.decode_ms_per_token - est.step_ms)
                 per_token = max(per_token - stall, 0.3 * per_token)
             if per_token > 0:
                 batch = est.mean_batch if est else 1.0
@@ -1218,9 +1155,6 @@ class LatencyModel:
         if obs.completion_tokens > 0:
             rates.output_tokens.add(float(obs.completion_tokens), k.rate_alpha)
 
-        if est is not None and k.fleet_load:
-            self._learn_load(rates, obs, est, net)
-
         errors: dict[str, float] = {}
         if est is not None:
             tier = obs.kind.value
@@ -1235,27 +1169,6 @@ class LatencyModel:
                 "e2e", tier, est.e2e_ms + offset, obs.e2e_ms, k.error_alpha
             )
         return errors
-
-    def _learn_load(self, rates: NodeRates, obs: Observation, est: Estimate, net: float) -> None:
-        """Record, in its load cell, what the request's server time to first token and its
-        decode took against the prediction before ``fleet_load`` scaled it (a reply not
-        streamed: its first token as the node timed it)."""
-        cell = self.load_cell(est.in_hand, est.fleet_in_flight)
-        if cell is None:
-            return
-        first = obs.ttft_ms
-        if first is None and obs.node_ttft_ms is not None:
-            first = obs.node_ttft_ms + net
-        if first is None:
-            return
-        predicted = (est.ttft_ms - est.rtt_ms) / est.ttft_factor
-        if first - net > 0 and predicted > 0:
-            ratio = math.log((first - net) / predicted)
-            rates.load_ttft.setdefault(cell, _RecentMedian()).add(ratio)
-        decode = (est.e2e_ms - est.ttft_ms) / est.decode_factor
-        if obs.completion_tokens >= 2 and obs.e2e_ms > first and decode > 0:
-            ratio = math.log((obs.e2e_ms - first) / decode)
-            rates.load_decode.setdefault(cell, _RecentMedian()).add(ratio)
 
     def snapshot(self, nodes: Mapping[str, NodeState] | None = None) -> dict[str, dict[str, float]]:
         """Learned rates per node (and the blended ones when the node's state is given)."""

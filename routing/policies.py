@@ -210,12 +210,6 @@ def _describe(c: Candidate) -> str:
             if e.reused_tokens > 0
             else ""
         )
-        + (
-            f"; fleet load ({e.fleet_in_flight} in flight elsewhere): ttft x{e.ttft_factor:.2f},"
-            f" decode x{e.decode_factor:.2f}"
-            if (e.ttft_factor, e.decode_factor) != (1.0, 1.0)
-            else ""
-        )
     )
 
 

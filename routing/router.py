@@ -422,8 +422,6 @@ class Router:
                     ahead=self.ledger.work(
                         node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
                     ),
-                    fleet_in_flight=self.ledger.gateway_in_flight()
-                    - self.ledger.in_flight(node.id),
                     shared_prefix=self.ledger.shared_prefix(
                         node.id,
                         profile.block_hashes[: max(0, profile.prompt_tokens - 1) // BLOCK_SIZE],
