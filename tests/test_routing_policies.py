@@ -621,7 +621,10 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
         fleet = view(node)
         p = profile(800)  # 50 blocks; the engines reuse 49 (a token is always computed)
         first = r.begin(r.decide(p, fleet), profile=p)
-        second = r.begin(r.decide(p, fleet), profile=p)
+        decision = r.decide(p, fleet)
+        second = r.begin(decision, profile=p)
+        taken = "tokens of prefill taken from a request in hand" in decision.detail
+        assert taken == (second.estimate.reused_tokens > 0)  # /v1/route says so
         later = r.decide(profile(40, block_hashes=[900, 901]), fleet)
         return first.estimate, second.estimate, later.predicted_ttft_ms
 
