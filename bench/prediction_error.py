@@ -147,9 +147,6 @@ VARIANTS = {
     # each request in hand computes what the prefix index credited it at dispatch, however
     # many before it share its prompt (the default before 2026-12-05)
     "no_in_hand_prefix": "latency:\n  in_hand_prefix: false\n",
-    # the edge's admission by prefix not replayed: first come, first served (the default
-    # before 2026-12-05)
-    "no_replay_prefix_first": "latency:\n  replay_prefix_first: false\n",
     # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
     # busy_wait
     "prefill_pass": "latency:\n  prefill_pass: true\n  busy_wait: false\n",

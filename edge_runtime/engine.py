@@ -294,7 +294,6 @@ class EdgeEngine:
                 prefix_cache=cfg.prefix_reuse,
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
-                prefix_first=cfg.prefix_first if cfg.prefix_reuse else 0,
             )
         snap = self._scheduler.snapshot()
         return EngineStats(
@@ -310,7 +309,6 @@ class EdgeEngine:
             prefix_cache=cfg.prefix_reuse,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
-            prefix_first=cfg.prefix_first if cfg.prefix_reuse else 0,
         )
 
     def drain_block_events(self) -> BlockEvents:

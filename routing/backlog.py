@@ -33,17 +33,6 @@ Invariants:
   included), one more with the usual work joins the queue, behind the new request and never
   ahead of it. Requests that come later can only slow its decode (their prefill chunks between
   its steps, their rows in its batch); none shares the steps of its prompt, which come first.
-- A request whose leading blocks an earlier one in hand has too (``Work.shared``: both
-  engines hand a running request's written blocks to the next) computes only the rest if that
-  earlier one's prefill is done when it takes a slot; taking a slot beside it while it still
-  prefills, it computes them again (the engines match a prefix once, at admission).
-- On a node that admits by prefix (``EngineShape.prefix_first``, the edge) a slot freed in the
-  replay keeps its request's prompt, and a waiting request sharing at least
-  ``PREFIX_FIRST_MIN_BLOCKS + 1`` blocks with it (``SharedPrefix.common``: one family) goes
-  before those ahead of it, as :func:`routing.admission.prefix_first` picks (each passed at
-  most that many times); work already in a slot keeps it, and a request that matches no kept
-  slot takes a free slot that keeps nothing, else overwrites the oldest family's. Elsewhere
-  first come, first served.
 """
 
 from __future__ import annotations
@@ -53,14 +42,6 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
-
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS, prefix_first
-from routing.blocks import BLOCK_SIZE
-
-# what a request shares with another's kept slot to go first (``routing.admission``)
-_FAMILY_TOKENS = (PREFIX_FIRST_MIN_BLOCKS + 1) * BLOCK_SIZE
-# what a request of a kept slot's family reuses of it, in ``prefix_first``'s terms
-_KEPT_BLOCKS = PREFIX_FIRST_MIN_BLOCKS + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +65,6 @@ class SharedPrefix:
 
     source: int  # the earlier request's index in the work in hand
     tokens: float
-    common: float = 0.0  # leading prompt tokens the two have in common (whole blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,9 +104,6 @@ class EngineShape:
     # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
     chunk_beside_ms: float = 0.0
     cached_token_ms: float = 0.0  # what a cached prompt token still costs its prompt's prefill
-    # times a waiting request sharing a slot's kept prompt may pass each one ahead of it (0:
-    # first come, first served; ``routing.admission``)
-    prefix_first: int = 0
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -173,9 +150,6 @@ class _Req:
     reuse: float = 0.0  # prefill work an earlier request's prefix saves it (``Work.shared``)
     source: _Req | None = None  # that request (None: its prefill is done)
     reused: float = 0.0  # what it saved, once in a slot
-    family: int = -1  # the first request in hand of the prompt family it belongs to (-1: none)
-    passed: int = 0  # times a later request was admitted before it (``prefix_first``)
-    in_slot: bool = False  # work in hand already in a slot (decoding, or its prefill begun)
 
 
 def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[list[_Req], _Req]:
@@ -188,53 +162,12 @@ def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[lis
     saves = max(0.0, 1.0 - shape.cached_token_ms / per_token)
     for i, (w, r) in enumerate((*zip(ahead, reqs, strict=True), (new, target))):
         if w.shared is not None and 0 <= w.shared.source < i:
-            source = reqs[w.shared.source]
             r.reuse = max(0.0, w.shared.tokens) * saves
-            r.source = source
-            if w.shared.common >= _FAMILY_TOKENS:
-                if source.family < 0:
-                    source.family = w.shared.source
-                r.family = source.family
-    left = [
+            r.source = reqs[w.shared.source]
+    kept = [
         r for w, r in zip(ahead, reqs, strict=True) if w.prefill_tokens > 0 or w.decode_steps > 0
     ]
-    if shape.prefix_first > 0:  # what runs holds its slot, whatever came before it
-        left.sort(key=lambda r: not r.in_slot)
-    return left, target
-
-
-def _admit_next(waiting: deque[_Req], kept: dict[int, int], free: int, limit: int) -> _Req:
-    """Take the waiting request the node admits next into one of its ``free`` slots, of which
-    ``kept`` counts those freed in the replay by prompt family (the others keep nothing
-    known): the head, or the one :func:`routing.admission.prefix_first` picks for a kept
-    family (``limit`` > 0), counting a pass for each it goes before. The slot it takes leaves
-    ``kept``: one of its family, else one keeping nothing, else the oldest family's."""
-    best = 0
-    if limit > 0 and kept and len(waiting) > 1 and not waiting[0].in_slot:
-        best = prefix_first(
-            ((_KEPT_BLOCKS if r.family in kept else 0, r.passed) for r in waiting), limit
-        )
-    if best == 0:
-        chosen = waiting.popleft()
-    else:
-        for i in range(best):
-            waiting[i].passed += 1
-        chosen = waiting[best]
-        del waiting[best]
-    family = chosen.family if chosen.family in kept else None
-    if family is None and kept and sum(kept.values()) >= free:
-        family = min(kept)
-    if family is not None:
-        kept[family] -= 1
-        if not kept[family]:
-            del kept[family]
-    return chosen
-
-
-def _keep(kept: dict[int, int], r: _Req) -> None:
-    """``r`` left its slot: the slot keeps its prompt's family, if it has one."""
-    if r.family >= 0:
-        kept[r.family] = kept.get(r.family, 0) + 1
+    return kept, target
 
 
 def _take_slot(r: _Req) -> None:
@@ -309,18 +242,16 @@ class _Loop:
 
     waiting: deque[_Req]
     prefilling: deque[_Req]  # in slots, prompt not done, oldest first
-    # heap of (step count it finishes at, tiebreak, its context less the count it started at,
-    # its prompt family)
-    decoding: list[tuple[float, int, float, int]]
+    # heap of (step count it finishes at, tiebreak, its context less the count it started at)
+    decoding: list[tuple[float, int, float]]
     target: _Req
     loops: int  # loops left before it gives up
     clock: _Clock = field(default_factory=_Clock)
-    kept: dict[int, int] = field(default_factory=dict)  # free slots by the family they keep
 
     @classmethod
     def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
-        left, target = _requests(shape, ahead, new)
-        waiting = deque(left)
+        kept, target = _requests(shape, ahead, new)
+        waiting = deque(kept)
         waiting.append(target)
         return cls(waiting, deque(), [], target, max_loops)
 
@@ -338,7 +269,6 @@ class _Loop:
             copies.get(id(self.target), self.target),
             self.loops,
             self.clock,
-            dict(self.kept),
         )
 
 
@@ -391,19 +321,18 @@ def _advance(
     ``c + done - s`` tokens, so the rows' sum is ``base + rows * done`` with ``base`` the sum
     of their ``c - s``.
     """
-    waiting, prefilling, decoding, target, kept = (
+    waiting, prefilling, decoding, target = (
         loop.waiting,
         loop.prefilling,
         loop.decoding,
         loop.target,
-        loop.kept,
     )
     t, done, base, queue_ms, first, target_end, row_steps, steps, stall, ctx_steps, seq = loop.clock
     slots = max(1, shape.slots)
 
     def start_decoding(r: _Req) -> None:
         nonlocal seq, target_end, base
-        heapq.heappush(decoding, (done + r.steps, seq, r.ctx - done, r.family))
+        heapq.heappush(decoding, (done + r.steps, seq, r.ctx - done))
         base += r.ctx - done
         seq += 1
         if r.new:
@@ -412,10 +341,7 @@ def _advance(
     def finish_decoding() -> None:
         nonlocal base
         while decoding and decoding[0][0] <= done:
-            _, _, ctx, family = heapq.heappop(decoding)
-            base -= ctx
-            if family >= 0:
-                kept[family] = kept.get(family, 0) + 1
+            base -= heapq.heappop(decoding)[2]
 
     def result(last: float) -> Replayed:
         if steps <= 0:
@@ -437,8 +363,7 @@ def _advance(
                 ):
                     waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
-            free = slots - len(prefilling) - len(decoding)
-            r = _admit_next(waiting, kept, free, shape.prefix_first)
+            r = waiting.popleft()
             _take_slot(r)
             if r.new:
                 queue_ms = t
@@ -446,8 +371,6 @@ def _advance(
                 prefilling.append(r)
             elif r.steps > 0:
                 start_decoding(r)
-            else:
-                _keep(kept, r)
         pre = prefilling[0] if prefilling else None
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
@@ -476,8 +399,6 @@ def _advance(
                         return result(first)
                 if r.steps > 0:
                     start_decoding(r)
-                else:
-                    _keep(kept, r)
             continue
         if pre is not None:
             ms = _run_chunk(pre, shape, shape.chunk(len(decoding))) + shape.step_fixed_ms
@@ -492,8 +413,6 @@ def _advance(
                         return result(first)
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
                     start_decoding(pre)
-                else:
-                    _keep(kept, pre)
         if not decoding:
             if pre is None and not waiting:
                 break
@@ -530,21 +449,7 @@ def _req(w: Work, new: bool = False) -> _Req:
     """A replay's request from ``w`` (the new one computes at least one prompt token; work in
     hand whose prefill is under way has paid its fixed cost)."""
     prefill = max(1.0, w.prefill_tokens) if new else max(0.0, w.prefill_tokens)
-    started = w.started and not new
-    r = _Req(prefill, max(0.0, w.decode_steps), new, started, max(0.0, w.context))
-    r.in_slot = not new and (started or prefill <= 0)
-    return r
-
-
-def _release(running: list[_Req], kept: dict[int, int]) -> list[_Req]:
-    """``running`` less the requests with nothing left, whose slots keep their families."""
-    out = []
-    for r in running:
-        if r.prefill > 0 or r.steps > 0:
-            out.append(r)
-        else:
-            _keep(kept, r)
-    return out
+    return _Req(prefill, max(0.0, w.decode_steps), new, w.started and not new, max(0.0, w.context))
 
 
 def replay_literal(
@@ -557,10 +462,9 @@ def replay_literal(
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    left, target = _requests(shape, ahead, new)
-    waiting = deque(left)
+    waiting, target = _requests(shape, ahead, new)
     waiting.append(target)
-    kept: dict[int, int] = {}
+    waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)
     t = 0.0
@@ -590,9 +494,9 @@ def replay_literal(
     for _ in range(max_loops):
         if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(running)):
-                waiting.append(_req(arrivals.work))
+                waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
-            r = _admit_next(waiting, kept, slots - len(running), shape.prefix_first)
+            r = waiting.pop()
             _take_slot(r)
             if r.new:
                 queue_ms = t
@@ -613,7 +517,7 @@ def replay_literal(
                 first = t
                 if target.steps <= 0:
                     return result(first)
-            running = _release(running, kept)
+            running = [r for r in running if r.prefill > 0 or r.steps > 0]
             continue
         if pre is not None:
             rows_n = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
@@ -629,7 +533,7 @@ def replay_literal(
         if pre is not None and pre.prefill <= 0 and pre.steps > 0:
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
         if not decoding:
-            running = _release(running, kept)
+            running = [r for r in running if r.prefill > 0 or r.steps > 0]
             if pre is None and not waiting:
                 break
             continue
@@ -640,7 +544,7 @@ def replay_literal(
         decode(decoding, k)
         if first >= 0 and target.steps <= 0:
             return result(t)
-        running = _release(running, kept)
+        running = [r for r in running if r.prefill > 0 or r.steps > 0]
     # Out of loops (a pathological backlog): finish the target alone from here.
     if first < 0:
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms

@@ -113,9 +113,6 @@ class EngineStats:
     devices: tuple[str, ...] = ()  # one per rank, when parallel
     prefill_chunk: int = 0  # prompt tokens per prefill step with nothing decoding (0: unsaid)
     prefill_chunk_decoding: int = 0  # ... while rows decode (0: as prefill_chunk)
-    # times a waiting request reusing a kept prefix may pass each ahead (0: arrival order;
-    # ``routing.admission``)
-    prefix_first: int = 0
     step_cost: StepCost | None = None  # its step time fitted on its own steps (routing.step_cost)
 
 

@@ -230,15 +230,6 @@ class LatencyKnobs(BaseModel):
         "(a burst of one app's prompts on the edge was predicted seconds of prefill ahead "
         "that the node took from the first one's blocks)",
     )
-    replay_prefix_first: bool = Field(
-        default=True,
-        description="replay a node's admission by prefix as it reports it (NodeState."
-        "prefix_first, the edge's --prefix-first): a slot freed in the replay keeps its "
-        "request's prompt, and the first waiting request sharing five blocks or more with it "
-        "goes first (each passed at most that many times); off, first come, first served "
-        "(at concurrency 16 the edge's shared prompts were predicted seconds late: they "
-        "jumped the queue)",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -911,7 +902,6 @@ class LatencyModel:
             batch_slope=slope,
             prefill_fixed_ms=fixed,
             cached_token_ms=per_cached,
-            prefix_first=node.prefix_first if self.knobs.replay_prefix_first else 0,
             mixed_steps=kd.mixed_steps,
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
@@ -962,8 +952,9 @@ class LatencyModel:
         reuse = k.in_hand_prefix and node.prefix_cache
         shared = None
         if reuse and shared_prefix is not None and ahead is not None:
-            beyond = max(0.0, shared_prefix.tokens - cached)
-            shared = SharedPrefix(shared_prefix.source + unknown, beyond, shared_prefix.common)
+            beyond = shared_prefix.tokens - cached
+            if beyond > 0:
+                shared = SharedPrefix(shared_prefix.source + unknown, beyond)
         # what work in hand shares is counted from its index among what is replayed
         work = [
             w if w.shared is None

@@ -299,20 +299,18 @@ class DispatchLedger:
                 elif done >= steps:  # past its predicted last token, not finished: still at it
                     done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
-                kin = SharedPrefix(source, 0.0, blocks * BLOCK_SIZE) if blocks else None
-                out.append(Work(0.0, left, context=prompt + 1.0 + steps - left, shared=kin))
+                out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
                     left = overrun_left
                 tokens = est.prefill_work_tokens or float(est.uncached_tokens)
                 started = left < 1.0
+                beyond = blocks * BLOCK_SIZE - est.cached_tokens
                 shared = None
-                if blocks:  # its family, and what it may take from it if not begun yet
-                    beyond = 0 if started else max(0, blocks * BLOCK_SIZE - est.cached_tokens)
-                    if beyond:  # replayed afresh: its whole work, less what it takes then
-                        tokens += est.reused_tokens
-                    shared = SharedPrefix(source, beyond, blocks * BLOCK_SIZE)
+                if beyond > 0 and not started:  # replayed afresh: what it may take, and from
+                    tokens += est.reused_tokens
+                    shared = SharedPrefix(source, beyond)
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
@@ -322,15 +320,14 @@ class DispatchLedger:
     def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:
         """The longest run of leading blocks of a new prompt (its block ``hashes``) that a
         request of ours in hand on the node has too, as ``SharedPrefix(index in
-        :meth:`work`, its prompt tokens, the same)``; None when none shares a block."""
+        :meth:`work`, its prompt tokens)``; None when none shares a block."""
         entries = (
             e
             for _, ticket_id in self._times.get(node_id, ())
             if (e := self._entries.get(ticket_id)) is not None
         )
         blocks, source = _shared(hashes, _holders(entries))
-        common = float(blocks * BLOCK_SIZE)
-        return SharedPrefix(source, common, common) if blocks else None
+        return SharedPrefix(source, float(blocks * BLOCK_SIZE)) if blocks else None
 
 
 class Router:

@@ -66,9 +66,7 @@ def works(draw: st.DrawFn) -> list[Work]:
     for i, w in enumerate(draw(plain_works)):
         if i and draw(st.booleans()):
             source = draw(st.integers(0, i - 1))
-            tokens = draw(st.sampled_from([0.0, 16.0, 90.0, 800.0]))
-            common = draw(st.sampled_from([16.0, 96.0, 1136.0]))
-            w = replace(w, shared=SharedPrefix(source, tokens, common))
+            w = replace(w, shared=SharedPrefix(source, draw(st.sampled_from([16.0, 90.0, 800.0]))))
         out.append(w)
     return out
 
@@ -77,7 +75,7 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     """``new`` sharing the prefix of ``ahead[source]`` (modulo its length), if any."""
     if source is None or not ahead:
         return new
-    return replace(new, shared=SharedPrefix(source % len(ahead), 400.0, 1136.0))
+    return replace(new, shared=SharedPrefix(source % len(ahead), 400.0))
 
 
 @settings(max_examples=300, deadline=None)
@@ -85,7 +83,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     ahead=works(),
     new_source=st.sampled_from([None, 0, 5]),
     cached_ms=st.sampled_from([0.0, 0.1]),
-    by_prefix=st.sampled_from([0, 1, 4]),
     new=st.builds(
         Work,
         st.sampled_from([1.0, 30.0, 512.0]),
@@ -104,7 +101,6 @@ def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
     new_source: int | None,
     cached_ms: float,
-    by_prefix: int,
     new: Work,
     slots: int,
     chunk: int,
@@ -125,7 +121,6 @@ def test_replay_equals_the_literal_loop(
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
         cached_token_ms=cached_ms,
-        prefix_first=by_prefix,
     )
     new = _sharing(new, ahead, new_source)
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
@@ -248,7 +243,7 @@ ARRIVAL_CASES = dict(
 def _arrival_shape(slots: int) -> EngineShape:
     """The engine of the arrival cases: mixed steps at two slots, a step per token otherwise."""
     return EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
-                       decode_ms_per_context_token=0.01, prefix_first=4 if slots == 4 else 0)  # fmt: skip
+                       decode_ms_per_context_token=0.01)  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -301,23 +296,3 @@ def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():
     chain = [Work(200, 0), Work(200, 0, shared=SharedPrefix(0, 160))]
     assert replay(one_slot, chain, Work(10, 0)).first_token_ms == 200.0 + 40.0 + 10.0
     assert replay(one_slot, [Work(200, 0), Work(200, 0)], Work(10, 0)).first_token_ms == 410.0
-
-
-def test_a_node_that_admits_by_prefix_lets_a_freed_slots_family_go_first():
-    """With ``prefix_first`` the slot a finished request frees keeps its prompt, and the first
-    waiting request of its family goes before those ahead of it (and reuses it); sharing a
-    block or two is no family; first come, first served without it."""
-    decoding = Work(0, 2, context=1150)  # in its slot, 20 ms of decode left
-    other = Work(300, 0)  # waiting since before the new request, its own prompt
-    new = Work(1150, 0, shared=SharedPrefix(0, 1136, 1136))
-    by_prefix = replace(SHAPE, slots=1, prefix_first=4)
-    r = replay(by_prefix, [decoding, other], new)
-    assert (r.queue_ms, r.first_token_ms, r.reused_tokens) == (20.0, 34.0, 1136.0)
-    assert replay_literal(by_prefix, [decoding, other], new) == r
-    fifo = replay(replace(by_prefix, prefix_first=0), [decoding, other], new)
-    assert (fifo.queue_ms, fifo.first_token_ms) == (320.0, 334.0)
-    a_block = replace(new, shared=SharedPrefix(0, 1136, 32))
-    assert replay(by_prefix, [decoding, other], a_block).queue_ms == 320.0
-    # the one passed goes after it
-    behind = replay(by_prefix, [decoding, new], other)
-    assert (behind.queue_ms, behind.first_token_ms) == (34.0, 334.0)

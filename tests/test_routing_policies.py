@@ -652,9 +652,8 @@ def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     for p in (b, a, a):
         r.begin(r.decide(p, fleet), profile=p)
     work = r.ledger.work("edge-eu", NOW)
-    both = 49.0 * BLOCK_SIZE
-    assert [w.shared for w in work] == [None, None, SharedPrefix(1, both, both)]
+    assert [w.shared for w in work] == [None, None, SharedPrefix(1, 49.0 * BLOCK_SIZE)]
     shared = r.ledger.shared_prefix
-    assert shared("edge-eu", list(range(30))) == SharedPrefix(1, 480.0, 480.0)
-    assert shared("edge-eu", [1007, 1008, 1010]) == SharedPrefix(0, 32.0, 32.0)
+    assert shared("edge-eu", list(range(30))) == SharedPrefix(1, 30.0 * BLOCK_SIZE)
+    assert shared("edge-eu", [1007, 1008, 1010]) == SharedPrefix(0, 2.0 * BLOCK_SIZE)
     assert shared("edge-eu", [5000]) is None

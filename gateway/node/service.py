@@ -260,7 +260,6 @@ class NodeService:
             devices=list(s.devices),
             prefill_chunk=s.prefill_chunk,
             prefill_chunk_decoding=s.prefill_chunk_decoding,
-            prefix_first=s.prefix_first,
             step_cost=s.step_cost,
             ttl_s=self.config.ttl_s,
         )

@@ -75,9 +75,6 @@ class NodeState(BaseModel):
     # (``routing.prefill_budget``); 0: not reported, the kind's default is assumed
     prefill_chunk: int = 0
     prefill_chunk_decoding: int = 0
-    # its engine admits a waiting request that reuses a free slot's kept prefix first, passing
-    # each request ahead at most this many times (``routing.admission``); 0: arrival order
-    prefix_first: int = 0
     # its engine's step time fitted on its own steps (None: it fits none, or not yet)
     step_cost: StepCost | None = None
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken

@@ -268,7 +268,6 @@ class Simulator:
             device=n.device,  # type: ignore[attr-defined]
             max_batch=n.slots,
             prefix_cache=n.id in self.prefix_nodes,
-            prefix_first=n.prefix_first if isinstance(n, EdgeSim) and n.prefix_cache else 0,
             timestamp=0.0,
         )
 
