@@ -221,9 +221,6 @@ SERVE_VARIANTS = {
     # the edge admits strictly in arrival order: a request reusing a free slot's kept prefix
     # waits behind one that overwrites it (the default before 2026-12-04, ninth session)
     "arrival_order": ["--edge-prefix-first", "0"],
-    # the edge admits a request at once beside a slot still prefilling its prompt (the
-    # default before 2026-12-05)
-    "no_prefix_wait": ["--edge-no-wait-for-prefix"],
     # both nodes give a prompt's chunk half a decode step's time while answers decode (the
     # default: one), so what requests sent later do to an answer's rate is bounded tighter
     "stall_half": ["--edge-prefill-stall-ratio", "0.5", "--cloud-prefill-stall-ratio", "0.5"],

@@ -82,9 +82,7 @@ class EdgeEngineConfig:
     ``1 + ratio`` (``routing.prefill_budget``; None: full ``prefill_chunk`` chunks always);
     ``prefix_first``: with ``prefix_reuse``, a waiting request that reuses several more blocks
     of a free slot than those ahead of it is admitted first, each passing them at most this
-    many times (0: strict priority-then-arrival order; ``edge_runtime.scheduler``);
-    ``wait_for_prefix``: with ``prefix_reuse``, a waiting request whose leading blocks a slot
-    is still prefilling waits for them instead of computing them again beside it.
+    many times (0: strict priority-then-arrival order; ``edge_runtime.scheduler``).
     """
 
     slots: int = 4
@@ -100,7 +98,6 @@ class EdgeEngineConfig:
     prefix_reuse: bool = True
     prefill_stall_ratio: float | None = 1.0
     prefix_first: int = 4
-    wait_for_prefix: bool = True
 
 
 class EdgeEngine:
@@ -203,7 +200,6 @@ class EdgeEngine:
             cache,
             stall_ratio=cfg.prefill_stall_ratio,
             prefix_first=cfg.prefix_first,
-            wait_for_prefix=cfg.wait_for_prefix,
         )
         if cfg.warmup:
             _warm_up(decoder, scheduler)
@@ -296,7 +292,6 @@ class EdgeEngine:
                 0.0,
                 0.0,
                 prefix_cache=cfg.prefix_reuse,
-                wait_for_prefix=cfg.prefix_reuse and cfg.wait_for_prefix,
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
             )
@@ -312,7 +307,6 @@ class EdgeEngine:
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
             prefix_cache=cfg.prefix_reuse,
-            wait_for_prefix=cfg.prefix_reuse and cfg.wait_for_prefix,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
         )

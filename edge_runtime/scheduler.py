@@ -42,14 +42,6 @@ Invariants:
   prompts sent to the edge lost their 1,136 cached tokens so, each then prefilled for ~2.5 s).
   Each request it goes ahead of counts one pass; no request is passed more than
   ``prefix_first`` times (0: strict order), so none starves.
-- Waiting for a prefix being written (``wait_for_prefix``, with prefix reuse): a waiting
-  request is not admitted while a slot is still prefilling a prompt that shares 4+ of its
-  leading blocks, more than it could reuse at once (a free slot's, or a busy slot's written
-  so far): it
-  takes a slot once that prefill is done, and copies them, instead of computing them again
-  beside it (one app's prompt sent by several users at once). Requests behind it may go
-  first; a slot may stay free meanwhile. The prefill it waits for always ends (or is
-  cancelled), so none waits for ever.
 """
 
 from __future__ import annotations
@@ -67,7 +59,7 @@ import numpy as np
 from edge_runtime.decoder import Decoder
 from edge_runtime.sampler import Sampler
 from edge_runtime.slot_cache import SlotCache
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS, PREFIX_FIRST_WINDOW, prefix_first
+from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
 from routing.prefill_budget import chunk_beside_decode
 
@@ -165,10 +157,8 @@ class SlotScheduler:
         cache: SlotCache | None = None,
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
-        wait_for_prefix: bool = True,
     ) -> None:
         self.decoder = decoder
-        self.wait_for_prefix = wait_for_prefix
         # how often a waiting request may be passed by one reusing more of a free slot's KV
         self.prefix_first = max(0, prefix_first)
         # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
@@ -357,8 +347,6 @@ class SlotScheduler:
         free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
         while free and self._waiting:
             r = self._next_waiting(free)
-            if r is None:  # each waits for a prefix being written
-                break
             slot, blocks = free[0], 0
             if self.cache is not None:
                 prompt, limit = r.request.prompt_token_ids, (r.prompt_len - 1) // KV_BLOCK
@@ -377,52 +365,26 @@ class SlotScheduler:
             self.prompt_tokens += r.prompt_len
             self.cached_tokens += r.cached
 
-    def _next_waiting(self, free: list[int]) -> SlotRequest | None:
+    def _next_waiting(self, free: list[int]) -> SlotRequest:
         """Under the lock: take the waiting request to admit next (``routing.admission``:
         the first in order unless a later one of the same priority reuses several more blocks
-        of a free slot), of those not waiting for a prefix being written; None if none."""
-        if self.cache is None:
+        of a free slot)."""
+        if self.cache is None or self.prefix_first == 0 or len(self._waiting) == 1:
             return heapq.heappop(self._waiting)[2]
         order = heapq.nsmallest(PREFIX_FIRST_WINDOW, self._waiting)
-        if self.wait_for_prefix and any(r is not None and r.prefilling for r in self.slots):
-            order = [e for e in order if not self._waits(e[2], free)]
-            if not order:
-                return None
-        best = 0
-        if self.prefix_first and len(order) > 1:
-            top = order[0][2].request.priority  # never ahead of a request of higher priority
-            same = takewhile(lambda e: e[2].request.priority == top, order)
-            best = prefix_first(
-                ((self._reuse(e[2], free), e[2].passed) for e in same), self.prefix_first
-            )
-            for _, _, r in order[:best]:
-                r.passed += 1
+        top = order[0][2].request.priority  # never ahead of a request of higher priority
+        same = takewhile(lambda e: e[2].request.priority == top, order)
+        best = prefix_first(
+            ((self._reuse(e[2], free), e[2].passed) for e in same), self.prefix_first
+        )
         chosen = order[best]
-        if chosen is self._waiting[0]:
+        if best == 0:
             return heapq.heappop(self._waiting)[2]
+        for _, _, r in order[:best]:
+            r.passed += 1
         self._waiting.remove(chosen)
         heapq.heapify(self._waiting)
         return chosen[2]
-
-    def _waits(self, r: SlotRequest, free: list[int]) -> bool:
-        """Under the lock: whether ``r`` waits for a prompt a slot is still prefilling: one
-        that shares ``PREFIX_FIRST_MIN_BLOCKS`` or more of its leading blocks, more than it can
-        reuse at once (a free slot's, or a busy slot's written so far)."""
-        assert self.cache is not None
-        limit = (r.prompt_len - 1) // KV_BLOCK
-        later = 0
-        for p in self.slots:
-            if p is not None and p.prefilling:
-                n, most = 0, min(limit, len(p.hashes), len(r.hashes))
-                while n < most and p.hashes[n] == r.hashes[n]:
-                    n += 1
-                later = max(later, n)
-        if later < PREFIX_FIRST_MIN_BLOCKS:
-            return False
-        prompt = r.request.prompt_token_ids
-        now = max(self._reuse(r, free) if free else 0,
-                  self.cache.best_busy(prompt, r.hashes, limit, exclude=-1)[1])  # fmt: skip
-        return later > now
 
     def _reuse(self, r: SlotRequest, free: list[int]) -> int:
         """Under the lock: the most leading blocks of ``r`` that one of the ``free`` slots keeps."""

@@ -33,14 +33,6 @@ Invariants:
   included), one more with the usual work joins the queue, behind the new request and never
   ahead of it. Requests that come later can only slow its decode (their prefill chunks between
   its steps, their rows in its batch); none shares the steps of its prompt, which come first.
-- A request whose leading blocks an earlier one in hand has too (``Work.shared``: both
-  engines hand a running request's written blocks to the next) computes only the rest if that
-  earlier one's prefill is done when it takes a slot; taking a slot beside it while it still
-  prefills, it computes them again (the engines match a prefix once, at admission). On a node
-  that waits for a prefix being written (``EngineShape.wait_for_prefix``, the edge) it does
-  not take a slot while that earlier one, in a slot, still prefills at least
-  ``PREFIX_FIRST_MIN_BLOCKS`` blocks they share: the first waiting request that does not wait
-  goes instead, and a slot may stay free.
 """
 
 from __future__ import annotations
@@ -50,12 +42,6 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
-
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS
-from routing.blocks import BLOCK_SIZE
-
-# the run of shared leading tokens a node that waits for a prefix being written waits for
-_WAIT_TOKENS = PREFIX_FIRST_MIN_BLOCKS * BLOCK_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +65,6 @@ class SharedPrefix:
 
     source: int  # the earlier request's index in the work in hand
     tokens: float
-    common: float = 0.0  # leading prompt tokens the two have in common (whole blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +104,6 @@ class EngineShape:
     # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
     chunk_beside_ms: float = 0.0
     cached_token_ms: float = 0.0  # what a cached prompt token still costs its prompt's prefill
-    wait_for_prefix: bool = False  # a request waits for the prefix a slot still prefills
 
     def chunk(self, decoding: int) -> int:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -166,8 +150,6 @@ class _Req:
     reuse: float = 0.0  # prefill work an earlier request's prefix saves it (``Work.shared``)
     source: _Req | None = None  # that request (None: its prefill is done)
     reused: float = 0.0  # what it saved, once in a slot
-    waits: bool = False  # for its source's prefill, where the node waits (``wait_for_prefix``)
-    admitted: bool = False  # it has taken a slot
 
 
 def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[list[_Req], _Req]:
@@ -182,23 +164,10 @@ def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[lis
         if w.shared is not None and 0 <= w.shared.source < i:
             r.reuse = max(0.0, w.shared.tokens) * saves
             r.source = reqs[w.shared.source]
-            r.waits = shape.wait_for_prefix and r.reuse > 0 and w.shared.common >= _WAIT_TOKENS
     kept = [
         r for w, r in zip(ahead, reqs, strict=True) if w.prefill_tokens > 0 or w.decode_steps > 0
     ]
     return kept, target
-
-
-def _next_to_admit(waiting: deque[_Req]) -> _Req | None:
-    """Take the first waiting request that does not wait for its source's prefill (a source
-    in a slot, still prefilling: ``wait_for_prefix``); None when each does."""
-    for i, r in enumerate(waiting):
-        s = r.source
-        if not (r.waits and s is not None and s.admitted and s.prefill > 0):
-            del waiting[i]
-            r.admitted = True
-            return r
-    return None
 
 
 def _take_slot(r: _Req) -> None:
@@ -394,9 +363,7 @@ def _advance(
                 ):
                     waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
-            r = _next_to_admit(waiting)
-            if r is None:  # each waits for a prefix being written
-                break
+            r = waiting.popleft()
             _take_slot(r)
             if r.new:
                 queue_ms = t
@@ -495,9 +462,9 @@ def replay_literal(
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    left, target = _requests(shape, ahead, new)
-    waiting = deque(left)
+    waiting, target = _requests(shape, ahead, new)
     waiting.append(target)
+    waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)
     t = 0.0
@@ -527,11 +494,9 @@ def replay_literal(
     for _ in range(max_loops):
         if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(running)):
-                waiting.append(_req(arrivals.work))
+                waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
-            r = _next_to_admit(waiting)
-            if r is None:  # each waits for a prefix being written
-                break
+            r = waiting.pop()
             _take_slot(r)
             if r.new:
                 queue_ms = t

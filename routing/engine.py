@@ -108,9 +108,6 @@ class EngineStats:
     decode_ms_per_token: float  # EWMA, per sequence at the current batch
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
     prefix_cache: bool = False  # it reuses cached prefixes and reports them (PrefixCacheEngine)
-    # a waiting request does not start beside a slot still prefilling its prompt's leading
-    # blocks: it waits for them (``edge_runtime.scheduler``'s ``wait_for_prefix``)
-    wait_for_prefix: bool = False
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel

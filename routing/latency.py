@@ -902,7 +902,6 @@ class LatencyModel:
             batch_slope=slope,
             prefill_fixed_ms=fixed,
             cached_token_ms=per_cached,
-            wait_for_prefix=node.wait_for_prefix,
             mixed_steps=kd.mixed_steps,
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
@@ -955,7 +954,7 @@ class LatencyModel:
         if reuse and shared_prefix is not None and ahead is not None:
             beyond = shared_prefix.tokens - cached
             if beyond > 0:
-                shared = SharedPrefix(shared_prefix.source + unknown, beyond, shared_prefix.common)
+                shared = SharedPrefix(shared_prefix.source + unknown, beyond)
         # what work in hand shares is counted from its index among what is replayed
         work = [
             w if w.shared is None

@@ -310,7 +310,7 @@ class DispatchLedger:
                 shared = None
                 if beyond > 0 and not started:  # replayed afresh: what it may take, and from
                     tokens += est.reused_tokens
-                    shared = SharedPrefix(source, beyond, blocks * BLOCK_SIZE)
+                    shared = SharedPrefix(source, beyond)
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
@@ -320,15 +320,14 @@ class DispatchLedger:
     def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:
         """The longest run of leading blocks of a new prompt (its block ``hashes``) that a
         request of ours in hand on the node has too, as ``SharedPrefix(index in
-        :meth:`work`, its prompt tokens, the same)``; None when none shares a block."""
+        :meth:`work`, its prompt tokens)``; None when none shares a block."""
         entries = (
             e
             for _, ticket_id in self._times.get(node_id, ())
             if (e := self._entries.get(ticket_id)) is not None
         )
         blocks, source = _shared(hashes, _holders(entries))
-        common = float(blocks * BLOCK_SIZE)
-        return SharedPrefix(source, common, common) if blocks else None
+        return SharedPrefix(source, float(blocks * BLOCK_SIZE)) if blocks else None
 
 
 class Router:

@@ -66,9 +66,7 @@ def works(draw: st.DrawFn) -> list[Work]:
     for i, w in enumerate(draw(plain_works)):
         if i and draw(st.booleans()):
             source = draw(st.integers(0, i - 1))
-            tokens = draw(st.sampled_from([16.0, 90.0, 800.0]))
-            common = draw(st.sampled_from([16.0, 96.0, 1136.0]))
-            w = replace(w, shared=SharedPrefix(source, tokens, common))
+            w = replace(w, shared=SharedPrefix(source, draw(st.sampled_from([16.0, 90.0, 800.0]))))
         out.append(w)
     return out
 
@@ -77,7 +75,7 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     """``new`` sharing the prefix of ``ahead[source]`` (modulo its length), if any."""
     if source is None or not ahead:
         return new
-    return replace(new, shared=SharedPrefix(source % len(ahead), 400.0, 1136.0))
+    return replace(new, shared=SharedPrefix(source % len(ahead), 400.0))
 
 
 @settings(max_examples=300, deadline=None)
@@ -85,7 +83,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     ahead=works(),
     new_source=st.sampled_from([None, 0, 5]),
     cached_ms=st.sampled_from([0.0, 0.1]),
-    waits=st.booleans(),
     new=st.builds(
         Work,
         st.sampled_from([1.0, 30.0, 512.0]),
@@ -104,7 +101,6 @@ def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
     new_source: int | None,
     cached_ms: float,
-    waits: bool,
     new: Work,
     slots: int,
     chunk: int,
@@ -125,7 +121,6 @@ def test_replay_equals_the_literal_loop(
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
         cached_token_ms=cached_ms,
-        wait_for_prefix=waits,
     )
     new = _sharing(new, ahead, new_source)
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
@@ -248,7 +243,7 @@ ARRIVAL_CASES = dict(
 def _arrival_shape(slots: int) -> EngineShape:
     """The engine of the arrival cases: mixed steps at two slots, a step per token otherwise."""
     return EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
-                       decode_ms_per_context_token=0.01, wait_for_prefix=slots == 4)  # fmt: skip
+                       decode_ms_per_context_token=0.01)  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -301,21 +296,3 @@ def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():
     chain = [Work(200, 0), Work(200, 0, shared=SharedPrefix(0, 160))]
     assert replay(one_slot, chain, Work(10, 0)).first_token_ms == 200.0 + 40.0 + 10.0
     assert replay(one_slot, [Work(200, 0), Work(200, 0)], Work(10, 0)).first_token_ms == 410.0
-
-
-def test_a_node_that_waits_for_a_prefix_leaves_a_slot_free_for_it():
-    """With ``wait_for_prefix`` a request sharing four blocks or more with one still
-    prefilling them does not start beside it: the next waiting request takes the free slot,
-    and it starts once that prefill is done, computing only the rest."""
-    source = Work(200, 0)
-    sharer = Work(200, 0, shared=SharedPrefix(0, 160, 160))
-    waits = replace(SHAPE, wait_for_prefix=True)  # two slots
-    r = replay(waits, [source, sharer], Work(10, 0))  # the new one takes the second slot
-    assert (r.queue_ms, r.first_token_ms) == (0.0, 210.0)
-    alone = replay(waits, [source], sharer)  # nothing else waits: a slot stays free for it
-    assert (alone.queue_ms, alone.first_token_ms, alone.reused_tokens) == (200.0, 240.0, 160.0)
-    assert replay_literal(waits, [source], sharer) == alone
-    beside = replay(SHAPE, [source], sharer)  # it does not wait: cold, beside the first
-    assert (beside.queue_ms, beside.first_token_ms) == (0.0, 400.0)
-    short = replace(sharer, shared=SharedPrefix(0, 48, 48))  # three blocks: not worth it
-    assert replay(waits, [source], short).queue_ms == 0.0

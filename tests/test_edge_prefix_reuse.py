@@ -327,24 +327,3 @@ async def test_a_request_reusing_a_freed_slots_prefix_goes_first(
     finally:
         await warm.shutdown()
         await cold.shutdown()
-
-
-async def test_a_request_waits_for_the_prefix_a_slot_is_still_prefilling(graph: Path) -> None:
-    """Two users of one app prompt at the same moment, two slots free: B does not start beside
-    A while A still prefills the twelve-block prompt (in 16-token chunks), computing it again;
-    it waits for A's prefill, copies its blocks and prefills only its question. Its greedy
-    tokens match a cold run's."""
-    system, qa, qb = _prompts(192, 10, 12, seed=41)
-    warm = await _engine(graph, prefill_chunk=16)
-    cold = await _engine(graph, prefix_reuse=False, slots=1)
-    try:
-        ta, tb = await asyncio.gather(
-            _collect(warm, system + qa, 6), _collect(warm, system + qb, 6)
-        )
-        assert sorted((ta[1], tb[1])) == [0, 192]  # whichever came first computed it
-        scheduler = warm._require_started()
-        assert scheduler.copied_tokens == 192 and scheduler.prefilled_tokens == 192 + 10 + 12
-        assert tb[0] == (await _run(cold, system + qb)).tokens
-    finally:
-        await warm.shutdown()
-        await cold.shutdown()

@@ -135,14 +135,6 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         "strict arrival order)",
     )
     s.add_argument(
-        "--no-wait-for-prefix",
-        dest="wait_for_prefix",
-        action="store_false",
-        help="admit a waiting request at once even when a slot is still prefilling a prompt "
-        "that shares 4+ of its leading blocks (it then computes them again beside it); by "
-        "default it waits for them and copies them",
-    )
-    s.add_argument(
         "--no-huge-pages",
         dest="huge_pages",
         action="store_false",
@@ -172,7 +164,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         huge_pages=args.huge_pages,
         prefill_stall_ratio=args.prefill_stall_ratio,
         prefix_first=args.prefix_first,
-        wait_for_prefix=args.wait_for_prefix,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(

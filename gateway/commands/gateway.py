@@ -92,12 +92,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=4,
         help="the edge node's --prefix-first (default 4; 0: strict arrival order)",
     )
-    s.add_argument(
-        "--edge-no-wait-for-prefix",
-        dest="edge_wait_for_prefix",
-        action="store_false",
-        help="the edge node's --no-wait-for-prefix",
-    )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(
         "--cloud-prefill-stall-ratio",
@@ -228,8 +222,6 @@ def _node_argv(
         ratio = args.edge_prefill_stall_ratio
         argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
         argv += ["--prefix-first", str(args.edge_prefix_first)]
-        if not args.edge_wait_for_prefix:
-            argv += ["--no-wait-for-prefix"]
     else:
         argv += ["--device", args.cloud_device]
         if args.cloud_prefill_stall_ratio is not None:

@@ -68,9 +68,6 @@ class NodeState(BaseModel):
     decode_ms_per_token: float = 0.0  # EWMA from the node's own timings
     prefix_hit_rate: float = 0.0
     prefix_cache: bool = False  # it keeps a prefix cache and publishes its block events
-    # a waiting request waits for the leading blocks a slot is still prefilling rather than
-    # start beside it and compute them again (the edge's ``wait_for_prefix``)
-    wait_for_prefix: bool = False
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
