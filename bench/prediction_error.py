@@ -156,6 +156,8 @@ VARIANTS = {
     "predicted_batch": "latency:\n  measured_decode_batch: false\n",
     # what requests take beyond the engine and the RTT (the gateway's share, a node's admission)
     "overhead": "latency:\n  request_overhead: true\n",
+    # without it (the default before 2026-12-05, twelfth session)
+    "no_overhead": "latency:\n  request_overhead: false\n",
     # the replay of a node that reports its fitted step cost runs its steps with it
     "step_cost": "latency:\n  node_step_cost: true\n",
     # the requests expected after the decision in its replay (not only those in hand)

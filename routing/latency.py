@@ -125,15 +125,17 @@ class LatencyKnobs(BaseModel):
         "docs/benchmarks.md",
     )
     request_overhead: bool = Field(
-        default=False,
+        default=True,
         description="add what each node's requests take beyond its engine: the gateway's own "
         "share of their time to first token (its TTFT less the RTT less the node's own) and, "
         "on an idle node, the node's wait before its engine starts them (HTTP, tokenizing, "
         "handing over), both learned per node, and learn prefill from the node's compute "
         "alone (over one paired run on the GPU machine's H200 cloud it took the TTFT p90 from "
-        "0.90-1.43 to 0.78-0.85, the medians staying at 0.5-0.7; on the embedded default it "
-        "made the concurrency-1 TTFT median worse in three paired runs of three, 0.16-0.32 "
-        "against 0.10-0.15: docs/benchmarks.md)",
+        "0.90-1.43 to 0.78-0.85; on the embedded default, over eight paired rounds on an "
+        "Intel Xeon, 11 goal cells against 10, the concurrency-16 TTFT / e2e p90 0.47 / 0.46 "
+        "against 0.59 / 0.54, the concurrency-4 e2e p90 0.53 against 0.48; off by default "
+        "until 2026-12-05, when on an AMD EPYC it made the concurrency-1 TTFT median worse, "
+        "0.16-0.32 against 0.10-0.15: docs/benchmarks.md)",
     )
     busy_wait: Switch = Field(
         default="accelerators",

@@ -619,7 +619,7 @@ def test_what_requests_take_beyond_the_engine_is_learned_and_added():
         )
     )  # fmt: skip
     assert m.overhead_ms("e1", idle=True) == pytest.approx(10.0, rel=0.01)
-    off = LatencyModel()  # the default: nothing beyond the engine
+    off = LatencyModel(LatencyKnobs(request_overhead=False))  # off: nothing beyond the engine
     off.rates = m.rates
     assert est(off, n, prompt=100, out=1).overhead_ms == 0.0
 
