@@ -202,7 +202,8 @@ def _describe(c: Candidate) -> str:
     return (
         f"{c.node.id} ({c.node.kind.value}, {c.node.region}): ttft {e.ttft_ms:.0f} ms "
         f"= rtt {e.rtt_ms:.0f} + queue {e.queue_ms:.0f} + prefill {e.prefill_ms:.0f} "
-        f"({e.uncached_tokens} uncached, {e.cached_tokens} cached tokens); "
+        + (f"+ overhead {e.overhead_ms:.0f} " if e.overhead_ms > 0 else "")
+        + f"({e.uncached_tokens} uncached, {e.cached_tokens} cached tokens); "
         f"e2e {e.e2e_ms:.0f} ms at {e.decode_ms_per_token:.1f} ms/token, batch {e.batch}"
         + (f"; holds up others {e.stalled_others_ms:.0f} ms" if e.stalled_others_ms > 0 else "")
         + (
