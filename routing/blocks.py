@@ -19,6 +19,12 @@ BLOCK_SIZE = 16
 _MASK64 = (1 << 64) - 1
 
 
+def reusable_blocks(prompt_tokens: int) -> int:
+    """Leading whole blocks of a prompt an engine may take from a prefix cache: at least one
+    prompt token is always computed (its logits give the first output token)."""
+    return max(0, prompt_tokens - 1) // BLOCK_SIZE
+
+
 def model_seed(model_identity: str) -> int:
     """The 64-bit root hash for a model identity; the parent of every model's first block."""
     return int.from_bytes(

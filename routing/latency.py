@@ -43,7 +43,7 @@ from routing.backlog import (
     replay,
     replay_pair,
 )
-from routing.blocks import BLOCK_SIZE
+from routing.blocks import BLOCK_SIZE, reusable_blocks
 from routing.fleet.state import NodeKind, NodeState, StepCost
 
 Switch = Literal["off", "on", "accelerators"]
@@ -941,7 +941,7 @@ class LatencyModel:
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
-        blocks = min(cached_tokens // BLOCK_SIZE, max(0, prompt_tokens - 1) // BLOCK_SIZE)
+        blocks = min(cached_tokens // BLOCK_SIZE, reusable_blocks(prompt_tokens))
         cached = int(blocks * k.prefix_credit) * BLOCK_SIZE
         uncached = max(1, prompt_tokens - cached)
         shape = self.shape(node)

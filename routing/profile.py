@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
+from routing.blocks import BLOCK_SIZE, block_hashes, model_seed, reusable_blocks
 from routing.fleet.state import NodeKind
 from routing.prompt import PromptFormatter, UnencodableText
 
@@ -308,6 +308,11 @@ class RequestProfile:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def reusable_hashes(self) -> Sequence[int]:
+        """The hashes of the leading blocks an engine may reuse (``blocks.reusable_blocks``)."""
+        return self.block_hashes[: reusable_blocks(self.prompt_tokens)]
 
     @property
     def context_needed(self) -> int:

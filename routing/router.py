@@ -422,10 +422,10 @@ class Router:
                     ahead=self.ledger.work(
                         node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
                     ),
-                    shared_prefix=self.ledger.shared_prefix(
-                        node.id,
-                        profile.block_hashes[: max(0, profile.prompt_tokens - 1) // BLOCK_SIZE],
-                    ),
+                    # only read where it counts: a node with a prefix cache, the knob on
+                    shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
+                    if node.prefix_cache and cfg.latency.in_hand_prefix
+                    else None,
                     arrivals=self.ledger.arrivals(
                         node.id,
                         now,
@@ -480,9 +480,7 @@ class Router:
         cand = candidate or decision.chosen
         ticket = Ticket(next(self._ids), cand.node, cand.estimate, self.clock(), profile)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
-        hashes: Sequence[int] = ()
-        if profile is not None:  # the blocks an engine reuses: at least one token computed
-            hashes = profile.block_hashes[: max(0, profile.prompt_tokens - 1) // BLOCK_SIZE]
+        hashes = profile.reusable_hashes if profile is not None else ()
         self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out, hashes)
         return ticket
 

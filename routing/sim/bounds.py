@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routing.sim.engines import BLOCK, reusable
+from routing.blocks import reusable_blocks
+from routing.sim.engines import BLOCK
 from routing.sim.fleet import FleetSpec
 from routing.sim.simulator import block_keys
 from routing.sim.trace import TraceRequest
@@ -62,7 +63,7 @@ def shared_prefix_tokens(trace: Sequence[TraceRequest]) -> np.ndarray:
     for i, tr in enumerate(trace):
         keys = block_keys(tr, i, cache)
         n = 0
-        for k in keys[: reusable(tr.prompt_tokens)]:
+        for k in keys[: reusable_blocks(tr.prompt_tokens)]:
             if k not in seen:
                 break
             n += 1

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
+from routing.blocks import reusable_blocks
 from routing.fleet.state import StepCost as FittedStepCost
 from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms
 from routing.sim.profiles import StepCost
@@ -69,10 +70,6 @@ class SimRequest:
     @property
     def prefilling(self) -> bool:
         return self.filled < self.prompt
-
-
-def reusable(prompt: int) -> int:
-    return max(0, prompt - 1) // BLOCK
 
 
 EventSink = Callable[[list[int], list[int]], None]  # stored, removed
@@ -215,7 +212,10 @@ class EdgeSim(_Node):
         if not self.prefix_cache or self.prefix_first == 0 or len(self.waiting) == 1:
             return self.waiting.popleft()
         reuse = (
-            (max(self._leading(self.kept[s], r.blocks, reusable(r.prompt)) for s in free), r.passed)
+            (
+                max(self._leading(self.kept[s], r.blocks, reusable_blocks(r.prompt)) for s in free),
+                r.passed,
+            )
             for r in islice(self.waiting, PREFIX_FIRST_WINDOW)
         )
         best = prefix_first(reuse, self.prefix_first)
@@ -234,7 +234,7 @@ class EdgeSim(_Node):
             free = [i for i, o in enumerate(self.occupant) if o is None]
             r = self._next_waiting(free)
             best, best_n = -1, 0
-            limit = reusable(r.prompt)
+            limit = reusable_blocks(r.prompt)
             if self.prefix_cache:
                 for i in free:
                     n = self._leading(self.kept[i], r.blocks, limit)
@@ -363,7 +363,7 @@ class EdgeSim(_Node):
                 i = r.slot
                 self.occupant[i] = None
                 if self.prefix_cache:
-                    full = list(r.blocks[: reusable(r.prompt + 1)])
+                    full = list(r.blocks[: reusable_blocks(r.prompt + 1)])
                     have = len(self.kept[i])
                     self.kept[i] = full
                     self._keep(full[have:], stored)
@@ -542,7 +542,7 @@ class CloudSim(_Node):
         return math.ceil((r.prompt + 1) / BLOCK) - len(r.refs) - r.held
 
     def _try_admit(self, r: SimRequest, reserve: int = 0) -> bool:
-        limit = reusable(r.prompt)
+        limit = reusable_blocks(r.prompt)
         hit = self.pool.match(r.blocks, limit) if self.prefix_cache else []
         need = math.ceil((r.prompt + 1) / BLOCK) - len(hit)
         if need + reserve > self.pool.available() or not self.pool.alloc(need):
@@ -673,7 +673,7 @@ class CloudSim(_Node):
             r.filled += c
             if not r.prefilling:
                 if self.prefix_cache:
-                    self.pool.publish(r, r.blocks[len(r.refs) : reusable(r.prompt + 1)])
+                    self.pool.publish(r, r.blocks[len(r.refs) : reusable_blocks(r.prompt + 1)])
                 if r.first_s < 0:
                     r.first_s = t
                     r.generated = max(r.generated, 1)
