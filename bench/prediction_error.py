@@ -122,6 +122,8 @@ VARIANTS = {
     # answers cut at their cap counted toward their last message's statistic (the default
     # until late in the tenth session, 2026-12-04)
     "last_cut": "expected_output:\n  last_message_cut: true\n",
+    # the last message's answers kept apart by the prompt's length (within a power of two)
+    "last_length": "expected_output:\n  last_message_length: true\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
     # answer lengths averaged as they are, not in log space (the arithmetic mean)

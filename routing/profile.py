@@ -62,6 +62,12 @@ class OutputKnobs(BaseModel):
         "(off: only answers that ended on their own do: a question cut at 16 tokens on its own "
         "says little of how long it runs at the end of a chat, where it ended at 5-16)",
     )
+    last_message_length: bool = Field(
+        default=False,
+        description="before the last message's statistic, that of the same last message at "
+        "the end of a prompt of like length (within a power of two): a question asked alone "
+        "and the same question ending a chat answer at other lengths (off: one statistic)",
+    )
     length_bucket: bool = Field(
         default=True,
         description="next, requests of one app and cap with prompts of like length (within a "
@@ -80,7 +86,8 @@ class OutputKnobs(BaseModel):
 class OutputLengthEstimator:
     """EWMA of completion tokens (of their logarithms or reciprocals, ``average``) per (API key,
     route, whole prompt, node kind), per (API key, route, whole prompt), per (API key, route,
-    max_tokens, first prompt block) and its last message, and its prompt length's power of two,
+    max_tokens, first prompt block) and its last message (first with the prompt length's power
+    of two, ``last_message_length``), and its prompt length's power of two,
     per (API key, route, max_tokens, first prompt block), per (API key, route, max_tokens) and
     per (API key, route), LRU-bounded; a default until learned.
 
@@ -136,12 +143,15 @@ class OutputLengthEstimator:
 
     def _used(
         self, prompt: int | None, last: int | None, prompt_tokens: int | None
-    ) -> tuple[int | None, int | None, int | None]:
-        """The whole prompt's key, the last message's and the length, where the knobs use them."""
+    ) -> tuple[int | None, int | None, int | None, int | None]:
+        """The whole prompt's key, the last message's, the length its statistic is kept by and
+        the length of the app's, where the knobs use them."""
         k = self.knobs
+        last = last if k.last_message else None
         return (
             prompt if k.whole_prompt else None,
-            last if k.last_message else None,
+            last,
+            prompt_tokens if last is not None and k.last_message_length else None,
             prompt_tokens if k.length_bucket else None,
         )
 
@@ -169,16 +179,21 @@ class OutputLengthEstimator:
         kind: str | None = None,
         last: int | None = None,
         prompt_tokens: int | None = None,
+        last_tokens: int | None = None,
     ) -> tuple[int, list[tuple[str, str, int, int]]]:
         """The statistics a request belongs to, most specific first, and how many of them
         (first) are the whole prompt's. ``last`` names its last message, ``prompt_tokens``
-        its length (None: not used)."""
+        its length for the app's statistic by length and ``last_tokens`` for the last
+        message's (None: not used)."""
         key, any_ = api_key or "", cls._ANY
         cap = max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else any_
         out = [] if prompt is None else cls._prompt_keys(key, route, prompt, kind)
         whole = len(out)
         if cap != any_ and prefix is not None:
             if last is not None:
+                if last_tokens is not None and last_tokens > 0:
+                    bits = last_tokens.bit_length()
+                    out.append((key, f"{route}#last{bits}", cap, hash((prefix, last))))
                 out.append((key, f"{route}#last", cap, hash((prefix, last))))
             if prompt_tokens is not None and prompt_tokens > 0:
                 out.append((key, f"{route}#len{prompt_tokens.bit_length()}", cap, prefix))
@@ -205,9 +220,9 @@ class OutputLengthEstimator:
         length, and at least the longest cap they were cut at); the first of the two levels
         that has seen the prompt decides, then the coarser statistics."""
         value = self.knobs.default_tokens
-        prompt, last, prompt_tokens = self._used(prompt, last, prompt_tokens)
+        prompt, last, last_tokens, prompt_tokens = self._used(prompt, last, prompt_tokens)
         whole, keys = self._keys(
-            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens
+            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens, last_tokens
         )
         cuts = (
             [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
@@ -246,16 +261,16 @@ class OutputLengthEstimator:
     ) -> None:
         """Learn one answer of ``completion_tokens`` given by a node of ``kind``."""
         x = float(completion_tokens)
-        prompt, last, prompt_tokens = self._used(prompt, last, prompt_tokens)
+        prompt, last, last_tokens, prompt_tokens = self._used(prompt, last, prompt_tokens)
         whole, keys = self._keys(
-            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens
+            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens, last_tokens
         )
         cuts = (
             [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
         )
         cut_off = max_tokens is not None and completion_tokens >= max_tokens
         if cut_off and not self.knobs.last_message_cut:  # a bound, not a length of its question
-            keys = [k for k in keys if not k[1].endswith("#last")]
+            keys = [k for k in keys if "#last" not in k[1]]
         if cuts and cut_off:
             keys = keys[whole:]  # cut at its cap: not its own length, only a bound on it
             for cut in cuts:

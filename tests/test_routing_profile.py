@@ -375,3 +375,43 @@ def test_an_answer_cut_at_its_cap_does_not_speak_for_its_question_elsewhere(
         in_chat = profile(est, "Hi, chat 9.", "Hello.", "Tell me more.")
         assert in_chat.last_message_key == alone.last_message_key
         assert in_chat.expected_output_tokens == want  # counted: the cut 16; else the app's 5
+
+
+def test_a_question_ending_a_chat_is_told_apart_from_it_asked_alone(formatter: PromptFormatter):
+    """With ``last_message_length`` a question's answers at the end of a chat (a longer prompt)
+    and asked alone are two statistics; each still falls back to the question's pooled one."""
+    system = {"role": "system", "content": "You are a helpful assistant. " * 4}
+
+    def profile(est: OutputLengthEstimator, *turns: str):
+        body = chat_body(max_tokens=32)
+        roles = ["user", "assistant"]
+        body["messages"] = [system, *({"role": roles[i % 2], "content": t} for i, t in
+                                      enumerate(turns))]  # fmt: skip
+        kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
+        return build_profile(body, formatter, api_key="a", **kw)
+
+    history = ("Tell me about the printers on floor two, chat 3. " * 6, "They jam a lot. " * 8)
+    for apart, want_alone, want_in_chat in ((True, 12.0, 5.0), (False, 5.0, 5.0)):
+        est = OutputLengthEstimator(
+            OutputKnobs(default_tokens=100, alpha=1.0, last_message_length=apart)
+        )
+        alone, chat = profile(est, "Why?"), profile(est, *history, "Why?")
+        assert alone.prompt_tokens.bit_length() != chat.prompt_tokens.bit_length()
+        for p, n in ((alone, 12), (chat, 5)):
+            est.observe("a", "chat", n, 32, p.first_block, p.prompt_key, None,
+                        p.last_message_key, p.prompt_tokens)  # fmt: skip
+        other_chat = profile(est, *history[:1], "They break often. " * 8, "Why?")
+        assert other_chat.prompt_tokens.bit_length() == chat.prompt_tokens.bit_length()
+        assert other_chat.prompt_key != chat.prompt_key
+        assert other_chat.expected_output_tokens == want_in_chat
+        short_chat = profile(est, "Hi.", "Hello.", "Why?")  # a short chat: the alone bucket
+        assert short_chat.prompt_tokens.bit_length() == alone.prompt_tokens.bit_length()
+        assert short_chat.expected_output_tokens == want_alone
+    # a bucket never seen falls back to the question's pooled statistic (the latest, 5)
+    est = OutputLengthEstimator(
+        OutputKnobs(default_tokens=100, alpha=1.0, last_message_length=True)
+    )
+    p = profile(est, "Why?")
+    est.observe("a", "chat", 5, 32, p.first_block, p.prompt_key, None, p.last_message_key,
+                p.prompt_tokens)  # fmt: skip
+    assert profile(est, *history, "Why?").expected_output_tokens == 5
