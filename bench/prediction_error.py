@@ -124,6 +124,8 @@ VARIANTS = {
     "last_cut": "expected_output:\n  last_message_cut: true\n",
     # the last message's answers kept apart by the prompt's length (within a power of two)
     "last_length": "expected_output:\n  last_message_length: true\n",
+    # a prompt cut at a cap and asked under a larger one: its app's answers that ran past the cut
+    "past_cut": "expected_output:\n  past_cut: true\n",
     # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
     "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
     # answer lengths averaged as they are, not in log space (the arithmetic mean)

@@ -68,6 +68,14 @@ class OutputKnobs(BaseModel):
         "the end of a prompt of like length (within a power of two): a question asked alone "
         "and the same question ending a chat answer at other lengths (off: one statistic)",
     )
+    past_cut: bool = Field(
+        default=False,
+        description="a prompt whose answers were cut at a cap and that comes under a larger one "
+        "is predicted by its app's answers under that cap that ran past the cut (past the "
+        "power of two at or below it), at least the cut (off: the app's statistic, at least "
+        "the cut: a question cut at 16 and asked with 32 was predicted 16 and ran to 32 in 23 "
+        "of 41)",
+    )
     length_bucket: bool = Field(
         default=True,
         description="next, requests of one app and cap with prompts of like length (within a "
@@ -100,7 +108,8 @@ class OutputLengthEstimator:
     keeps answers that ended on their own (fewer tokens than their ``max_tokens``) apart from
     answers cut at their cap, which only say the natural length is at least that cap: a prompt
     that stopped at 7 tokens under a cap of 16 is predicted at 7 under a cap of 32, and one cut
-    at 16 is predicted at 16 or more, until the prompt ends on its own again there (the same
+    at 16 is predicted at 16 or more (``past_cut``: as its app's answers that ran past 16),
+    until the prompt ends on its own again there (the same
     prompt's greedy answer can change with the numerics of its run: the edge answered one
     question at 16 tokens cold and at 7 with its prefix reused, and a bound kept for good
     predicted 16 for every later 7). Otherwise apps send one ``max_tokens`` per feature (a
@@ -242,10 +251,34 @@ class OutputLengthEstimator:
                 if stat is not None and stat[1] >= self.knobs.min_samples:
                     value = self._from_stat(stat[0])
                     break
+        if not known and at_least > 0 and self.knobs.past_cut:
+            past = self._past(api_key or "", route, max_tokens, prefix, at_least)
+            value = past if past is not None else value
         value = max(value, at_least)
         if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
             value = float(max_tokens)
         return max(1.0, value)
+
+    @classmethod
+    def _past_key(
+        cls, key: str, route: str, cap: int, prefix: int, threshold: int
+    ) -> tuple[str, str, int, int]:
+        """The statistic of an app's answers under ``cap`` longer than ``threshold`` (a power
+        of two)."""
+        return (key, f"{route}#past{threshold}", cap, prefix)
+
+    def _past(
+        self, key: str, route: str, max_tokens: int | None, prefix: int | None, cut: float
+    ) -> float | None:
+        """The app's answers under ``max_tokens`` that ran past ``cut`` (the power of two at
+        or below it), where seen ``min_samples`` times and the cap is above the cut."""
+        if prefix is None or max_tokens is None or not cut < max_tokens <= MAX_TOKENS:
+            return None
+        threshold = 1 << (int(cut).bit_length() - 1)
+        stat = self._stats.get(self._past_key(key, route, max_tokens, prefix, threshold))
+        if stat is None or stat[1] < self.knobs.min_samples:
+            return None
+        return self._from_stat(stat[0])
 
     def observe(
         self,
@@ -279,6 +312,16 @@ class OutputLengthEstimator:
         else:
             for cut in cuts:  # it ended on its own: an earlier cut bounds it no more
                 self._stats.pop(cut, None)
+        if (
+            self.knobs.past_cut
+            and prefix is not None
+            and max_tokens is not None
+            and 0 < max_tokens <= MAX_TOKENS
+        ):  # each power of two it ran past (cut at its cap or not: it ran at least that far)
+            keys = keys + [
+                self._past_key(api_key or "", route, max_tokens, prefix, 1 << b)
+                for b in range(max(0, completion_tokens - 1).bit_length())
+            ]
         v = self._to_stat(x)
         for k in keys:
             prev = self._stats.pop(k, None)

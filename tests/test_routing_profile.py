@@ -415,3 +415,29 @@ def test_a_question_ending_a_chat_is_told_apart_from_it_asked_alone(formatter: P
     est.observe("a", "chat", 5, 32, p.first_block, p.prompt_key, None, p.last_message_key,
                 p.prompt_tokens)  # fmt: skip
     assert profile(est, *history, "Why?").expected_output_tokens == 5
+
+
+def test_a_prompt_cut_at_its_cap_is_predicted_under_a_larger_one_by_answers_that_ran_past_it(
+    formatter: PromptFormatter,
+):
+    """A question cut at 16 asked again under 32: with ``past_cut`` its app's answers under 32
+    that ran past 16 predict it (not one that ended at 8); off, the cut bounds it from below."""
+    system = {"role": "system", "content": "You are a helpful assistant. " * 8}
+
+    def profile(est: OutputLengthEstimator, question: str, cap: int):
+        body = chat_body(max_tokens=cap)
+        body["messages"] = [system, {"role": "user", "content": question}]
+        kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
+        return build_profile(body, formatter, api_key="a", **kw)
+
+    for past, want in ((True, 24.0), (False, 16.0)):
+        est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0, past_cut=past))
+        for question, cap, n in (("Describe the sea.", 32, 24), ("Is it on?", 32, 8),
+                                 ("Tell me a story.", 16, 16)):  # fmt: skip
+            p = profile(est, question, cap)
+            est.observe("a", "chat", n, cap, p.first_block, p.prompt_key, None,
+                        p.last_message_key, p.prompt_tokens)  # fmt: skip
+        assert profile(est, "Tell me a story.", 32).expected_output_tokens == want
+        # under its old cap it is that cap; a question never cut is not lifted
+        assert profile(est, "Tell me a story.", 16).expected_output_tokens == 16.0
+        assert profile(est, "Is it on?", 32).expected_output_tokens == 8.0
