@@ -206,6 +206,8 @@ VARIANTS = {
     "  arrival_weight: 1.0\n",
     # the node held at what it has in hand, the decode half way (geometrically) between the
     # replays without and with the arrivals
+    # three quarters of the arrivals' weight (the default: half)
+    "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
     "hold_blend": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
     "  arrival_work: median\n  arrival_weight: 0.5\n",
     # the same with the gateway's share
