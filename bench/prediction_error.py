@@ -232,6 +232,9 @@ SERVE_VARIANTS = {
     # both nodes give a prompt's chunk half a decode step's time while answers decode (the
     # default: one), so what requests sent later do to an answer's rate is bounded tighter
     "stall_half": ["--edge-prefill-stall-ratio", "0.5", "--cloud-prefill-stall-ratio", "0.5"],
+    # the edge runs a prompt's 16-token block only every so many decode steps where one takes
+    # longer than the ratio allows (the default: a block every step)
+    "space_chunks": ["--edge-space-chunks"],
     # a quarter of a decode step's time
     "stall_quarter": ["--edge-prefill-stall-ratio", "0.25", "--cloud-prefill-stall-ratio", "0.25"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;

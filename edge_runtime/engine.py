@@ -82,7 +82,10 @@ class EdgeEngineConfig:
     ``1 + ratio`` (``routing.prefill_budget``; None: full ``prefill_chunk`` chunks always);
     ``prefix_first``: with ``prefix_reuse``, a waiting request that reuses several more blocks
     of a free slot than those ahead of it is admitted first, each passing them at most this
-    many times (0: strict priority-then-arrival order; ``edge_runtime.scheduler``).
+    many times (0: strict priority-then-arrival order; ``edge_runtime.scheduler``);
+    ``space_chunks``: where one 16-token block beside decoding answers takes longer than
+    ``prefill_stall_ratio`` decode steps, a block runs only every so many steps, so the bound
+    holds on average (``routing.prefill_budget.steps_per_chunk``; off: a block every step).
     """
 
     slots: int = 4
@@ -98,6 +101,7 @@ class EdgeEngineConfig:
     prefix_reuse: bool = True
     prefill_stall_ratio: float | None = 1.0
     prefix_first: int = 4
+    space_chunks: bool = False
 
 
 class EdgeEngine:
@@ -200,6 +204,7 @@ class EdgeEngine:
             cache,
             stall_ratio=cfg.prefill_stall_ratio,
             prefix_first=cfg.prefix_first,
+            space_chunks=cfg.space_chunks,
         )
         if cfg.warmup:
             _warm_up(decoder, scheduler)
@@ -309,6 +314,7 @@ class EdgeEngine:
             prefix_cache=cfg.prefix_reuse,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
+            prefill_chunk_every=snap.prefill_chunk_every,
         )
 
     def drain_block_events(self) -> BlockEvents:

@@ -8,7 +8,10 @@ while a prompt is still prefilling, and otherwise as many as run before anything
 requests run or wait (the plan of rows is kept; only tokens and lengths move between steps).
 While any slot decodes, a chunk is cut to ``stall_ratio`` decode steps' worth of prompt tokens
 (``routing.prefill_budget``): a later prompt slows the answers already decoding by a bounded
-factor instead of holding each of their tokens for a whole 256-token chunk.
+factor instead of holding each of their tokens for a whole 256-token chunk. A chunk is never
+shorter than one 16-token block; with ``space_chunks``, where a block takes longer than the
+ratio allows, a loop runs one only every ``steps_per_chunk`` decode steps (the others decode
+alone), so the bound holds on average, and the node reports that spacing.
 
 Invariants:
 - All bookkeeping (slots, queue, request state) changes under ``lock``; ONNX runs happen outside
@@ -61,7 +64,7 @@ from edge_runtime.sampler import Sampler
 from edge_runtime.slot_cache import SlotCache
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
-from routing.prefill_budget import chunk_beside_decode
+from routing.prefill_budget import chunk_beside_decode, steps_per_chunk
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,7 @@ class SchedulerSnapshot:
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens of admitted requests
     prefill_chunk: int = 0  # prompt tokens per chunk with nothing decoding
     prefill_chunk_decoding: int = 0  # the chunk the measured rates give while rows decode
+    prefill_chunk_every: float = 1.0  # decode steps per such chunk (``space_chunks``)
 
 
 class SlotScheduler:
@@ -157,12 +161,18 @@ class SlotScheduler:
         cache: SlotCache | None = None,
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
+        space_chunks: bool = False,
     ) -> None:
         self.decoder = decoder
         # how often a waiting request may be passed by one reusing more of a free slot's KV
         self.prefix_first = max(0, prefix_first)
         # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
         self.stall_ratio = stall_ratio
+        # where one block beside decoding rows takes longer than the ratio allows, run one only
+        # every steps_per_chunk steps; _since_chunk counts decode steps since the last (from
+        # "due" whenever no prompt prefills beside rows)
+        self.space_chunks = space_chunks
+        self._since_chunk = float("inf")
         self.cache = cache  # prefix reuse of kept slot KV; None: off
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
@@ -255,6 +265,7 @@ class SlotScheduler:
                 prefix_hit_rate=self.cached_tokens / max(self.prompt_tokens, 1),
                 prefill_chunk=self.prefill_chunk,
                 prefill_chunk_decoding=self._chunk_beside_decode(),
+                prefill_chunk_every=self._steps_per_chunk(),
             )
 
     def _chunk_beside_decode(self) -> int:
@@ -264,6 +275,26 @@ class SlotScheduler:
         return chunk_beside_decode(
             self.prefill_chunk, self.stall_ratio, self.decode_ms.value, per_token
         )
+
+    def _steps_per_chunk(self) -> float:
+        """Under the lock: decode steps per chunk beside decoding rows (1 unless spaced)."""
+        if not self.space_chunks:
+            return 1.0
+        tps = self.prefill_tps.value
+        per_token = 1000.0 / tps if tps > 0 else 0.0
+        return steps_per_chunk(
+            self.prefill_chunk, self.stall_ratio, self.decode_ms.value, per_token
+        )
+
+    def _chunk_due(self) -> bool:
+        """Under the lock, with a prompt prefilling beside decoding rows: whether this loop
+        runs its chunk (else only the decode step); counts the step either way."""
+        every = self._steps_per_chunk()
+        due = self._since_chunk >= every
+        if due:  # the remainder carries over, so blocks come every ``every`` steps on average
+            self._since_chunk = min(self._since_chunk, every) - every
+        self._since_chunk += 1.0
+        return due
 
     def held_blocks(self) -> list[int]:
         """Every block hash the slots hold (see ``SlotCache.held_hashes``); [] when off."""
@@ -310,6 +341,10 @@ class SlotScheduler:
                     r is not None and not r.prefilling for r in self.slots
                 ):
                     size = self._chunk_beside_decode()
+                    if not self._chunk_due():
+                        first, plan = None, self._plan_decode()
+                else:
+                    self._since_chunk = float("inf")
             try:
                 for src, dst, n in copies:  # before any run that reads them
                     self.decoder.copy_prefix(src, dst, n)

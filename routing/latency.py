@@ -898,7 +898,7 @@ class LatencyModel:
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
-            chunk_tokens_decoding=node.prefill_chunk_decoding or chunk,
+            chunk_tokens_decoding=(node.prefill_chunk_decoding or chunk) / node.prefill_chunk_every,
             prefill_ms_per_token=per_token,
             decode_step_ms_b1=b1,
             batch_slope=slope,

@@ -49,6 +49,28 @@ def chunk_beside_decode(
     return max(min(MIN_CHUNK, full), fits // MIN_CHUNK * MIN_CHUNK)
 
 
+def steps_per_chunk(
+    prefill_chunk: int,
+    stall_ratio: float | None,
+    decode_step_ms: float,
+    prefill_ms_per_token: float,
+) -> float:
+    """Decode steps per chunk beside decoding rows that keep the stall within ``stall_ratio``
+    decode steps on average where even one ``MIN_CHUNK`` block takes longer (a block every
+    that many steps; a CPU edge's 16-token block can take three of its decode steps): 1 where
+    a block fits, with no ratio, or before rates are measured."""
+    full = max(1, prefill_chunk)
+    if (
+        stall_ratio is None
+        or stall_ratio <= 0
+        or decode_step_ms <= 0
+        or prefill_ms_per_token <= 0
+        or full <= MIN_CHUNK
+    ):
+        return 1.0
+    return max(1.0, MIN_CHUNK * prefill_ms_per_token / (stall_ratio * decode_step_ms))
+
+
 def short_chunk_extra_ms(chunk: float, prefill_chunk: int, run_ms: float) -> float:
     """What a chunk of ``chunk`` tokens costs beyond ``chunk`` tokens at a full chunk's
     per-token rate: the share of one run's fixed cost (``run_ms``) the full chunk would have

@@ -127,6 +127,13 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         "'off': 256-token chunks always)",
     )
     s.add_argument(
+        "--space-chunks",
+        action="store_true",
+        help="where one 16-token block of a prompt takes longer than --prefill-stall-ratio "
+        "decode steps, run one only every so many decode steps, so the ratio holds on average "
+        "(default: a block every step)",
+    )
+    s.add_argument(
         "--prefix-first",
         type=nonneg_int,
         default=4,
@@ -164,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         huge_pages=args.huge_pages,
         prefill_stall_ratio=args.prefill_stall_ratio,
         prefix_first=args.prefix_first,
+        space_chunks=args.space_chunks,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(

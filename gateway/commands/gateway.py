@@ -87,6 +87,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="the edge node's --prefill-stall-ratio (default 1; 'off': full chunks)",
     )
     s.add_argument(
+        "--edge-space-chunks",
+        action="store_true",
+        help="the edge node's --space-chunks (a prompt's blocks spaced between decode steps)",
+    )
+    s.add_argument(
         "--edge-prefix-first",
         type=nonneg_int,
         default=4,
@@ -222,6 +227,8 @@ def _node_argv(
         ratio = args.edge_prefill_stall_ratio
         argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
         argv += ["--prefix-first", str(args.edge_prefix_first)]
+        if args.edge_space_chunks:
+            argv += ["--space-chunks"]
     else:
         argv += ["--device", args.cloud_device]
         if args.cloud_prefill_stall_ratio is not None:

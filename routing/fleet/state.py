@@ -75,6 +75,8 @@ class NodeState(BaseModel):
     # (``routing.prefill_budget``); 0: not reported, the kind's default is assumed
     prefill_chunk: int = 0
     prefill_chunk_decoding: int = 0
+    # decode steps per such chunk (above 1: a block every that many steps, ``space_chunks``)
+    prefill_chunk_every: float = Field(default=1.0, ge=1.0)
     # its engine's step time fitted on its own steps (None: it fits none, or not yet)
     step_cost: StepCost | None = None
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken
