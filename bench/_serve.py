@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +42,8 @@ def embedded_default(
     extra: list[str] | None = None, log_path: Path | None = None, timeout_s: float = 240.0
 ) -> Iterator[str]:
     """``edgecloud serve`` on free ports; yields the gateway's base URL once both nodes are in
-    its view. Stops the whole process group on exit."""
+    its view. Stops the whole process group on exit. Its output goes to ``log_path``, else to
+    a temporary file whose last lines a failed start-up raises with."""
     # A benchmark stopped by SIGTERM (``timeout``) must still stop its fleet: let the signal
     # unwind through the ``finally`` below instead of ending the process on the spot.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -50,14 +52,16 @@ def embedded_default(
     # without the console script (the package on PYTHONPATH, not installed): the module
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway.cli"]
     cmd = [*launcher, "serve", "--port", str(port), *(extra or [])]
-    out = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    out = open(log_path, "wb") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"edgecloud serve exited with {proc.returncode}")
+                raise RuntimeError(
+                    f"edgecloud serve exited with {proc.returncode}: {_tail(out, log_path)}"
+                )
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 nodes = httpx.get(base + "/admin/nodes", timeout=2.0).json().get("nodes", [])
                 if len(nodes) >= 2:
@@ -75,6 +79,18 @@ def embedded_default(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        if log_path:
-            out.close()  # type: ignore[union-attr]
+        out.close()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _tail(out: object, log_path: Path | None, n: int = 2000) -> str:
+    """The last ``n`` characters the server wrote (to ``log_path`` or the temporary file)."""
+    try:
+        if log_path is not None:
+            data = log_path.read_bytes()
+        else:
+            out.seek(0)  # type: ignore[attr-defined]
+            data = out.read()  # type: ignore[attr-defined]
+    except OSError as e:
+        return f"(its output could not be read: {e})"
+    return data[-n:].decode(errors="replace")
