@@ -344,35 +344,41 @@ def test_one_apps_answers_are_told_apart_by_last_message_and_prompt_length(
     assert profile("What is new?").expected_output_tokens == 1  # the app's latest, the summary
 
 
+def _chat(
+    formatter: PromptFormatter, est: OutputLengthEstimator, system: str, cap: int, *turns: str
+):
+    """The profile of a chat under one app's system prompt, its turns alternating user and
+    assistant, with ``cap`` as max_tokens."""
+    body = chat_body(max_tokens=cap)
+    roles = ["user", "assistant"]
+    body["messages"] = [{"role": "system", "content": system},
+                        *({"role": roles[i % 2], "content": t} for i, t in enumerate(turns))]  # fmt: skip
+    kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
+    return build_profile(body, formatter, api_key="a", **kw)
+
+
+def _learn(est: OutputLengthEstimator, p, n: int, cap: int) -> None:
+    """``est`` learns that ``p`` was answered in ``n`` tokens under ``cap``."""
+    est.observe("a", "chat", n, cap, p.first_block, p.prompt_key, None, p.last_message_key,
+                p.prompt_tokens)  # fmt: skip
+
+
 def test_an_answer_cut_at_its_cap_does_not_speak_for_its_question_elsewhere(
     formatter: PromptFormatter,
 ):
     """A question cut at its cap on its own (16 of 16) says only that it runs at least that
     long there: its last message's statistic keeps answers that ended on their own, unless
     ``last_message_cut`` says to count the cut ones too."""
-    system = {"role": "system", "content": "You are a helpful assistant. " * 8}
-
-    def profile(est: OutputLengthEstimator, *turns: str):
-        body = chat_body(max_tokens=16)
-        roles = ["user", "assistant"]
-        body["messages"] = [system, *({"role": roles[i % 2], "content": t} for i, t in
-                                      enumerate(turns))]  # fmt: skip
-        kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
-        return build_profile(body, formatter, api_key="a", **kw)
-
+    system = "You are a helpful assistant. " * 8
     for counted, want in ((False, 5.0), (True, 16.0)):
         est = OutputLengthEstimator(
             OutputKnobs(default_tokens=100, alpha=1.0, last_message_cut=counted)
         )
-        alone, other = (
-            profile(est, "Tell me more."),
-            profile(est, "Hi, chat 3.", "Hello.", "Go on."),
-        )
-        est.observe("a", "chat", 16, 16, alone.first_block, alone.prompt_key, None,
-                    alone.last_message_key, alone.prompt_tokens)  # fmt: skip
-        est.observe("a", "chat", 5, 16, other.first_block, other.prompt_key, None,
-                    other.last_message_key, other.prompt_tokens)  # fmt: skip
-        in_chat = profile(est, "Hi, chat 9.", "Hello.", "Tell me more.")
+        alone = _chat(formatter, est, system, 16, "Tell me more.")
+        other = _chat(formatter, est, system, 16, "Hi, chat 3.", "Hello.", "Go on.")
+        _learn(est, alone, 16, 16)
+        _learn(est, other, 5, 16)
+        in_chat = _chat(formatter, est, system, 16, "Hi, chat 9.", "Hello.", "Tell me more.")
         assert in_chat.last_message_key == alone.last_message_key
         assert in_chat.expected_output_tokens == want  # counted: the cut 16; else the app's 5
 
@@ -380,41 +386,31 @@ def test_an_answer_cut_at_its_cap_does_not_speak_for_its_question_elsewhere(
 def test_a_question_ending_a_chat_is_told_apart_from_it_asked_alone(formatter: PromptFormatter):
     """With ``last_message_length`` a question's answers at the end of a chat (a longer prompt)
     and asked alone are two statistics; each still falls back to the question's pooled one."""
-    system = {"role": "system", "content": "You are a helpful assistant. " * 4}
-
-    def profile(est: OutputLengthEstimator, *turns: str):
-        body = chat_body(max_tokens=32)
-        roles = ["user", "assistant"]
-        body["messages"] = [system, *({"role": roles[i % 2], "content": t} for i, t in
-                                      enumerate(turns))]  # fmt: skip
-        kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
-        return build_profile(body, formatter, api_key="a", **kw)
-
+    system = "You are a helpful assistant. " * 4
     history = ("Tell me about the printers on floor two, chat 3. " * 6, "They jam a lot. " * 8)
     for apart, want_alone, want_in_chat in ((True, 12.0, 5.0), (False, 5.0, 5.0)):
         est = OutputLengthEstimator(
             OutputKnobs(default_tokens=100, alpha=1.0, last_message_length=apart)
         )
-        alone, chat = profile(est, "Why?"), profile(est, *history, "Why?")
+        alone = _chat(formatter, est, system, 32, "Why?")
+        chat = _chat(formatter, est, system, 32, *history, "Why?")
         assert alone.prompt_tokens.bit_length() != chat.prompt_tokens.bit_length()
-        for p, n in ((alone, 12), (chat, 5)):
-            est.observe("a", "chat", n, 32, p.first_block, p.prompt_key, None,
-                        p.last_message_key, p.prompt_tokens)  # fmt: skip
-        other_chat = profile(est, *history[:1], "They break often. " * 8, "Why?")
+        _learn(est, alone, 12, 32)
+        _learn(est, chat, 5, 32)
+        other_chat = _chat(formatter, est, system, 32, history[0], "They break. " * 8, "Why?")
         assert other_chat.prompt_tokens.bit_length() == chat.prompt_tokens.bit_length()
         assert other_chat.prompt_key != chat.prompt_key
         assert other_chat.expected_output_tokens == want_in_chat
-        short_chat = profile(est, "Hi.", "Hello.", "Why?")  # a short chat: the alone bucket
+        # a short chat: the alone bucket
+        short_chat = _chat(formatter, est, system, 32, "Hi.", "Hello.", "Why?")
         assert short_chat.prompt_tokens.bit_length() == alone.prompt_tokens.bit_length()
         assert short_chat.expected_output_tokens == want_alone
     # a bucket never seen falls back to the question's pooled statistic (the latest, 5)
     est = OutputLengthEstimator(
         OutputKnobs(default_tokens=100, alpha=1.0, last_message_length=True)
     )
-    p = profile(est, "Why?")
-    est.observe("a", "chat", 5, 32, p.first_block, p.prompt_key, None, p.last_message_key,
-                p.prompt_tokens)  # fmt: skip
-    assert profile(est, *history, "Why?").expected_output_tokens == 5
+    _learn(est, _chat(formatter, est, system, 32, "Why?"), 5, 32)
+    assert _chat(formatter, est, system, 32, *history, "Why?").expected_output_tokens == 5
 
 
 def test_a_prompt_cut_at_its_cap_is_predicted_under_a_larger_one_by_answers_that_ran_past_it(
@@ -422,22 +418,14 @@ def test_a_prompt_cut_at_its_cap_is_predicted_under_a_larger_one_by_answers_that
 ):
     """A question cut at 16 asked again under 32: with ``past_cut`` its app's answers under 32
     that ran past 16 predict it (not one that ended at 8); off, the cut bounds it from below."""
-    system = {"role": "system", "content": "You are a helpful assistant. " * 8}
-
-    def profile(est: OutputLengthEstimator, question: str, cap: int):
-        body = chat_body(max_tokens=cap)
-        body["messages"] = [system, {"role": "user", "content": question}]
-        kw = dict(model="m", model_identity="i", route="chat", client_region="r", outputs=est)
-        return build_profile(body, formatter, api_key="a", **kw)
-
+    system = "You are a helpful assistant. " * 8
     for past, want in ((True, 24.0), (False, 16.0)):
         est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0, past_cut=past))
         for question, cap, n in (("Describe the sea.", 32, 24), ("Is it on?", 32, 8),
                                  ("Tell me a story.", 16, 16)):  # fmt: skip
-            p = profile(est, question, cap)
-            est.observe("a", "chat", n, cap, p.first_block, p.prompt_key, None,
-                        p.last_message_key, p.prompt_tokens)  # fmt: skip
-        assert profile(est, "Tell me a story.", 32).expected_output_tokens == want
+            _learn(est, _chat(formatter, est, system, cap, question), n, cap)
+        story = _chat(formatter, est, system, 32, "Tell me a story.")
+        assert story.expected_output_tokens == want
         # under its old cap it is that cap; a question never cut is not lifted
-        assert profile(est, "Tell me a story.", 16).expected_output_tokens == 16.0
-        assert profile(est, "Is it on?", 32).expected_output_tokens == 8.0
+        assert _chat(formatter, est, system, 16, "Tell me a story.").expected_output_tokens == 16
+        assert _chat(formatter, est, system, 32, "Is it on?").expected_output_tokens == 8.0
