@@ -35,7 +35,7 @@ from itertools import islice
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.blocks import reusable_blocks
 from routing.fleet.state import StepCost as FittedStepCost
-from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms
+from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms, steps_per_chunk
 from routing.sim.profiles import StepCost
 from routing.step_cost import StepCostFit
 
@@ -124,6 +124,10 @@ class _Node:
         """(prefill chunk, chunk beside decoding rows) as the node reports them; 0: unsaid."""
         return 0, 0
 
+    def chunk_every(self) -> float:
+        """Decode steps per chunk beside decoding rows, as the node reports it (1: each step)."""
+        return 1.0
+
     def fitted_step_cost(self) -> FittedStepCost | None:
         """The step cost the node fits on its own steps and reports (None: it fits none)."""
         return None
@@ -150,11 +154,15 @@ class EdgeSim(_Node):
         prefix_cache: bool = True,
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
+        space_chunks: bool = False,
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
         self.chunk = chunk_tokens
         self.prefix_first = prefix_first
         self.stall_ratio = stall_ratio
+        # as the edge scheduler's space_chunks: a block only every chunk_every() decode steps
+        self.space_chunks = space_chunks
+        self._since_chunk = float("inf")
         self.prefix_cache = prefix_cache
         self.occupant: list[SimRequest | None] = [None] * slots
         self.kept: list[Sequence[int]] = [()] * slots  # block keys each slot's KV holds
@@ -176,6 +184,22 @@ class EdgeSim(_Node):
 
     def reported_chunks(self) -> tuple[int, int]:
         return self.chunk, self.chunk_beside_decode()
+
+    def chunk_every(self) -> float:
+        if not self.space_chunks:
+            return 1.0
+        per_token = 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
+        return steps_per_chunk(self.chunk, self.stall_ratio, self.decode_ms, per_token)
+
+    def _chunk_due(self) -> bool:
+        """With a prompt prefilling beside decoding rows: whether this loop runs its chunk
+        (the edge scheduler's rule); counts the loop's decode step either way."""
+        every = self.chunk_every()
+        due = self._since_chunk >= every
+        if due:
+            self._since_chunk = min(self._since_chunk, every) - every
+        self._since_chunk += 1.0
+        return due
 
     def wants_step_on_arrival(self) -> bool:
         return len(self.order) < self.slots
@@ -275,8 +299,16 @@ class EdgeSim(_Node):
         pre = next((r for r in self.order if r.prefilling), None)
         pre_tokens = pre_ms = 0.0
         finished_prefill = False
+        spaced = False  # a prompt waits for its next block: one decode step, no jump
         if pre is not None:
             decoding = any(not r.prefilling and r.generated < r.output for r in self.order)
+            if not decoding:
+                self._since_chunk = float("inf")
+            elif not self._chunk_due():
+                pre, spaced = None, True
+        else:
+            self._since_chunk = float("inf")
+        if pre is not None:
             size = self.chunk_beside_decode() if decoding else self.chunk
             c = min(size, pre.prompt - pre.filled)
             pre_ms = cost.chunk_ms(pre.filled, c)
@@ -298,7 +330,7 @@ class EdgeSim(_Node):
         k = 1
         dec = 0.0
         if rows:
-            if pre is None and not self.waiting_admissible():
+            if pre is None and not spaced and not self.waiting_admissible():
                 k = min(r.output - r.generated for r in rows)
             ctx = sum(r.prompt + r.generated for r in rows) / len(rows) + 0.5 * k
             dec = cost.decode_ms(len(rows), ctx)

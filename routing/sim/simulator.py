@@ -202,6 +202,7 @@ class Simulator:
                     sink,
                     spec.prefix_cache,
                     prof.prefill_stall_ratio,
+                    space_chunks=prof.space_chunks,
                 )
             else:
                 node = CloudSim(
@@ -288,6 +289,7 @@ class Simulator:
                 "prefix_hit_rate": hit,
                 "prefill_chunk": chunk,
                 "prefill_chunk_decoding": chunk_decoding,
+                "prefill_chunk_every": n.chunk_every(),
                 "step_cost": n.fitted_step_cost(),
                 "timestamp": t,
             }
