@@ -63,8 +63,9 @@ from edge_runtime.decoder import Decoder
 from edge_runtime.sampler import Sampler
 from edge_runtime.slot_cache import SlotCache
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
+from routing.blocks import reusable_blocks
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
-from routing.prefill_budget import chunk_beside_decode, steps_per_chunk
+from routing.prefill_budget import BlockPacer, chunk_beside_decode, steps_per_chunk
 
 log = logging.getLogger(__name__)
 
@@ -169,10 +170,9 @@ class SlotScheduler:
         # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
         self.stall_ratio = stall_ratio
         # where one block beside decoding rows takes longer than the ratio allows, run one only
-        # every steps_per_chunk steps; _since_chunk counts decode steps since the last (from
-        # "due" whenever no prompt prefills beside rows)
+        # every steps_per_chunk steps
         self.space_chunks = space_chunks
-        self._since_chunk = float("inf")
+        self._pacer = BlockPacer()
         self.cache = cache  # prefix reuse of kept slot KV; None: off
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
@@ -268,33 +268,24 @@ class SlotScheduler:
                 prefill_chunk_every=self._steps_per_chunk(),
             )
 
+    def _prefill_ms_per_token(self) -> float:
+        """Under the lock: the measured prefill cost of a prompt token (0 before any)."""
+        tps = self.prefill_tps.value
+        return 1000.0 / tps if tps > 0 else 0.0
+
     def _chunk_beside_decode(self) -> int:
         """Under the lock: the chunk to prefill while rows decode, from the measured rates."""
-        tps = self.prefill_tps.value
-        per_token = 1000.0 / tps if tps > 0 else 0.0
         return chunk_beside_decode(
-            self.prefill_chunk, self.stall_ratio, self.decode_ms.value, per_token
+            self.prefill_chunk, self.stall_ratio, self.decode_ms.value, self._prefill_ms_per_token()
         )
 
     def _steps_per_chunk(self) -> float:
         """Under the lock: decode steps per chunk beside decoding rows (1 unless spaced)."""
         if not self.space_chunks:
             return 1.0
-        tps = self.prefill_tps.value
-        per_token = 1000.0 / tps if tps > 0 else 0.0
         return steps_per_chunk(
-            self.prefill_chunk, self.stall_ratio, self.decode_ms.value, per_token
+            self.prefill_chunk, self.stall_ratio, self.decode_ms.value, self._prefill_ms_per_token()
         )
-
-    def _chunk_due(self) -> bool:
-        """Under the lock, with a prompt prefilling beside decoding rows: whether this loop
-        runs its chunk (else only the decode step); counts the step either way."""
-        every = self._steps_per_chunk()
-        due = self._since_chunk >= every
-        if due:  # the remainder carries over, so blocks come every ``every`` steps on average
-            self._since_chunk = min(self._since_chunk, every) - every
-        self._since_chunk += 1.0
-        return due
 
     def held_blocks(self) -> list[int]:
         """Every block hash the slots hold (see ``SlotCache.held_hashes``); [] when off."""
@@ -341,10 +332,10 @@ class SlotScheduler:
                     r is not None and not r.prefilling for r in self.slots
                 ):
                     size = self._chunk_beside_decode()
-                    if not self._chunk_due():
+                    if not self._pacer.due(self._steps_per_chunk()):
                         first, plan = None, self._plan_decode()
                 else:
-                    self._since_chunk = float("inf")
+                    self._pacer.reset()
             try:
                 for src, dst, n in copies:  # before any run that reads them
                     self.decoder.copy_prefix(src, dst, n)
@@ -384,7 +375,7 @@ class SlotScheduler:
             r = self._next_waiting(free)
             slot, blocks = free[0], 0
             if self.cache is not None:
-                prompt, limit = r.request.prompt_token_ids, (r.prompt_len - 1) // KV_BLOCK
+                prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
                 slot, blocks = self.cache.choose(free, prompt, r.hashes, limit)
                 self.cache.take(slot, blocks)
                 source, more = self.cache.best_busy(prompt, r.hashes, limit, exclude=slot)
@@ -424,7 +415,7 @@ class SlotScheduler:
     def _reuse(self, r: SlotRequest, free: list[int]) -> int:
         """Under the lock: the most leading blocks of ``r`` that one of the ``free`` slots keeps."""
         assert self.cache is not None
-        limit = (r.prompt_len - 1) // KV_BLOCK
+        limit = reusable_blocks(r.prompt_len)
         return max(self.cache.match(s, r.request.prompt_token_ids, r.hashes, limit) for s in free)
 
     def _vacate(self, r: SlotRequest) -> None:

@@ -28,6 +28,9 @@ ratio, or no measured step time or prefill rate yet, it is ``prefill_chunk``; th
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 MIN_CHUNK = 16  # prompt tokens; below this a chunk's fixed cost dominates on a CPU
 
 
@@ -69,6 +72,27 @@ def steps_per_chunk(
     ):
         return 1.0
     return max(1.0, MIN_CHUNK * prefill_ms_per_token / (stall_ratio * decode_step_ms))
+
+
+@dataclass
+class BlockPacer:
+    """When a spaced engine runs its next block beside decoding rows: one every ``every``
+    decode steps (:func:`steps_per_chunk`) on average, the remainder carried over; the first
+    at once. ``since`` counts decode steps since the last block; ``reset`` whenever no prompt
+    prefills beside decoding rows. The edge scheduler and the simulator's edge share it."""
+
+    since: float = math.inf
+
+    def due(self, every: float) -> bool:
+        """Whether this loop runs its block (else only its decode step); counts the step."""
+        due = self.since >= every
+        if due:
+            self.since = min(self.since, every) - every
+        self.since += 1.0
+        return due
+
+    def reset(self) -> None:
+        self.since = math.inf
 
 
 def short_chunk_extra_ms(chunk: float, prefill_chunk: int, run_ms: float) -> float:

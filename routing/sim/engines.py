@@ -35,7 +35,12 @@ from itertools import islice
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.blocks import reusable_blocks
 from routing.fleet.state import StepCost as FittedStepCost
-from routing.prefill_budget import chunk_beside_decode, short_chunk_extra_ms, steps_per_chunk
+from routing.prefill_budget import (
+    BlockPacer,
+    chunk_beside_decode,
+    short_chunk_extra_ms,
+    steps_per_chunk,
+)
 from routing.sim.profiles import StepCost
 from routing.step_cost import StepCostFit
 
@@ -162,7 +167,7 @@ class EdgeSim(_Node):
         self.stall_ratio = stall_ratio
         # as the edge scheduler's space_chunks: a block only every chunk_every() decode steps
         self.space_chunks = space_chunks
-        self._since_chunk = float("inf")
+        self._pacer = BlockPacer()
         self.prefix_cache = prefix_cache
         self.occupant: list[SimRequest | None] = [None] * slots
         self.kept: list[Sequence[int]] = [()] * slots  # block keys each slot's KV holds
@@ -178,9 +183,13 @@ class EdgeSim(_Node):
     def kv(self) -> tuple[int, int]:
         return 0, 0
 
+    def _prefill_ms_per_token(self) -> float:
+        return 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
+
     def chunk_beside_decode(self) -> int:
-        per_token = 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
-        return chunk_beside_decode(self.chunk, self.stall_ratio, self.decode_ms, per_token)
+        return chunk_beside_decode(
+            self.chunk, self.stall_ratio, self.decode_ms, self._prefill_ms_per_token()
+        )
 
     def reported_chunks(self) -> tuple[int, int]:
         return self.chunk, self.chunk_beside_decode()
@@ -188,18 +197,9 @@ class EdgeSim(_Node):
     def chunk_every(self) -> float:
         if not self.space_chunks:
             return 1.0
-        per_token = 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
-        return steps_per_chunk(self.chunk, self.stall_ratio, self.decode_ms, per_token)
-
-    def _chunk_due(self) -> bool:
-        """With a prompt prefilling beside decoding rows: whether this loop runs its chunk
-        (the edge scheduler's rule); counts the loop's decode step either way."""
-        every = self.chunk_every()
-        due = self._since_chunk >= every
-        if due:
-            self._since_chunk = min(self._since_chunk, every) - every
-        self._since_chunk += 1.0
-        return due
+        return steps_per_chunk(
+            self.chunk, self.stall_ratio, self.decode_ms, self._prefill_ms_per_token()
+        )
 
     def wants_step_on_arrival(self) -> bool:
         return len(self.order) < self.slots
@@ -303,11 +303,11 @@ class EdgeSim(_Node):
         if pre is not None:
             decoding = any(not r.prefilling and r.generated < r.output for r in self.order)
             if not decoding:
-                self._since_chunk = float("inf")
-            elif not self._chunk_due():
+                self._pacer.reset()
+            elif not self._pacer.due(self.chunk_every()):
                 pre, spaced = None, True
         else:
-            self._since_chunk = float("inf")
+            self._pacer.reset()
         if pre is not None:
             size = self.chunk_beside_decode() if decoding else self.chunk
             c = min(size, pre.prompt - pre.filled)
