@@ -660,14 +660,28 @@ def main(argv: list[str] | None = None) -> int:
             met = goal_cells_met([x for x in summarize(mine) if x["tier"] == "all"])
             print(f"{key}: {met[variant]} of {4 * len(args.concurrency)} goal cells met alone")
         samples += mine
+        # after every round, so that a later round's failure keeps the finished ones
+        write_results(args.out, summarize(samples), metrics, learned, samples)
     rows = summarize(samples)
     print(table(rows, COLUMNS))
     for variant, met in goal_cells_met(rows).items():
         print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
     if args.repeat > 1:
         print(table(explain(samples), EXPLAIN_COLUMNS))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
+    return 0
+
+
+def write_results(
+    out: Path,
+    rows: list[dict[str, Any]],
+    metrics: dict[str, str],
+    learned: dict[str, Any],
+    samples: list[Sample],
+) -> None:
+    """The run's JSON so far: its summary rows, what each round's gateway exported and
+    learned, and every sample (``--pool`` reads these)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
         json.dumps(
             {
                 "command": recorded_command(
@@ -682,7 +696,6 @@ def main(argv: list[str] | None = None) -> int:
             indent=1,
         )
     )
-    return 0
 
 
 if __name__ == "__main__":
