@@ -206,6 +206,10 @@ VARIANTS = {
     "  arrival_weight: 1.0\n",
     # the node held at what it has in hand, the decode half way (geometrically) between the
     # replays without and with the arrivals
+    # the node held at what it has in hand or at its recent mean population, the larger (at
+    # concurrency 4 an edge with nothing in hand decoded 2.0x slower than predicted, one with
+    # three 1.26x: a node emptier than usual fills again)
+    "in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
     # three quarters of the arrivals' weight (the default: half)
     "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
     "hold_blend": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"

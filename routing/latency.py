@@ -183,12 +183,15 @@ class LatencyKnobs(BaseModel):
         "the goal cells met from 8 to 9 of 12; on the GPU machine's H200, two runs, from 0 to "
         "3; off: the default before, docs/benchmarks.md)",
     )
-    arrival_population: Literal["recent_mean", "in_hand", "in_slots", "gateway_share"] = Field(
+    arrival_population: Literal[
+        "recent_mean", "in_hand", "in_hand_or_mean", "in_slots", "gateway_share"
+    ] = Field(
         default="in_hand",
         description="the population future_arrivals keeps a node at: its mean number of this "
         "gateway's requests over arrival_window_s, or what it holds at the decision with the "
         "new request (in_hand: a closed loop of clients replaces each request that finishes), "
-        "or that at most its slots (in_slots: a queue is not refilled), or the gateway's "
+        "or the larger of the two (in_hand_or_mean: a node momentarily emptier than usual "
+        "fills again), or that at most its slots (in_slots: a queue is not refilled), or the gateway's "
         "requests in flight now times the node's share of their time lately (gateway_share: a "
         "closed loop refills the gateway, not each node); on the embedded default "
         "in_hand with median work took the decode's measured / predicted from 1.4-2.0 to "
@@ -980,6 +983,8 @@ class LatencyModel:
             arrivals = Arrivals(arrivals.population, replace(arrivals.work, prefill_tokens=1.0))
         if arrivals is not None and k.arrival_population == "in_hand":
             arrivals = Arrivals(len(work) + 1, arrivals.work)
+        elif arrivals is not None and k.arrival_population == "in_hand_or_mean":
+            arrivals = Arrivals(max(len(work) + 1, arrivals.population), arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)

@@ -455,6 +455,36 @@ def test_arrivals_can_hold_the_node_at_what_it_has_and_take_the_median_work():
     assert recent < rows < hold
 
 
+def test_in_hand_or_mean_fills_a_node_emptier_than_usual():
+    """``arrival_population: in_hand_or_mean``: a node that is idle at the decision but held
+    three requests lately is expected to fill again (``in_hand`` expects no one beside the
+    new one); one holding more than its mean is held at what it has, as ``in_hand``."""
+    clock = [NOW]
+    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
+    fleet = view(edge(max_batch=64))
+    three = [profile(40, out=16) for _ in range(3)]
+    sent = [r.begin(r.decide(p, fleet), profile=p) for p in three]
+    clock[0] += 2.0
+    for d in sent:
+        r.finish(d)
+    arrivals = r.ledger.arrivals("edge-eu", clock[0], 10.0, "median")
+    assert arrivals is not None and arrivals.population == 3
+
+    def decode_ms(population: str) -> float:
+        knobs = LatencyKnobs(arrival_population=population, arrival_weight=1.0)
+        held = Router(PolicyConfig(policy="edge_first", latency=knobs), clock=lambda: clock[0])
+        held.ledger = r.ledger
+        return held.candidates(profile(40, out=64), fleet)[0][0].estimate.decode_ms_per_token
+
+    alone = decode_ms("in_hand")
+    assert decode_ms("in_hand_or_mean") > 1.3 * alone
+    assert decode_ms("in_hand_or_mean") == pytest.approx(decode_ms("recent_mean"))
+    for _ in range(5):  # five in hand now, more than the mean: held at what it has
+        p = profile(40, out=16)
+        sent.append(r.begin(r.decide(p, fleet), profile=p))
+    assert decode_ms("in_hand_or_mean") == pytest.approx(decode_ms("in_hand"))
+
+
 def test_gateway_share_keeps_a_node_at_its_share_of_the_gateways_requests():
     """``arrival_population: gateway_share``: a closed loop refills the gateway, not each
     node: the node is kept at the gateway's requests in flight (the new one included) times
