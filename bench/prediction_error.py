@@ -210,6 +210,8 @@ VARIANTS = {
     # concurrency 4 an edge with nothing in hand decoded 2.0x slower than predicted, one with
     # three 1.26x: a node emptier than usual fills again)
     "in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
+    # with the edge's blocks spaced between decode steps too (``SERVE_VARIANTS``)
+    "space_in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
     # three quarters of the arrivals' weight (the default: half)
     "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
     "hold_blend": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
@@ -239,6 +241,7 @@ SERVE_VARIANTS = {
     # the edge runs a prompt's 16-token block only every so many decode steps where one takes
     # longer than the ratio allows (the default: a block every step)
     "space_chunks": ["--edge-space-chunks"],
+    "space_in_hand_or_mean": ["--edge-space-chunks"],  # and its policy (``VARIANTS``)
     # a quarter of a decode step's time
     "stall_quarter": ["--edge-prefill-stall-ratio", "0.25", "--cloud-prefill-stall-ratio", "0.25"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
