@@ -315,7 +315,6 @@ class EdgeEngine:
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
             prefill_chunk_every=snap.prefill_chunk_every,
-            step_cost=snap.step_cost,
         )
 
     def drain_block_events(self) -> BlockEvents:

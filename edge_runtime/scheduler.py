@@ -65,9 +65,7 @@ from edge_runtime.slot_cache import SlotCache
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.blocks import reusable_blocks
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
-from routing.fleet.state import StepCost
 from routing.prefill_budget import BlockPacer, chunk_beside_decode, steps_per_chunk
-from routing.step_cost import StepCostFit
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +150,6 @@ class SchedulerSnapshot:
     prefill_chunk: int = 0  # prompt tokens per chunk with nothing decoding
     prefill_chunk_decoding: int = 0  # the chunk the measured rates give while rows decode
     prefill_chunk_every: float = 1.0  # decode steps per such chunk (``space_chunks``)
-    step_cost: StepCost | None = None  # its runs' time fitted on their composition
 
 
 class SlotScheduler:
@@ -192,10 +189,6 @@ class SlotScheduler:
         self._thread: threading.Thread | None = None
         self.prefill_tps = Ewma()
         self.decode_ms = Ewma()
-        # every run of the graph (a prompt's chunk, a decode step) on what it held: a pass,
-        # decode rows, prompt tokens, context read (the loop thread adds; ``latest`` is
-        # swapped whole, safe to read under the lock)
-        self.step_fit = StepCostFit()
         # decode step inputs, rows 0..B-1 rewritten by each plan (see _plan_decode)
         self._tokens = np.zeros(decoder.slots, np.int64)
         self._lengths = np.zeros(decoder.slots, np.int64)
@@ -273,7 +266,6 @@ class SlotScheduler:
                 prefill_chunk=self.prefill_chunk,
                 prefill_chunk_decoding=self._chunk_beside_decode(),
                 prefill_chunk_every=self._steps_per_chunk(),
-                step_cost=self.step_fit.latest,
             )
 
     def _prefill_ms_per_token(self) -> float:
@@ -446,7 +438,6 @@ class SlotScheduler:
                 return  # cancelled while the chunk ran
             r.filled += len(chunk)
             r.prefill_ms += dt * 1000.0
-            self.step_fit.add(0, len(chunk), r.filled, dt * 1000.0, time.perf_counter())
             if self.cache is not None:  # its prompt's blocks written so far: offered to copy
                 self.cache.grow(r.slot, r.request.prompt_token_ids[: r.filled], r.hashes)
             self.prefill_tps.update(len(chunk) / max(dt, 1e-9))
@@ -509,8 +500,6 @@ class SlotScheduler:
             sampled.append((r, int(greedy[row]) if greedy_row else r.sampler(logits[row])))
         with self.lock:
             self.decode_ms.update(dt * 1e3)
-            context = sum(r.filled + 1 for _, r in decoding)  # each row's KV and its token
-            self.step_fit.add(len(decoding), 0, context, dt * 1e3, time.perf_counter())
             for r, token in sampled:
                 if self.slots[r.slot] is r:
                     r.filled += 1

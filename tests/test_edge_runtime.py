@@ -591,35 +591,3 @@ async def test_spaced_blocks_beside_decoding_answers_hold_the_stall_ratio_on_ave
     spaced, spaced_tokens = await _beside_a_decoding_answer(tiny_gqa, 0.001, space=True)
     assert spaced >= 2 * every_step and spaced >= every_step + 8, (spaced, every_step)
     assert spaced_tokens == every_tokens and len(spaced_tokens) == 4
-
-
-async def test_the_edge_fits_its_step_cost_on_its_own_runs(tiny_gqa: Path) -> None:
-    """Each prompt chunk and decode step is recorded with what it held (rows, prompt tokens,
-    context): after prompts of spread lengths decoding one and two at a time the engine
-    reports a fitted step cost (``NodeState.step_cost``, refreshed at most every quarter
-    second) whose terms are non-negative and whose prompt tokens cost something; before any
-    run it reports none."""
-    engine = EdgeEngine(tiny_gqa, _config(slots=2, prefill_chunk=64))
-    await engine.start()
-    try:
-        assert engine.stats().step_cost is None
-
-        async def run(prompt: list[int], tokens: int) -> int:
-            out = 0
-            async for event in engine.generate(GenerationRequest(prompt, greedy(tokens))):
-                out += len(event.token_ids)
-            return out
-
-        for lengths in ([12, 150], [40, 90], [200, 24], [70, 8]):
-            prompts = _prompts(lengths, seed=len(lengths) + lengths[0])
-            got = await asyncio.gather(run(prompts[0], 24), run(prompts[1], 12))
-            assert got == [24, 12]
-        # the fit is refreshed at most every quarter second of the runs' clock: one more run
-        await asyncio.sleep(0.3)
-        assert await run(_prompts([5])[0], 2) == 2
-        cost = engine.stats().step_cost
-    finally:
-        await engine.shutdown()
-    assert cost is not None and cost.steps >= 24
-    assert cost.ms_per_prompt_token > 0
-    assert min(cost.pass_ms, cost.ms_per_row, cost.ms_per_context_token) >= 0
