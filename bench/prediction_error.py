@@ -164,9 +164,6 @@ VARIANTS = {
     "no_overhead": "latency:\n  request_overhead: false\n",
     # the replay of a node that reports its fitted step cost runs its steps with it
     "step_cost": "latency:\n  node_step_cost: true\n",
-    # the learned wait beyond the replay's on every node, but only once the requests in hand
-    # fill its slots (a queue, ordered by the node)
-    "busy_queued": "latency:\n  busy_wait_queued: true\n",
     # the requests expected after the decision in its replay (not only those in hand)
     "future_arrivals": "latency:\n  future_arrivals: true\n  arrival_population: recent_mean\n"
     "  arrival_work: mean\n  arrival_weight: 1.0\n",

@@ -147,13 +147,6 @@ class LatencyKnobs(BaseModel):
         "TTFT median error from 0.52-0.57 to 0.28-0.39). accelerators: on for nodes not on a CPU "
         "(on the embedded default no better: docs/benchmarks.md)",
     )
-    busy_wait_queued: bool = Field(
-        default=False,
-        description="where busy_wait is off for a node, add it anyway once the requests in "
-        "hand fill the node's slots: the new request then queues, and a queue's order is the "
-        "node's (prefix-first jumps, which request a freed slot takes), not the replay's "
-        "arrival order",
-    )
 
     min_alone_samples: int = Field(
         default=3,
@@ -809,12 +802,10 @@ class LatencyModel:
 
     def busy_wait_ms(self, node: NodeState, in_hand: int) -> float:
         """What the node's requests waited beyond the replay's prediction with ``in_hand``
-        requests ahead, as learned (``busy_wait``, or ``busy_wait_queued`` once they fill its
-        slots; 0 until three were seen at that load, and on an idle node, whose wait is the
-        admission of ``request_overhead``)."""
-        rates, k = self.rates.get(node.id), self.knobs
-        queued = k.busy_wait_queued and in_hand >= max(1, node.max_batch)
-        if not (k.enabled(k.busy_wait, node) or queued) or rates is None or in_hand <= 0:
+        requests ahead, as learned (``busy_wait``; 0 until three were seen at that load, and
+        on an idle node, whose wait is the admission of ``request_overhead``)."""
+        rates = self.rates.get(node.id)
+        if not self.knobs.enabled(self.knobs.busy_wait, node) or rates is None or in_hand <= 0:
             return 0.0
         seen = rates.busy_wait_ms.get(self._load_bucket(in_hand))
         return seen.value if seen is not None and seen.n >= 3 else 0.0

@@ -581,12 +581,6 @@ def test_a_wait_the_replay_does_not_see_is_learned_by_load():
     off = LatencyModel()
     off.rates = m.rates
     assert est(off, n, prompt=40, ahead=two).extra_wait_ms == 0.0
-    # busy_wait_queued: only once the requests in hand fill the node's slots (a queue)
-    queued = LatencyModel(LatencyKnobs(busy_wait=False, busy_wait_queued=True))
-    queued.rates = m.rates
-    assert est(queued, n, prompt=40, ahead=two).extra_wait_ms == 0.0  # 2 of 4 slots
-    full = n.model_copy(update={"max_batch": 2})
-    assert est(queued, full, prompt=40, ahead=two).extra_wait_ms == pytest.approx(18.0, abs=0.5)
 
 
 def test_what_requests_take_beyond_the_engine_is_learned_and_added():
