@@ -204,8 +204,6 @@ VARIANTS = {
     "share": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
     "  arrival_work: median\n"
     "  arrival_weight: 1.0\n",
-    # the node held at what it has in hand, the decode half way (geometrically) between the
-    # replays without and with the arrivals
     # the node held at what it has in hand or at its recent mean population, the larger (at
     # concurrency 4 an edge with nothing in hand decoded 2.0x slower than predicted, one with
     # three 1.26x: a node emptier than usual fills again)
@@ -214,6 +212,8 @@ VARIANTS = {
     "space_in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
     # three quarters of the arrivals' weight (the default: half)
     "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
+    # the node held at what it has in hand, the decode half way (geometrically) between the
+    # replays without and with the arrivals
     "hold_blend": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
     "  arrival_work: median\n  arrival_weight: 0.5\n",
     # the same with the gateway's share
