@@ -210,6 +210,10 @@ VARIANTS = {
     "in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
     # with the edge's blocks spaced between decode steps too (``SERVE_VARIANTS``)
     "space_in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
+    # an edge's index credit only while one of its slots is free (with all busy, the free
+    # slot that kept the prefix has been taken since: seed 42 had three such requests compute
+    # 1,000+ credited tokens)
+    "free_slot_credit": "latency:\n  free_slot_credit: true\n",
     # three quarters of the arrivals' weight (the default: half)
     "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
     # the node held at what it has in hand, the decode half way (geometrically) between the
@@ -332,6 +336,7 @@ async def send(
         "predicted_e2e_ms": float(h.get("x-edgecloud-predicted-e2e-ms", "nan")),
         "predicted_queue_ms": float(h.get("x-edgecloud-predicted-queue-ms", "nan")),
         "in_hand": int(h.get("x-edgecloud-in-hand", "-1")),
+        "credited_tokens": int(h.get("x-edgecloud-credited-tokens", "-1")),
         "expected_output_tokens": float(h.get("x-edgecloud-expected-output-tokens", "nan")),
         "predicted_prefill_ms": float(h.get("x-edgecloud-predicted-prefill-ms", "nan")),
         "node_prefill_ms": float(h.get("x-edgecloud-prefill-ms", "nan")),

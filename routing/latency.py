@@ -235,6 +235,15 @@ class LatencyKnobs(BaseModel):
         "(a burst of one app's prompts on the edge was predicted seconds of prefill ahead "
         "that the node took from the first one's blocks)",
     )
+    free_slot_credit: bool = Field(
+        default=False,
+        description="on an edge node (its prefix cache is what its slots kept when their "
+        "requests ended), credit the prefix index only while a slot is free in this gateway's "
+        "picture: with every slot busy, the free slot that held the prefix has been taken "
+        "since the index heard of it (a request without a match takes the least recently "
+        "freed slot), and the request computes it; a request in hand that shares the prefix "
+        "still lends it (in_hand_prefix)",
+    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -954,6 +963,10 @@ class LatencyModel:
         else:
             unknown = max(0, extra_inflight)
             work = list(ahead)
+        if k.free_slot_credit and node.kind == NodeKind.EDGE and len(work) + unknown >= max(
+            1, node.max_batch
+        ):
+            cached, uncached = 0, prompt_tokens  # the slot that held it is taken
         reuse = k.in_hand_prefix and node.prefix_cache
         shared = None
         if reuse and shared_prefix is not None and ahead is not None:
