@@ -101,6 +101,7 @@ class Sample:
     max_tokens: int
     predicted_queue_ms: float = float("nan")
     in_hand: int = -1
+    credited_tokens: int = -1  # what the router credited (x-edgecloud-credited-tokens)
     expected_output_tokens: float = float("nan")
     predicted_prefill_ms: float = float("nan")  # the router's own-prompt compute
     node_prefill_ms: float = float("nan")  # the node's (the rest of its TTFT was waiting)
