@@ -211,14 +211,6 @@ VARIANTS = {
     "in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
     # with the edge's blocks spaced between decode steps too (``SERVE_VARIANTS``)
     "space_in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
-    # an edge's index credit only while one of its slots is free (with all busy, the free
-    # slot that kept the prefix has been taken since: seed 42 had three such requests compute
-    # 1,000+ credited tokens)
-    "free_slot_credit": "latency:\n  free_slot_credit: true\n",
-    # a prompt's fixed cost plus what the node's prompts took beyond the fit, learned apart
-    # for those sent with nothing in hand and with work in hand (the CPU cloud: 1-8 new tokens
-    # took 104-126 ms alone, 36-60 beside decode rows, predicted 76 either way)
-    "prefill_by_idle": "latency:\n  prefill_by_idle: true\n",
     # three quarters of the arrivals' weight (the default: half)
     "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
     # the node held at what it has in hand, the decode half way (geometrically) between the

@@ -148,14 +148,6 @@ class LatencyKnobs(BaseModel):
         "(on the embedded default no better: docs/benchmarks.md)",
     )
 
-    prefill_by_idle: bool = Field(
-        default=False,
-        description="add to a prompt's fixed cost what the node's prompts took beyond the "
-        "fitted cost, learned apart for prompts sent to it with nothing in hand (they run "
-        "alone) and with work in hand (beside decode rows): the median of the last 31 of "
-        "each, once min_alone_samples were seen (on the CPU cloud a prompt of 1-8 new tokens "
-        "took 104-126 ms alone and 36-60 beside rows, predicted 76 either way)",
-    )
     min_alone_samples: int = Field(
         default=3,
         ge=1,
@@ -242,15 +234,6 @@ class LatencyKnobs(BaseModel):
         "to the next); off, each computes what the prefix index credited it at dispatch "
         "(a burst of one app's prompts on the edge was predicted seconds of prefill ahead "
         "that the node took from the first one's blocks)",
-    )
-    free_slot_credit: bool = Field(
-        default=False,
-        description="on an edge node (its prefix cache is what its slots kept when their "
-        "requests ended), credit the prefix index only while a slot is free in this gateway's "
-        "picture: with every slot busy, the free slot that held the prefix has been taken "
-        "since the index heard of it (a request without a match takes the least recently "
-        "freed slot), and the request computes it; a request in hand that shares the prefix "
-        "still lends it (in_hand_prefix)",
     )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
@@ -602,10 +585,6 @@ class NodeRates:
     # step beyond its tokens (about 0 on a CPU; an eager pass where decode steps alone are
     # CUDA graphs)
     beside_pass_ms: _RecentMedian = field(default_factory=_RecentMedian)
-    # what a prompt's own time held beyond the fitted cost, sent with nothing in hand (it ran
-    # alone) or with work in hand (beside decode rows) (``prefill_by_idle``)
-    idle_prefill_excess_ms: _RecentMedian = field(default_factory=_RecentMedian)
-    busy_prefill_excess_ms: _RecentMedian = field(default_factory=_RecentMedian)
     # the node's account of a request's wait less the replay's, by requests in hand (``busy_wait``)
     busy_wait_ms: dict[int, _RecentMedian] = field(default_factory=dict)
 
@@ -901,23 +880,11 @@ class LatencyModel:
             return rates.beside_pass_ms.value
         return 0.0
 
-    def prefill_excess_ms(self, node_id: str, idle: bool) -> float:
-        """What the node's prompts took beyond the fitted cost, sent to it with nothing in hand
-        (``idle``) or with work in hand: the median of the last ones, once
-        ``min_alone_samples`` were seen and ``prefill_by_idle`` is on, else 0."""
-        rates = self.rates.get(node_id)
-        if not self.knobs.prefill_by_idle or rates is None:
-            return 0.0
-        excess = rates.idle_prefill_excess_ms if idle else rates.busy_prefill_excess_ms
-        return excess.value if excess.n >= self.knobs.min_alone_samples else 0.0
-
-    def shape(self, node: NodeState, idle: bool = False) -> EngineShape:
-        """The node's engine as :func:`routing.backlog.replay` runs it, for a request sent
-        with nothing in hand (``idle``) or with work in hand."""
+    def shape(self, node: NodeState) -> EngineShape:
+        """The node's engine as :func:`routing.backlog.replay` runs it."""
         kd = self.knobs.defaults(node.kind, node.device)
         self._register(node)
         fixed, per_token, per_cached = self.prefill_cost(node)
-        fixed = max(0.0, fixed + self.prefill_excess_ms(node.id, idle))
         chunk = node.prefill_chunk or kd.prefill_chunk
         cost = self.step_cost(node)
         if cost is not None:  # the node's own fit: a pass, then rows, tokens and context
@@ -980,17 +947,13 @@ class LatencyModel:
         blocks = min(cached_tokens // BLOCK_SIZE, reusable_blocks(prompt_tokens))
         cached = int(blocks * k.prefix_credit) * BLOCK_SIZE
         uncached = max(1, prompt_tokens - cached)
+        shape = self.shape(node)
         if ahead is None:
             unknown = node.running + node.waiting + max(0, extra_inflight)
             work: list[Work] = []
         else:
             unknown = max(0, extra_inflight)
             work = list(ahead)
-        shape = self.shape(node, idle=not work and not unknown)
-        if k.free_slot_credit and node.kind == NodeKind.EDGE and len(work) + unknown >= max(
-            1, node.max_batch
-        ):
-            cached, uncached = 0, prompt_tokens  # the slot that held it is taken
         reuse = k.in_hand_prefix and node.prefix_cache
         shared = None
         if reuse and shared_prefix is not None and ahead is not None:
@@ -1166,12 +1129,6 @@ class LatencyModel:
                 if pass_of.n >= k.min_alone_samples:
                     paid = passes * pass_of.value
                 prefill_ms = max(prefill_ms - paid, 0.1 * prefill_ms, 0.5)
-            fit = rates.prefill_fit.solve(k.cached_prefill_cost) if k.prefill_by_idle else None
-            if prefill_ms is not None and est is not None and fit is not None and not passes:
-                # beyond the fitted cost, alone or beside decode rows (``prefill_by_idle``)
-                fitted = fit[0] + fit[1] * uncached + fit[2] * obs.cached_tokens
-                excess = rates.idle_prefill_excess_ms if idle else rates.busy_prefill_excess_ms
-                excess.add(prefill_ms - fitted)
             if prefill_ms is not None:
                 rates.prefill_fit.add(float(uncached), float(obs.cached_tokens), prefill_ms)
                 if uncached >= k.min_prefill_tokens:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from routing.backlog import SharedPrefix, Work
+from routing.backlog import Work
 from routing.fleet.state import NodeKind, NodeState
 from routing.latency import LatencyKnobs, LatencyModel, Observation
 
@@ -87,31 +87,6 @@ def test_prefix_cache_credit_and_one_token_minimum():
     assert est(m, node(), prompt=100, cached=70).cached_tokens == 64
     half = LatencyModel(LatencyKnobs(prefix_credit=0.5))
     assert est(half, node(), prompt=100, cached=64).cached_tokens == 32
-
-
-def test_an_edge_with_every_slot_busy_is_not_credited_a_prefix_no_one_in_hand_keeps():
-    m = LatencyModel(LatencyKnobs(free_slot_credit=True))
-    edge = node(prefix_cache=True, max_batch=2)
-    one = [Work(0.0, 20.0, context=100.0)]
-    two = one * 2
-    # a slot is free: the index's credit stands (the free slot kept the prefix)
-    assert est(m, edge, prompt=100, cached=64, ahead=one).cached_tokens == 64
-    # every slot busy: the slot that kept it has been taken since; the prompt is computed
-    e = est(m, edge, prompt=100, cached=64, ahead=two)
-    assert (e.cached_tokens, e.uncached_tokens) == (0, 100)
-    # so do requests of other gateways the node reports and a cloud node keeps its blocks
-    assert est(m, edge, prompt=100, cached=64, ahead=one, extra=1).cached_tokens == 0
-    assert est(m, node(kind=NodeKind.CLOUD, max_batch=2), prompt=100, cached=64, ahead=two
-               ).cached_tokens == 64  # fmt: skip
-    # off (the default), the index's credit stands however busy the edge is
-    assert est(LatencyModel(), edge, prompt=100, cached=64, ahead=two).cached_tokens == 64
-    # a request in hand sharing the prefix still lends it, once its prefill is done
-    shared = m.estimate(
-        edge, prompt_tokens=100, cached_tokens=64, expected_output_tokens=10.0, rtt_ms=5.0,
-        ahead=[Work(0.0, 20.0, context=100.0), Work(0.0, 20.0, context=100.0)],
-        shared_prefix=SharedPrefix(1, 64.0),
-    )  # fmt: skip
-    assert shared.cached_tokens == 0 and shared.reused_tokens == 64
 
 
 def test_batch_slows_decode_and_a_full_node_queues():
