@@ -245,6 +245,10 @@ SERVE_VARIANTS = {
     "space_in_hand_or_mean": ["--edge-space-chunks"],  # and its policy (``VARIANTS``)
     # a quarter of a decode step's time
     "stall_quarter": ["--edge-prefill-stall-ratio", "0.25", "--cloud-prefill-stall-ratio", "0.25"],
+    # the edge runs 8 sequences at once (the default: 4): at concurrency 16 it held 8-13, so
+    # most waited, and the edge admits a prefix match ahead of the queue, which the replay
+    # does not (its shared prompts' TTFT off by 3-4x either way)
+    "edge_slots8": ["--edge-slots", "8"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
     # 64 was the CPU default before 2026-12-03)
     "cloud_rows8": ["--cloud-max-running", "8"],

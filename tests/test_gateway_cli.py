@@ -46,3 +46,18 @@ def test_edge_serve_huge_pages_flag() -> None:
     parser = build_parser()
     assert parser.parse_args(["edge", "serve"]).huge_pages is True
     assert parser.parse_args(["edge", "serve", "--no-huge-pages"]).huge_pages is False
+
+
+def test_serve_hands_its_edge_flags_to_the_edge_node(tmp_path: Path) -> None:
+    from gateway.cli import build_parser
+    from gateway.commands.gateway import _node_argv
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--edge-slots", "8", "--edge-prefix-first", "0"])
+    argv = _node_argv("edge", args, tmp_path, 9001, 1)
+    assert argv[argv.index("--slots") + 1] == "8"
+    assert argv[argv.index("--prefix-first") + 1] == "0"
+    assert "--slots" not in _node_argv("cloud", args, tmp_path, 9002, 1)
+    assert parser.parse_args(["serve"]).edge_slots == 4
+    with pytest.raises(SystemExit):  # argparse's usage error: at least one slot
+        parser.parse_args(["serve", "--edge-slots", "0"])

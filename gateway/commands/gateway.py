@@ -97,6 +97,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=4,
         help="the edge node's --prefix-first (default 4; 0: strict arrival order)",
     )
+    s.add_argument(
+        "--edge-slots",
+        type=positive_int,
+        default=4,
+        help="the edge node's --slots: sequences it runs at once (default 4; more wait)",
+    )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(
         "--cloud-prefill-stall-ratio",
@@ -227,6 +233,7 @@ def _node_argv(
         ratio = args.edge_prefill_stall_ratio
         argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
         argv += ["--prefix-first", str(args.edge_prefix_first)]
+        argv += ["--slots", str(args.edge_slots)]
         if args.edge_space_chunks:
             argv += ["--space-chunks"]
     else:
