@@ -249,6 +249,9 @@ SERVE_VARIANTS = {
     # most waited, and the edge admits a prefix match ahead of the queue, which the replay
     # does not (its shared prompts' TTFT off by 3-4x either way)
     "edge_slots8": ["--edge-slots", "8"],
+    # the edge's free slot the least recently freed (the default before 2026-12-05: compact,
+    # the one that widens the decoding slots' span least)
+    "slot_lru": ["--edge-slot-order", "lru"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
     # 64 was the CPU default before 2026-12-03)
     "cloud_rows8": ["--cloud-max-running", "8"],

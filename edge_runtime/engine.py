@@ -83,6 +83,10 @@ class EdgeEngineConfig:
     ``prefix_first``: with ``prefix_reuse``, a waiting request that reuses several more blocks
     of a free slot than those ahead of it is admitted first, each passing them at most this
     many times (0: strict priority-then-arrival order; ``edge_runtime.scheduler``);
+    ``compact_slots``: with ``prefix_reuse``, a request that reuses no more than a few blocks
+    fewer of another free slot takes the free slot that widens the decoding slots' span least
+    (a decode step runs every slot between the lowest and the highest busy one); off: the
+    least recently freed (``edge_runtime.slot_cache.SlotCache.choose``);
     ``space_chunks``: where one 16-token block beside decoding answers takes longer than
     ``prefill_stall_ratio`` decode steps, a block runs only every so many steps, so the bound
     holds on average (``routing.prefill_budget.steps_per_chunk``; off: a block every step).
@@ -102,6 +106,7 @@ class EdgeEngineConfig:
     prefill_stall_ratio: float | None = 1.0
     prefix_first: int = 4
     space_chunks: bool = False
+    compact_slots: bool = True
 
 
 class EdgeEngine:
@@ -195,7 +200,12 @@ class EdgeEngine:
         decoder = Decoder(session, self.info, cfg.slots, self.max_context)
         cache = None
         if cfg.prefix_reuse:
-            cache = SlotCache(cfg.slots, model_seed(self.model_id), self.max_context - 1)
+            cache = SlotCache(
+                cfg.slots,
+                model_seed(self.model_id),
+                self.max_context - 1,
+                compact=cfg.compact_slots,
+            )
         scheduler = SlotScheduler(
             decoder,
             cfg.max_waiting,

@@ -166,10 +166,12 @@ async def test_slot_choice_removed_events_and_zero_match(graph: Path) -> None:
 
 async def test_free_slot_between_decoding_slots_keeps_its_kv(graph: Path) -> None:
     """Slots 0 and 2 decode in one batched step while slot 1, free, holds kept KV (a dummy
-    row of the gqa step): its next turn still reuses it and matches a cold run."""
+    row of the gqa step): its next turn still reuses it and matches a cold run. (Slots taken
+    least recently freed first: compactly, z's 2-block match would not be worth a row, and z's
+    next turn would take slot 1.)"""
     x, y, z, more = _prompts(40, 41, 42, 8, seed=21)
     cold = await _engine(graph, prefix_reuse=False, slots=1)
-    warm = await _engine(graph, slots=3)
+    warm = await _engine(graph, slots=3, compact_slots=False)
     try:
         outs = [await _run(warm, p) for p in (x, y, z)]  # slots 0, 1, 2 (empty ones first)
         assert [e.tokens[:1] for e in warm._require_started().cache.entries] == [
@@ -268,6 +270,35 @@ async def test_a_prefix_a_running_request_holds_is_copied_into_the_next(graph: P
     finally:
         await warm.shutdown()
         await cold.shutdown()
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_a_free_slot_inside_the_busy_span_goes_first_unless_a_longer_prefix_is_worth_a_row(
+    compact: bool,
+) -> None:
+    """Slot 2 decodes; slots 0, 1, 3, 4 and 5 keep finished requests' KV (5 freed first).
+    A decode step runs every slot from the lowest busy one to the highest, so compactly a new
+    request takes slot 1 or 3 (one row more), the least recently freed of them, even over a
+    2-block match in slot 5; a 5-block match there is worth the rows. Without ``compact``
+    the least recently freed slot (5) goes first, as before."""
+    cache = SlotCache(slots=6, seed=model_seed("m"), max_kept=200, compact=compact)
+    kept = {s: list(range(100 * s + 3, 100 * s + 43)) for s in (0, 1, 3, 4)}
+    kept[5] = list(range(503, 503 + 90))
+    for s in range(6):
+        cache.take(s, 0)
+    for s in (5, 0, 1, 3, 4):
+        cache.release(s, kept[s])
+    cache.check_integrity()
+    free = [0, 1, 3, 4, 5]
+
+    def choose(prompt: list[int]) -> tuple[int, int]:
+        return cache.choose(free, prompt, cache.hashes(prompt), limit=(len(prompt) - 1) // 16)
+
+    assert choose([7] * 40) == ((1, 0) if compact else (5, 0))
+    assert choose(kept[5][:32] + [7] * 30) == ((1, 0) if compact else (5, 2))
+    assert choose([*kept[5], 7]) == (5, 5)
+    cache.release(2, list(range(900, 940)))  # nothing busy: as before, whatever the order
+    assert choose([7] * 40) == (5, 0)
 
 
 def test_grow_adopt_and_the_busy_slot_to_copy_from() -> None:

@@ -134,6 +134,14 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         "(default: a block every step)",
     )
     s.add_argument(
+        "--slot-order",
+        choices=["compact", "lru"],
+        default="compact",
+        help="the free slot a request takes when no slot holds several more of its blocks: "
+        "the one that widens the busy slots' span least, since a decode step runs every slot "
+        "between them (compact, the default), or the least recently freed (lru)",
+    )
+    s.add_argument(
         "--prefix-first",
         type=nonneg_int,
         default=4,
@@ -171,6 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         huge_pages=args.huge_pages,
         prefill_stall_ratio=args.prefill_stall_ratio,
         prefix_first=args.prefix_first,
+        compact_slots=args.slot_order == "compact",
         space_chunks=args.space_chunks,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)

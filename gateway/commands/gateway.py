@@ -103,6 +103,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=4,
         help="the edge node's --slots: sequences it runs at once (default 4; more wait)",
     )
+    s.add_argument(
+        "--edge-slot-order",
+        choices=["compact", "lru"],
+        default="compact",
+        help="the edge node's --slot-order (default compact)",
+    )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(
         "--cloud-prefill-stall-ratio",
@@ -234,6 +240,7 @@ def _node_argv(
         argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
         argv += ["--prefix-first", str(args.edge_prefix_first)]
         argv += ["--slots", str(args.edge_slots)]
+        argv += ["--slot-order", args.edge_slot_order]
         if args.edge_space_chunks:
             argv += ["--space-chunks"]
     else:
