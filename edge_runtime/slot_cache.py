@@ -42,11 +42,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from routing.admission import PREFIX_FIRST_MIN_BLOCKS
 from routing.blocks import BLOCK_SIZE, BlockEvents, block_hashes, hash_block
-
-# Blocks of a kept prefix worth a wider decode span: a few blocks (64 prompt tokens, ~150 ms of
-# a 2-core CPU edge's prefill, once) are not worth a row more in every decode step after.
-SPAN_WORTH_BLOCKS = 4
 
 
 class IntegrityError(AssertionError):
@@ -141,9 +138,10 @@ class SlotCache:
         leading blocks of ``tokens`` (at most ``limit``); without any match, an empty slot,
         else the least recently freed one, so that kept KV survives as long as possible.
 
-        With ``compact``, a match fewer than ``SPAN_WORTH_BLOCKS`` blocks short of the longest
-        counts as the longest, and of those the slot that widens the busy slots' span least
-        goes first: a decode step runs every slot from the lowest busy one to the highest
+        With ``compact``, a match fewer than ``PREFIX_FIRST_MIN_BLOCKS`` blocks short of the
+        longest counts as the longest (a few blocks are not worth a row more in every decode
+        step after), and of those the slot that widens the busy slots' span least goes first:
+        a decode step runs every slot from the lowest busy one to the highest
         (``edge_runtime.scheduler``), so a free slot inside that span costs nothing more per
         step, and one at the far end a whole row (on the 2-core CPU edge about 0.8 of a
         one-row step, every step of every answer while it lasts)."""
@@ -155,7 +153,7 @@ class SlotCache:
         best, best_key = free[0], None
         for s, n in matched:
             e = self.entries[s]
-            if busy and n > most - SPAN_WORTH_BLOCKS:
+            if busy and n > most - PREFIX_FIRST_MIN_BLOCKS:
                 widen = max(busy[-1], s) - min(busy[0], s) - (busy[-1] - busy[0])
                 key = (0, widen, -n, bool(e.tokens), e.released, s)
             else:  # longest match first; then nothing to lose (empty), then least recently freed
