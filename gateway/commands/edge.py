@@ -17,6 +17,7 @@ from routing.model_store import DEFAULT_MODEL
 VARIANTS = ("fp32", "int8", "int4")  # edge_runtime.export's (not imported: it loads onnx)
 INT8_METHODS = ("blockwise", "per_tensor")  # edge_runtime.quantize's
 INT8_METHOD_ENV = "EDGECLOUD_INT8_METHOD"
+SLOT_ORDERS = ("compact", "lru")  # edge_runtime.slot_cache.SlotCache(compact=...)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -135,7 +136,7 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--slot-order",
-        choices=["compact", "lru"],
+        choices=SLOT_ORDERS,
         default="compact",
         help="the free slot a request takes when no slot holds several more of its blocks: "
         "the one that widens the busy slots' span least, since a decode step runs every slot "

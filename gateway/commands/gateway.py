@@ -30,6 +30,7 @@ from gateway.commands.argtypes import (
     positive_int,
     stall_ratio,
 )
+from gateway.commands.edge import SLOT_ORDERS
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     s.add_argument(
         "--edge-slot-order",
-        choices=["compact", "lru"],
+        choices=SLOT_ORDERS,
         default="compact",
         help="the edge node's --slot-order (default compact)",
     )
