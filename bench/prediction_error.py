@@ -20,6 +20,14 @@ The first ``--warmup`` requests (at concurrency 1) are not counted: the model le
 node's rates from them. Errors are relative: ``|predicted - measured| / measured``.
 
     python bench/prediction_error.py --concurrency 1 4 16 --requests 48
+
+``--shadows NAME ...`` runs latency-knob variants as shadow models of every arm's gateway
+(``shadow_latency``): they predict the same requests from the same replies, and each shows as
+its own variant ``ARM~NAME`` measured on exactly the arm's requests, so a knob's effect on the
+error is read without the run-to-run spread between rounds (what it would change in routing
+is not: that takes ``--variants``).
+
+    python bench/prediction_error.py --shadows prefill_pass busy_wait --repeat 2
 """
 
 from __future__ import annotations
@@ -34,11 +42,12 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -109,6 +118,8 @@ class Sample:
     prompt_tokens: int = 0
     sent_at_s: float = 0.0  # the client's clock (perf_counter) when it was sent
     error: str = ""  # the body of a reply other than 200
+    # each shadow latency model's predicted (TTFT, e2e) ms for the node that answered
+    shadow: dict[str, list[float]] = field(default_factory=dict)
 
 
 # Policy files for --variants (the default policy is the gateway's own).
@@ -352,7 +363,51 @@ async def send(
             ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
         ),
         "completion_tokens": int(usage.get("completion_tokens") or 0),
+        "shadow": parse_shadows(h.get("x-edgecloud-shadow-predicted-ms", "")),
     }
+
+
+def parse_shadows(header: str) -> dict[str, list[float]]:
+    """``x-edgecloud-shadow-predicted-ms`` (``name=TTFT/E2E, ...``) as name -> [TTFT, e2e]."""
+    out: dict[str, list[float]] = {}
+    for part in filter(None, (p.strip() for p in header.split(","))):
+        name, _, times = part.partition("=")
+        ttft, _, e2e = times.partition("/")
+        out[name] = [float(ttft), float(e2e)]
+    return out
+
+
+def with_shadows(samples: list[Sample]) -> list[Sample]:
+    """``samples`` and, for each shadow prediction a sample holds, a copy as variant
+    ``VARIANT~NAME`` with that prediction (its other predicted figures unknown)."""
+    nan = float("nan")
+    extra = [
+        replace(
+            s,
+            variant=f"{s.variant}~{name}",
+            predicted_ttft_ms=ttft,
+            predicted_e2e_ms=e2e,
+            predicted_queue_ms=nan,
+            predicted_prefill_ms=nan,
+            shadow={},
+        )
+        for s in samples
+        for name, (ttft, e2e) in s.shadow.items()
+    ]
+    return samples + extra
+
+
+def shadow_policy(arm: str, shadows: list[str]) -> str:
+    """The policy file of ``arm`` (its own variant's, else the default's) with ``shadows``
+    as shadow latency models (each a ``latency``-only variant of :data:`VARIANTS`)."""
+    policy = yaml.safe_load(VARIANTS[arm]) if arm in VARIANTS else {}
+    policy["shadow_latency"] = {n: yaml.safe_load(VARIANTS[n])["latency"] for n in shadows}
+    return yaml.safe_dump(policy)
+
+
+def shadowable(name: str) -> bool:
+    """A variant that only changes ``latency`` knobs can run as a shadow model."""
+    return set(yaml.safe_load(VARIANTS[name]) or {}) == {"latency"}
 
 
 async def run_level(
@@ -414,6 +469,7 @@ def quantile(xs: list[float], q: float) -> float:
 
 def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
     rows = []
+    samples = with_shadows(samples)
     variants = list(dict.fromkeys(s.variant for s in samples))
     levels = sorted({s.concurrency for s in samples})
     for v, c, tier in itertools.product(variants, levels, ("all", "edge", "cloud")):
@@ -611,6 +667,15 @@ def main(argv: list[str] | None = None) -> int:
         help="policy or node variants to run one after the other, each on a fresh fleet",
     )
     ap.add_argument(
+        "--shadows",
+        nargs="+",
+        default=[],
+        choices=[v for v in VARIANTS if shadowable(v)],
+        metavar="VARIANT",
+        help="latency-knob variants run as shadow models in every arm (reported as "
+        "ARM~VARIANT, on the arm's own requests)",
+    )
+    ap.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -653,9 +718,11 @@ def main(argv: list[str] | None = None) -> int:
         seed = args.seed + 10 * r
         key = variant if r == 0 else f"{variant}#{r}"  # what the gateway learned, per round
         extra: list[str] = []
-        if variant in VARIANTS:
+        if variant in VARIANTS or args.shadows:
             policy = Path(tempfile.mkdtemp(prefix="prediction-error-")) / f"{variant}.yaml"
-            policy.write_text(VARIANTS[variant])
+            policy.write_text(
+                shadow_policy(variant, args.shadows) if args.shadows else VARIANTS[variant]
+            )
             extra = ["--policy-file", str(policy)]
         extra += SERVE_VARIANTS.get(variant, [])
         # every variant gets a fresh fleet (nothing learned or cached carries over), the same mix

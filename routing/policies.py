@@ -42,6 +42,8 @@ class NoRoute(LookupError):
 class Candidate:
     node: NodeState
     estimate: Estimate
+    # the shadow latency models' estimates for this node, by name (``shadow_latency``)
+    shadow: tuple[tuple[str, Estimate], ...] = ()
 
     @property
     def node_id(self) -> str:
@@ -90,6 +92,7 @@ class Decision:
     stale_view: bool = False
     expected_output_tokens: float = 0.0
     prompt_tokens: int = 0
+    shadow: tuple[tuple[str, Estimate], ...] = ()  # the chosen node's (``Candidate.shadow``)
 
     @property
     def node_id(self) -> str:
@@ -127,7 +130,7 @@ class Decision:
 
     @property
     def chosen(self) -> Candidate:
-        return Candidate(self.node, self.estimate)
+        return Candidate(self.node, self.estimate, self.shadow)
 
     def candidates(self) -> list[Candidate]:
         """The chosen node first, then the fallbacks: the order to try them in."""
@@ -228,6 +231,7 @@ def _decision(
         stale_view=inp.stale_view,
         expected_output_tokens=inp.profile.expected_output_on(first.node.kind),
         prompt_tokens=inp.profile.prompt_tokens,
+        shadow=first.shadow,
     )
 
 

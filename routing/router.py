@@ -31,14 +31,14 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from routing.backlog import Arrivals, SharedPrefix, Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeState
 from routing.fleet.store import FleetView
-from routing.latency import Estimate, LatencyModel, Observation
+from routing.latency import Estimate, LatencyKnobs, LatencyModel, Observation
 from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, make_policy
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import OutputLengthEstimator, RequestProfile
@@ -56,6 +56,7 @@ class Ticket:
     estimate: Estimate
     dispatched_at: float
     profile: RequestProfile | None = None
+    shadow: tuple[tuple[str, Estimate], ...] = ()  # the shadow models' estimates for its node
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +353,9 @@ class Router:
         self.outputs = (
             outputs if outputs is not None else OutputLengthEstimator(cfg.expected_output)
         )
+        # the shadow latency models (``PolicyConfig.shadow_latency``): they estimate every
+        # candidate and learn from every reply as ``model`` does, and route nothing
+        self.shadows: dict[str, LatencyModel] = {}
         self.ledger = DispatchLedger()
         self.clock = clock
         self._ids = itertools.count(1)
@@ -374,6 +378,14 @@ class Router:
             self.model.configure(cfg.latency)
             self.regions.configure(cfg.regions)
             self.outputs.configure(cfg.expected_output)
+        # a shadow kept by name keeps what it learned; a new one starts afresh
+        for name in set(self.shadows) - set(cfg.shadow_latency):
+            del self.shadows[name]
+        for name, knobs in cfg.shadow_latency.items():
+            if name in self.shadows:
+                self.shadows[name].configure(knobs)
+            else:
+                self.shadows[name] = LatencyModel(knobs)
         self._cfg = cfg
 
     def reload_if_changed(self) -> bool:
@@ -394,12 +406,10 @@ class Router:
     ) -> tuple[list[Candidate], dict[str, str]]:
         """Eligible nodes with their estimates (sorted by id), and why the others are not."""
         cfg = self.config
-        client_region = profile.client_region or cfg.default_region
         now = self.clock()
         out: list[Candidate] = []
         left_out: dict[str, str] = {}
         need = profile.context_needed
-        window = cfg.latency.arrival_window_s
         for node in view.nodes:
             if profile.model not in node.models and (
                 profile.model_identity not in node.model_identities.values()
@@ -410,35 +420,51 @@ class Router:
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
             else:
-                seen = self.ledger.in_flight_at(node.id, node.timestamp)
-                est = self.model.estimate(
-                    node,
-                    prompt_tokens=profile.prompt_tokens,
-                    cached_tokens=view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE,
-                    expected_output_tokens=profile.expected_output_on(node.kind),
-                    rtt_ms=self.regions.rtt_ms(client_region, node.region),
-                    # what other gateways sent it: its own counts beyond ours it had seen
-                    extra_inflight=max(0, node.running + node.waiting - seen),
-                    ahead=self.ledger.work(
-                        node.id, now, cfg.latency.overrun_left, cfg.latency.stream_progress
-                    ),
-                    # only read where it counts: a node with a prefix cache, the knob on
-                    shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
-                    if node.prefix_cache and cfg.latency.in_hand_prefix
-                    else None,
-                    arrivals=self.ledger.arrivals(
-                        node.id,
-                        now,
-                        window,
-                        "mean" if cfg.latency.arrival_work == "mean" else "median",
-                        share=cfg.latency.arrival_population == "gateway_share",
-                    )
-                    if cfg.latency.future_arrivals
-                    else None,
+                est = self._estimate(self.model, cfg.latency, node, profile, view, now)
+                shadow = tuple(
+                    (name, self._estimate(m, m.knobs, node, profile, view, now))
+                    for name, m in self.shadows.items()
                 )
-                out.append(Candidate(node, est))
+                out.append(Candidate(node, est, shadow))
         out.sort(key=lambda c: c.node.id)
         return out, left_out
+
+    def _estimate(
+        self,
+        model: LatencyModel,
+        knobs: LatencyKnobs,
+        node: NodeState,
+        profile: RequestProfile,
+        view: FleetView,
+        now: float,
+    ) -> Estimate:
+        """``model``'s estimate of ``profile`` on ``node`` from the fleet view and the ledger,
+        read as ``knobs`` say (the routing model's, or a shadow's own)."""
+        client_region = profile.client_region or self.config.default_region
+        seen = self.ledger.in_flight_at(node.id, node.timestamp)
+        return model.estimate(
+            node,
+            prompt_tokens=profile.prompt_tokens,
+            cached_tokens=view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE,
+            expected_output_tokens=profile.expected_output_on(node.kind),
+            rtt_ms=self.regions.rtt_ms(client_region, node.region),
+            # what other gateways sent it: its own counts beyond ours it had seen
+            extra_inflight=max(0, node.running + node.waiting - seen),
+            ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
+            # only read where it counts: a node with a prefix cache, the knob on
+            shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
+            if node.prefix_cache and knobs.in_hand_prefix
+            else None,
+            arrivals=self.ledger.arrivals(
+                node.id,
+                now,
+                knobs.arrival_window_s,
+                "mean" if knobs.arrival_work == "mean" else "median",
+                share=knobs.arrival_population == "gateway_share",
+            )
+            if knobs.future_arrivals
+            else None,
+        )
 
     def decide(
         self,
@@ -478,7 +504,9 @@ class Router:
     ) -> Ticket:
         """Count a dispatch to ``candidate`` (default: the chosen node) as in flight."""
         cand = candidate or decision.chosen
-        ticket = Ticket(next(self._ids), cand.node, cand.estimate, self.clock(), profile)
+        ticket = Ticket(
+            next(self._ids), cand.node, cand.estimate, self.clock(), profile, cand.shadow
+        )
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         hashes = profile.reusable_hashes if profile is not None else ()
         self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out, hashes)
@@ -515,22 +543,25 @@ class Router:
         net = measured.net_rtt_ms
         if net is None:
             net = self.regions.rtt_ms(self.config.home_region, ticket.node.region)
-        errors = self.model.observe(
-            Observation(
-                node_id=ticket.node.id,
-                kind=ticket.node.kind,
-                prompt_tokens=measured.prompt_tokens,
-                cached_tokens=measured.cached_tokens,
-                completion_tokens=measured.completion_tokens,
-                e2e_ms=measured.e2e_ms,
-                ttft_ms=measured.ttft_ms,
-                net_rtt_ms=net,
-                node_queue_ms=measured.node_queue_ms,
-                node_ttft_ms=measured.node_ttft_ms,
-                decode_batch=decode_batch,
-                estimate=ticket.estimate,
-            )
+        obs = Observation(
+            node_id=ticket.node.id,
+            kind=ticket.node.kind,
+            prompt_tokens=measured.prompt_tokens,
+            cached_tokens=measured.cached_tokens,
+            completion_tokens=measured.completion_tokens,
+            e2e_ms=measured.e2e_ms,
+            ttft_ms=measured.ttft_ms,
+            net_rtt_ms=net,
+            node_queue_ms=measured.node_queue_ms,
+            node_ttft_ms=measured.node_ttft_ms,
+            decode_batch=decode_batch,
+            estimate=ticket.estimate,
         )
+        errors = self.model.observe(obs)
+        for name, est in ticket.shadow:  # each learns from its own prediction for it
+            shadow = self.shadows.get(name)
+            if shadow is not None:
+                shadow.observe(replace(obs, estimate=est))
         if ticket.profile is not None:
             p = ticket.profile
             self.outputs.observe(

@@ -57,6 +57,8 @@ def fleet(default_model_path: Path, redis_url: str, tmp_path_factory):
                 "default_region": "eu-west",
                 "gateway_region": "eu-west",
                 "latency": {"request_overhead": True},
+                # a shadow model: the same knobs but the overhead, measured on the same replies
+                "shadow_latency": {"no_overhead": {"request_overhead": False}},
             }
         )
     )
@@ -117,6 +119,19 @@ def test_short_prompt_goes_to_the_edge(fleet) -> None:
             break
         time.sleep(0.1)
     assert 0 < cands["edge-eu"]["overhead_ms"] < cands["edge-eu"]["predicted_ttft_ms"]
+    # the shadow predicted the same reply without the overhead, and learned from it too
+    raw = sdk.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, temperature=0
+    )
+    name, times = raw.headers["x-edgecloud-shadow-predicted-ms"].split("=")
+    ttft, e2e = (float(t) for t in times.split("/"))
+    assert name == "no_overhead" and 0 < ttft < e2e
+    assert ttft < float(raw.headers["x-edgecloud-predicted-ttft-ms"])  # no overhead added
+    metrics = httpx.get(fleet["gw"].url + "/metrics").text
+    assert (
+        'edgecloud_shadow_prediction_error_ratio{metric="e2e",shadow="no_overhead",tier="edge"}'
+        in metrics
+    )
 
 
 def test_long_prompt_goes_to_the_cloud_that_holds_its_prefix(fleet) -> None:

@@ -324,6 +324,62 @@ def test_finish_learns_output_length_and_records_errors():
     assert r.model.errors.get("e2e", "edge").count == 1
 
 
+def test_shadow_models_predict_each_candidate_and_learn_from_the_same_replies(tmp_path):
+    """A shadow latency model is the routing knobs with its changes: it estimates every
+    candidate on the same ledger, routes nothing, learns from its own prediction of each reply,
+    and survives a reload under its name (a new name starts afresh, a dropped one goes)."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(
+        "latency: {rate_alpha: 0.5}\nshadow_latency:\n  half_credit: {prefix_credit: 0.5}\n"
+    )
+    src = ConfigSource(path, check_interval_s=0.0)
+    r = Router(src, clock=lambda: NOW + 1)
+    shadow = r.shadows["half_credit"]
+    assert shadow.knobs.rate_alpha == 0.5 and shadow.knobs.prefix_credit == 0.5  # over latency
+    fleet = view(edge(), cloud(), prefix={"edge-eu": 64})
+    p = profile(1100)
+    plain = Router(PolicyConfig(latency=LatencyKnobs(rate_alpha=0.5)), clock=lambda: NOW + 1)
+    d, alone = r.decide(p, fleet), plain.decide(p, fleet)
+    assert (d.node_id, d.estimate) == (alone.node_id, alone.estimate)  # it routes nothing
+    cands = {c.node.id: c for c in r.candidates(p, fleet)[0]}
+    edge_shadow = dict(cands["edge-eu"].shadow)["half_credit"]
+    assert cands["edge-eu"].estimate.cached_tokens == 64 * BLOCK_SIZE
+    assert edge_shadow.cached_tokens == 32 * BLOCK_SIZE  # its own knobs read the same index
+    assert dict(d.chosen.shadow)["half_credit"].node_id == d.node_id
+    ticket = r.begin(d, profile=p)
+    assert [name for name, _ in ticket.shadow] == ["half_credit"]
+    measured = Measured(ttft_ms=400.0, e2e_ms=900.0, prompt_tokens=1100, completion_tokens=16)
+    r.finish(ticket, measured)
+    tier = d.node.kind.value
+    assert shadow.errors.get("e2e", tier).count == r.model.errors.get("e2e", tier).count == 1
+    own = dict(ticket.shadow)["half_credit"]
+    assert own.e2e_ms > d.estimate.e2e_ms  # half the credit: more to prefill
+    # each error is of its own prediction (both with the same RTT swapped in)
+    gap = shadow.errors.get("e2e", tier).bias_ms - r.model.errors.get("e2e", tier).bias_ms
+    assert gap == pytest.approx(d.estimate.e2e_ms - own.e2e_ms)
+    path.write_text(
+        "shadow_latency:\n  half_credit: {prefix_credit: 0.25}\n  no_arrivals: "
+        "{future_arrivals: false}\n"
+    )
+    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
+    assert src.check() is True
+    r.decide(p, fleet)
+    assert r.shadows["half_credit"] is shadow and shadow.knobs.prefix_credit == 0.25
+    assert shadow.errors.get("e2e", tier).count == 1  # kept what it learned
+    assert r.shadows["no_arrivals"].errors.get("e2e", tier).count == 0
+    path.write_text("policy: latency\n")
+    os.utime(path, ns=(path.stat().st_mtime_ns + 2 * 10**9,) * 2)
+    assert src.check() is True
+    assert r.decide(p, fleet).shadow == () and r.shadows == {}
+
+
+def test_a_shadow_name_must_fit_a_header_and_a_label():
+    with pytest.raises(ValueError, match="lower-case letters"):
+        PolicyConfig.model_validate({"shadow_latency": {"Half-Credit": {}}})
+    with pytest.raises(ValueError, match="extra"):
+        PolicyConfig.model_validate({"shadow_latency": {"x": {"no_such_knob": 1}}})
+
+
 def test_hot_reloaded_config_changes_the_policy_and_keeps_learning(tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text("policy: latency\nlatency: {rate_alpha: 0.5}\n")
