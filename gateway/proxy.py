@@ -21,7 +21,7 @@ import os
 import random
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -283,8 +283,10 @@ async def open_first(
     on_dispatch: Callable[[str], None] = lambda _n: None,
     is_allowed: Callable[[str], bool] = lambda _n: True,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    node_headers: Callable[[str], Mapping[str, str]] = lambda _n: {},
 ) -> Opened:
-    """Try candidates in order until one answers without a retryable failure."""
+    """Try candidates in order until one answers without a retryable failure; each is sent
+    ``headers`` and its own ``node_headers``."""
     attempts: list[Attempt] = []
     last_status, last_body, retry_after = None, b"", None
     for index, (node_id, url) in enumerate(candidates):
@@ -299,7 +301,9 @@ async def open_first(
         attempts.append(att)
         sent_at = time.perf_counter()
         try:
-            resp = await send_upstream(client, url.rstrip("/") + path, body, headers)
+            own = node_headers(node_id)
+            sent = {**headers, **own} if own else headers
+            resp = await send_upstream(client, url.rstrip("/") + path, body, sent)
         except (httpx.TransportError, OSError) as exc:
             att.error = f"{type(exc).__name__}: {exc}"
             on_failure(node_id)

@@ -401,3 +401,57 @@ def test_default_model_answers_paris(default_cloud_node) -> None:
     )
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_request_at_a_lower_priority_number_is_admitted_first(
+    kind, tiny_model_path, tiny_home, tmp_path
+) -> None:
+    """``x-edgecloud-priority`` (the router's ``prefix_priority``): with the one slot busy, a
+    request sent at -1 is admitted before one sent earlier at 0; a priority that is not an
+    integer from -8 to 8 is a 400 naming the header."""
+    port = free_port()
+    cap = ["--slots", "1"] if kind == "edge" else ["--max-running", "1"]
+    p = Proc(_node_args(kind, tiny_model_path, port, cap), port, tmp_path / "n.log", env=tiny_home)
+    p.wait_ready()
+    try:
+        model = served_model(p)
+
+        def body(max_tokens: int) -> dict:
+            return {"model": model, "prompt": "Keep going:", "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+
+        async def main() -> list[str]:
+            admitted: list[str] = []
+            async with httpx.AsyncClient(timeout=60) as c:
+
+                async def send(name: str, max_tokens: int, priority: int | None) -> None:
+                    h = {} if priority is None else {"x-edgecloud-priority": str(priority)}
+                    url = p.url + "/v1/completions"
+                    async with c.stream("POST", url, json=body(max_tokens), headers=h) as r:
+                        assert r.status_code == 200
+                        admitted.append(name)  # headers come with the first token
+                        await r.aread()
+
+                busy = asyncio.create_task(send("busy", 1500, None))
+                while not admitted:
+                    await asyncio.sleep(0.01)
+                late = asyncio.create_task(send("zero", 4, 0))
+                while (await c.get(p.url + "/load")).json()["waiting"] < 1:
+                    await asyncio.sleep(0.01)  # queued behind the busy one
+                await asyncio.gather(busy, late, send("minus_one", 4, -1))
+            return admitted
+
+        assert asyncio.run(main()) == ["busy", "minus_one", "zero"]
+        for bad in ("high", "9", "-9"):
+            r = httpx.post(
+                p.url + "/v1/completions",
+                json=body(1),
+                headers={"x-edgecloud-priority": bad},
+                timeout=60,
+            )
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["code"] == "invalid_priority"
+            assert "x-edgecloud-priority" in r.json()["error"]["message"]
+    finally:
+        assert p.stop() == 0, p.tail()
