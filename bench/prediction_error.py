@@ -53,7 +53,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import RESULTS, machine, recorded_command, table
 from bench._serve import embedded_default
-from routing.policy_config import ROUTING_ONLY_KNOBS
 
 WORDS = [
     "system",
@@ -240,9 +239,6 @@ VARIANTS = {
     "  arrival_work: median\n  arrival_weight: 1.0\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
-    # a request reusing 4+ blocks of a node's prefix cache sent at priority -1 (the next free
-    # slot, the prefix copied from a busy one): what the edge's admission by prefix did unseen
-    "prefix_priority": "latency:\n  prefix_priority: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {
@@ -411,8 +407,7 @@ def shadow_policy(arm: str, shadows: list[str]) -> str:
 
 def shadowable(name: str) -> bool:
     """A variant that only changes ``latency`` knobs can run as a shadow model."""
-    knobs = yaml.safe_load(VARIANTS[name]) or {}
-    return set(knobs) == {"latency"} and not ROUTING_ONLY_KNOBS & set(knobs["latency"])
+    return set(yaml.safe_load(VARIANTS[name]) or {}) == {"latency"}
 
 
 async def run_level(

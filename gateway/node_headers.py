@@ -12,9 +12,6 @@ of the request's own prompt chunks (the cloud's: its share of the mixed steps th
 beyond their decode rows' time); the rest of the node's time to first token is waiting (for a
 slot, behind other prompts, beside their decode steps): :func:`node_wait_ms`. The gateway's
 latency model learns prefill rates from the compute alone, however busy the node was.
-
-The other way, :data:`PRIORITY_HEADER` asks the node to admit a request ahead of those of a
-higher number waiting (both engines queue by priority, then arrival).
 """
 
 from __future__ import annotations
@@ -22,10 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 HEADERS_AT_FIRST_TOKEN = "x-edgecloud-headers-at-first-token"
-# gateway -> node: the priority to admit the request at (lower first; ties by arrival), from
-# the router (``latency.prefix_priority``); absent: 0
-PRIORITY_HEADER = "x-edgecloud-priority"
-PRIORITY_RANGE = range(-8, 9)
 PREFILL_MS_HEADER = "x-edgecloud-prefill-ms"
 NODE_TTFT_HEADER = "x-edgecloud-measured-ttft-ms"
 

@@ -21,7 +21,7 @@ import os
 import random
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -283,10 +283,8 @@ async def open_first(
     on_dispatch: Callable[[str], None] = lambda _n: None,
     is_allowed: Callable[[str], bool] = lambda _n: True,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    node_headers: Callable[[str], Mapping[str, str]] = lambda _n: {},
 ) -> Opened:
-    """Try candidates in order until one answers without a retryable failure; each is sent
-    ``headers`` and its own ``node_headers``."""
+    """Try candidates in order until one answers without a retryable failure."""
     attempts: list[Attempt] = []
     last_status, last_body, retry_after = None, b"", None
     for index, (node_id, url) in enumerate(candidates):
@@ -301,9 +299,7 @@ async def open_first(
         attempts.append(att)
         sent_at = time.perf_counter()
         try:
-            own = node_headers(node_id)
-            sent = {**headers, **own} if own else headers
-            resp = await send_upstream(client, url.rstrip("/") + path, body, sent)
+            resp = await send_upstream(client, url.rstrip("/") + path, body, headers)
         except (httpx.TransportError, OSError) as exc:
             att.error = f"{type(exc).__name__}: {exc}"
             on_failure(node_id)

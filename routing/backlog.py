@@ -1,7 +1,6 @@
 """What a node has to do before a new request's first and last token: a replay of its engine.
 
-Both engines run one loop: admit waiting requests into free slots (by priority, then first
-come, first served; every request has priority 0 unless the router gave it another),
+Both engines run one loop: admit waiting requests into free slots (first come, first served),
 compute one prefill chunk of the oldest request still prefilling, then one decode step of every
 request already decoding. :func:`replay` runs that loop forward, in time only, over the work a
 node has in hand (what this gateway sent it and has not seen finish, plus what other gateways
@@ -56,8 +55,6 @@ class Work:
     started: bool = False  # its prefill is under way (its fixed cost is paid)
     context: float = 0.0
     shared: SharedPrefix | None = None  # prompt blocks an earlier request in hand computes
-    priority: int = 0  # the node admits waiting requests by priority (lower first), then arrival
-    in_slot: bool = False  # admitted already (else ``started`` or no prefill left say so)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +152,6 @@ class _Req:
     reuse: float = 0.0  # prefill work an earlier request's prefix saves it (``Work.shared``)
     source: _Req | None = None  # that request (None: its prefill is done)
     reused: float = 0.0  # what it saved, once in a slot
-    priority: int = 0
-    in_slot: bool = False  # work in hand already admitted: it keeps its place ahead
 
 
 def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[list[_Req], _Req]:
@@ -258,7 +253,9 @@ class _Loop:
     @classmethod
     def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
         kept, target = _requests(shape, ahead, new)
-        return cls(deque(_admission_order(kept, target)), deque(), [], target, max_loops)
+        waiting = deque(kept)
+        waiting.append(target)
+        return cls(waiting, deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
         """An independent copy (requests not yet decoding are copied: chunks change them, and
@@ -454,25 +451,7 @@ def _req(w: Work, new: bool = False) -> _Req:
     """A replay's request from ``w`` (the new one computes at least one prompt token; work in
     hand whose prefill is under way has paid its fixed cost)."""
     prefill = max(1.0, w.prefill_tokens) if new else max(0.0, w.prefill_tokens)
-    return _Req(
-        prefill,
-        max(0.0, w.decode_steps),
-        new,
-        w.started and not new,
-        max(0.0, w.context),
-        priority=w.priority,
-        in_slot=not new and (w.in_slot or w.started or w.prefill_tokens <= 0),
-    )
-
-
-def _admission_order(kept: list[_Req], target: _Req) -> list[_Req]:
-    """``kept`` then ``target`` in the order the node admits them: what is already in a slot
-    (its prefill begun, or decoding) first, in arrival order; then the waiting ones by
-    priority, then arrival (both engines' queue order)."""
-    order = [*kept, target]
-    if any(r.priority for r in order):
-        order.sort(key=lambda r: (not r.in_slot, r.priority))
-    return order
+    return _Req(prefill, max(0.0, w.decode_steps), new, w.started and not new, max(0.0, w.context))
 
 
 def replay_literal(
@@ -485,9 +464,9 @@ def replay_literal(
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    kept, target = _requests(shape, ahead, new)
-    waiting = _admission_order(kept, target)
-    waiting.reverse()  # pop() takes the first in admission order
+    waiting, target = _requests(shape, ahead, new)
+    waiting.append(target)
+    waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)
     t = 0.0

@@ -34,7 +34,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS
 from routing.backlog import (
     Arrivals,
     EngineShape,
@@ -236,15 +235,6 @@ class LatencyKnobs(BaseModel):
         "(a burst of one app's prompts on the edge was predicted seconds of prefill ahead "
         "that the node took from the first one's blocks)",
     )
-    prefix_priority: bool = Field(
-        default=False,
-        description="send a request that reuses at least 4 blocks of a node's prefix cache "
-        "(the index's credit or a request in hand sharing them) to a node with a prefix cache "
-        "at priority -1: both engines admit by priority, then arrival, so it takes the next "
-        "free slot (the edge copies the prefix from a busy slot) instead of waiting for the "
-        "queue or for a slot keeping its prefix to free (the edge's admission by prefix, which "
-        "the replay cannot see); the replay admits by the same order",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -355,7 +345,6 @@ class Estimate:
     # prefill work it was predicted to take from an earlier request's prefix (not in
     # ``prefill_work_tokens``, which it computes; see ``routing.backlog.SharedPrefix``)
     reused_tokens: float = 0.0
-    priority: int = 0  # what the node is asked to admit it at (``prefix_priority``)
 
     @property
     def prompt_tokens(self) -> int:
@@ -936,7 +925,6 @@ class LatencyModel:
         ahead: Sequence[Work] | None = None,
         arrivals: Arrivals | None = None,
         shared_prefix: SharedPrefix | None = None,
-        priority: int = 0,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -951,8 +939,7 @@ class LatencyModel:
         longest run of its leading blocks a request in ``ahead`` has too (its prompt tokens:
         ``DispatchLedger.shared_prefix``); with ``in_hand_prefix``, on a node with a prefix
         cache, those beyond the credit are cached if that request's prefill is done when this
-        one takes a slot (``routing.backlog``). ``priority`` is what the node will admit it at
-        (:meth:`admission_priority`): it waits behind the requests of a lower one only. On a node with work in hand the request first
+        one takes a slot (``routing.backlog``). On a node with work in hand the request first
         waits for the step in flight (half a decode step, on average).
         """
         k = self.knobs
@@ -1000,7 +987,7 @@ class LatencyModel:
             arrivals = Arrivals(max(len(work) + 1, arrivals.population), arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
-        new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared, priority=priority)
+        new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
         if arrivals is not None and k.arrival_weight < 1.0:
             r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
@@ -1082,19 +1069,7 @@ class LatencyModel:
             extra_wait_ms=extra_wait,
             overhead_ms=overhead,
             reused_tokens=r.reused_tokens,
-            priority=priority,
         )
-
-    def admission_priority(
-        self, node: NodeState, cached_tokens: int, shared_prefix: SharedPrefix | None
-    ) -> int:
-        """The priority to send a request at (``prefix_priority``): -1 where the node keeps a
-        prefix cache and the request reuses ``PREFIX_FIRST_MIN_BLOCKS`` blocks or more of it
-        (``cached_tokens`` credited, or a request in hand sharing them), else 0."""
-        if not self.knobs.prefix_priority or not node.prefix_cache:
-            return 0
-        reused = max(cached_tokens, int(shared_prefix.tokens) if shared_prefix else 0)
-        return -1 if reused >= PREFIX_FIRST_MIN_BLOCKS * BLOCK_SIZE else 0
 
     # ---- learning ----------------------------------------------------------------------------
     def observe(self, obs: Observation) -> dict[str, float]:

@@ -30,8 +30,6 @@ PolicyName = Literal[
 ]
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
 SHADOW_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
-# latency knobs that change what a node is sent, so that a shadow model cannot differ in them
-ROUTING_ONLY_KNOBS = frozenset({"prefix_priority"})
 
 
 class ThresholdKnobs(BaseModel):
@@ -102,13 +100,6 @@ class PolicyConfig(BaseModel):
                     "(it names a header value and a metrics label)"
                 )
             if isinstance(changes, dict) and isinstance(base, dict):
-                for knob in ROUTING_ONLY_KNOBS & set(changes):
-                    if changes[knob] != base.get(knob, LatencyKnobs.model_fields[knob].default):
-                        raise ValueError(
-                            f"shadow_latency {name!r} changes {knob}, which changes what the "
-                            "nodes are asked to do: only the model that routes can (set it "
-                            "under latency)"
-                        )
                 changes = {**base, **changes}
             shadows[name] = changes
         return {**data, "shadow_latency": shadows}

@@ -315,10 +315,7 @@ class DispatchLedger:
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
-                # admitted once its predicted wait is over: it keeps its slot (a request
-                # sent after it at a lower priority number goes before it only if not)
-                admitted = started or elapsed >= est.queue_ms
-                out.append(Work(prefill, steps, started, prompt, shared, est.priority, admitted))
+                out.append(Work(prefill, steps, started, prompt, shared))
         return out
 
     def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:
@@ -445,23 +442,19 @@ class Router:
         read as ``knobs`` say (the routing model's, or a shadow's own)."""
         client_region = profile.client_region or self.config.default_region
         seen = self.ledger.in_flight_at(node.id, node.timestamp)
-        cached = view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE
-        # only read where it counts: a node with a prefix cache, a knob that uses it
-        shared = (
-            self.ledger.shared_prefix(node.id, profile.reusable_hashes)
-            if node.prefix_cache and (knobs.in_hand_prefix or knobs.prefix_priority)
-            else None
-        )
         return model.estimate(
             node,
             prompt_tokens=profile.prompt_tokens,
-            cached_tokens=cached,
+            cached_tokens=view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE,
             expected_output_tokens=profile.expected_output_on(node.kind),
             rtt_ms=self.regions.rtt_ms(client_region, node.region),
             # what other gateways sent it: its own counts beyond ours it had seen
             extra_inflight=max(0, node.running + node.waiting - seen),
             ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
-            shared_prefix=shared if knobs.in_hand_prefix else None,
+            # only read where it counts: a node with a prefix cache, the knob on
+            shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
+            if node.prefix_cache and knobs.in_hand_prefix
+            else None,
             arrivals=self.ledger.arrivals(
                 node.id,
                 now,
@@ -471,7 +464,6 @@ class Router:
             )
             if knobs.future_arrivals
             else None,
-            priority=model.admission_priority(node, cached, shared),
         )
 
     def decide(

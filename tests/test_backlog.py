@@ -67,8 +67,6 @@ def works(draw: st.DrawFn) -> list[Work]:
         if i and draw(st.booleans()):
             source = draw(st.integers(0, i - 1))
             w = replace(w, shared=SharedPrefix(source, draw(st.sampled_from([16.0, 90.0, 800.0]))))
-        if draw(st.integers(0, 4)) == 0:  # sent at a lower priority number: admitted first
-            w = replace(w, priority=-1)
         out.append(w)
     return out
 
@@ -84,7 +82,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
 @given(
     ahead=works(),
     new_source=st.sampled_from([None, 0, 5]),
-    new_priority=st.sampled_from([0, -1]),
     cached_ms=st.sampled_from([0.0, 0.1]),
     new=st.builds(
         Work,
@@ -103,7 +100,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
     new_source: int | None,
-    new_priority: int,
     cached_ms: float,
     new: Work,
     slots: int,
@@ -126,7 +122,7 @@ def test_replay_equals_the_literal_loop(
         decode_ms_per_context_token=per_context,
         cached_token_ms=cached_ms,
     )
-    new = replace(_sharing(new, ahead, new_source), priority=new_priority)
+    new = _sharing(new, ahead, new_source)
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
@@ -325,22 +321,3 @@ def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():
     chain = [Work(200, 0), Work(200, 0, shared=SharedPrefix(0, 160))]
     assert replay(one_slot, chain, Work(10, 0)).first_token_ms == 200.0 + 40.0 + 10.0
     assert replay(one_slot, [Work(200, 0), Work(200, 0)], Work(10, 0)).first_token_ms == 410.0
-
-
-def test_a_waiting_request_of_a_lower_priority_number_takes_the_next_free_slot():
-    """Both engines admit by priority, then arrival: a request sent at priority -1 goes before
-    the requests waiting at 0, never before what is already in a slot."""
-    one_slot = replace(SHAPE, slots=1)
-    ahead = [Work(0, 3), Work(100, 0), Work(100, 0)]  # one decoding, two waiting
-    fifo = replay(one_slot, ahead, Work(10, 0))
-    first = replay(one_slot, ahead, Work(10, 0, priority=-1))
-    # the decoding one keeps its slot (3 steps, 30 ms); then the new one, not the two queued
-    assert (first.queue_ms, first.first_token_ms) == (30.0, 40.0)
-    assert (fifo.queue_ms, fifo.first_token_ms) == (230.0, 240.0)
-    # a request in hand at -1 goes before the new one at 0, not before one decoding
-    cut = replay(one_slot, [Work(0, 3), Work(100, 0), Work(100, 0, priority=-1)], Work(10, 0))
-    assert cut.queue_ms == 230.0 and cut == replay_literal(
-        one_slot, [Work(0, 3), Work(100, 0), Work(100, 0, priority=-1)], Work(10, 0)
-    )
-    started = [Work(50, 0, started=True), Work(100, 0)]
-    assert replay(one_slot, started, Work(10, 0, priority=-1)).queue_ms == 50.0

@@ -378,14 +378,6 @@ def test_a_shadow_name_must_fit_a_header_and_a_label():
         PolicyConfig.model_validate({"shadow_latency": {"Half-Credit": {}}})
     with pytest.raises(ValueError, match="extra"):
         PolicyConfig.model_validate({"shadow_latency": {"x": {"no_such_knob": 1}}})
-    # what nodes are asked to do is the routing model's alone
-    with pytest.raises(ValueError, match="prefix_priority"):
-        PolicyConfig.model_validate({"shadow_latency": {"x": {"prefix_priority": True}}})
-    same = {
-        "latency": {"prefix_priority": True},
-        "shadow_latency": {"x": {"prefix_priority": True}},
-    }
-    assert PolicyConfig.model_validate(same).shadow_latency["x"].prefix_priority
 
 
 def test_hot_reloaded_config_changes_the_policy_and_keeps_learning(tmp_path):
@@ -749,40 +741,3 @@ def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     assert shared("edge-eu", list(range(30))) == SharedPrefix(1, 30.0 * BLOCK_SIZE)
     assert shared("edge-eu", [1007, 1008, 1010]) == SharedPrefix(0, 2.0 * BLOCK_SIZE)
     assert shared("edge-eu", [5000]) is None
-
-
-def test_prefix_priority_sends_a_prefix_reuser_ahead_of_the_queue_and_replays_it_so():
-    """With ``prefix_priority`` a request that reuses 4+ blocks of a node's prefix cache (the
-    index's credit, or a request in hand sharing them) goes at priority -1: the replay admits
-    it at the next free slot, ahead of the requests waiting at 0, and the ledger keeps its
-    priority for the requests after it. Without the knob, a node without a prefix cache or a
-    shorter reuse: 0, first come, first served."""
-    slot = edge(max_batch=1, prefix_cache=True)
-
-    def queued(node: NodeState, **knobs) -> tuple[Router, FleetView]:
-        r = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs)),
-                   clock=lambda: NOW)  # fmt: skip
-        for i in range(3):  # one in the slot, two waiting: unrelated long prompts
-            p = profile(600, block_hashes=[5000 + 100 * i + b for b in range(37)])
-            r.begin(r.decide(p, view(node)), profile=p)
-        return r, view(node, prefix={node.id: 40})  # the index holds the reuser's 40 blocks
-
-    reuser = profile(700)  # its first 40 blocks are in the node's cache
-    r, fleet = queued(slot, prefix_priority=True)
-    jumped = r.decide(reuser, fleet)
-    assert jumped.estimate.priority == -1
-    plain_r, plain_fleet = queued(slot)
-    plain = plain_r.decide(reuser, plain_fleet)
-    assert plain.estimate.priority == 0
-    # it waits for the request in the slot only, not for the two queued behind it (alike)
-    assert jumped.estimate.queue_ms > 0
-    assert plain.estimate.queue_ms == pytest.approx(3 * jumped.estimate.queue_ms, rel=0.02)
-    r.begin(jumped, profile=reuser)
-    assert [w.priority for w in r.ledger.work("edge-eu", NOW)] == [0, 0, 0, -1]
-    # a short reuse, or a node without a prefix cache, keeps the queue's order
-    short = r.decide(
-        profile(100, block_hashes=[7000 + b for b in range(6)]), view(slot, prefix={slot.id: 3})
-    )
-    assert short.estimate.priority == 0
-    nocache, nofleet = queued(edge(max_batch=1), prefix_priority=True)
-    assert nocache.decide(reuser, nofleet).estimate.priority == 0

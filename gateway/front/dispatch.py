@@ -39,12 +39,7 @@ from gateway.errors import APIError, too_many_requests
 from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.metrics import GatewayMetrics
-from gateway.node_headers import (
-    HEADERS_AT_FIRST_TOKEN,
-    PRIORITY_HEADER,
-    node_ttft_ms,
-    node_wait_ms,
-)
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, node_ttft_ms, node_wait_ms
 from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_headers
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
@@ -136,13 +131,6 @@ class Plan:
         if self.resume:
             h[TOKEN_IDS_HEADER] = "1"
         return h
-
-
-def priority_headers(cand: Candidate) -> dict[str, str]:
-    """What a node is told beyond the plan's headers: the priority the router gave the request
-    there (``latency.prefix_priority``), where not the default 0."""
-    p = cand.estimate.priority
-    return {PRIORITY_HEADER: str(p)} if p else {}
 
 
 @dataclass(slots=True, eq=False)
@@ -315,7 +303,6 @@ class Dispatch:
             on_failure=self.fail,
             on_dispatch=dispatched,
             is_allowed=lambda n: n not in deps.breakers.open_nodes(),
-            node_headers=lambda n: priority_headers(by_id[n]),
         )
         self.upstream = opened.response
         for node_id in [n for n in self._legs if n != opened.node_id]:

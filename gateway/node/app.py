@@ -20,17 +20,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
-from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
-from gateway.node_headers import (
-    HEADERS_AT_FIRST_TOKEN,
-    NODE_TTFT_HEADER,
-    PREFILL_MS_HEADER,
-    PRIORITY_HEADER,
-    PRIORITY_RANGE,
-)
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, NODE_TTFT_HEADER, PREFILL_MS_HEADER
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
 from gateway.sse import sse_event
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
@@ -74,24 +68,6 @@ def _chunk(
         "model": prep.model,
         "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}],
     }
-
-
-def admission_priority(header: str | None) -> int:
-    """The priority the gateway asked for (:data:`PRIORITY_HEADER`): 0 when absent; a 400 when
-    not an integer in :data:`PRIORITY_RANGE`."""
-    if header is None:
-        return 0
-    try:
-        value = int(header)
-    except ValueError:
-        value = PRIORITY_RANGE.start - 1
-    if value not in PRIORITY_RANGE:
-        raise bad_request(
-            f"{PRIORITY_HEADER} must be an integer from {PRIORITY_RANGE.start} to "
-            f"{PRIORITY_RANGE.stop - 1}, got {header!r}",
-            code="invalid_priority",
-        )
-    return value
 
 
 def create_node_app(
@@ -144,7 +120,6 @@ def create_node_app(
 
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
         t0 = time.perf_counter()
-        prep.gen.priority = admission_priority(request.headers.get(PRIORITY_HEADER))
         with_ids = stream and request.headers.get(TOKEN_IDS_HEADER) == "1"
         deltas = service.run(prep, with_ids=with_ids)
         if stream:
