@@ -239,6 +239,9 @@ VARIANTS = {
     "  arrival_work: median\n  arrival_weight: 1.0\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
+    # a request in flight past its expected length has as many tokens again left (to its cap)
+    "as_long_again": "latency:\n  past_expected: as_long_again\n",
+    "as_long_again_late_half": "latency:\n  past_expected: as_long_again\n  overrun_left: 0.5\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {
