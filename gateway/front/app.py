@@ -7,7 +7,6 @@ the admin routes (``/admin/nodes``, ``/admin/policy``) behind the admin key.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -39,6 +38,7 @@ from gateway.front.openapi import (
     PolicyView,
     install_docs,
 )
+from gateway.gc_tuning import tune_gc
 from gateway.metrics import metrics_response
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
 from routing.fleet.store import FleetStore
@@ -52,22 +52,6 @@ _GENERIC_5XX = {
     "tokenizer_unavailable": "The model's tokenizer cannot be fetched right now; please retry.",
     "upstream_error": "The node failed while answering; please retry.",
 }
-
-
-def tune_gc(young_threshold: int = 10_000) -> None:
-    """Keep the cyclic garbage collector off the request path.
-
-    What exists once the gateway has started (modules, tokenizers, schemas, routes) lives as
-    long as the process: frozen, full collections no longer walk it (unfrozen, each one took
-    tens of ms here, a latency spike every few thousand requests). A request's objects are freed
-    by reference counting; a larger young generation makes the collector run less often for the
-    few that form cycles.
-    """
-    gc.collect()
-    gc.freeze()
-    threshold = gc.get_threshold()
-    if threshold[0] and threshold[0] < young_threshold:
-        gc.set_threshold(young_threshold, *threshold[1:])
 
 
 # a hot route: (request, read the body) -> response

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from gateway import gc_tuning
 from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, install_error_handlers
@@ -71,10 +72,15 @@ def _chunk(
 
 
 def create_node_app(
-    service: NodeService, store: FleetStore | None = None, node_token: str | None = None
+    service: NodeService,
+    store: FleetStore | None = None,
+    node_token: str | None = None,
+    tune_gc: bool = False,
 ) -> FastAPI:
     """The Node API over ``service``; with ``node_token``, every route but ``GET /health``
-    answers 401 without it (:class:`gateway.auth.NodeTokenMiddleware`)."""
+    answers 401 without it (:class:`gateway.auth.NodeTokenMiddleware`); with ``tune_gc``
+    (a node process of its own), what exists once the engine has started is frozen
+    (:mod:`gateway.gc_tuning`)."""
     publisher: StatePublisher | None = None
     feed: BlockFeed | None = None
 
@@ -88,6 +94,8 @@ def create_node_app(
         if store is not None:
             publisher = StatePublisher(service, store, feed)
             await publisher.start()
+        if tune_gc:
+            gc_tuning.tune_gc()
         try:
             yield
         finally:

@@ -76,7 +76,7 @@ def serve_node(
     service = build_service(
         engine, model, region=region, host=host, port=port, node_id=node_id, public_url=public_url
     )
-    app = create_node_app(service, make_store(redis_url), node_token=node_token)
+    app = create_node_app(service, make_store(redis_url), node_token=node_token, tune_gc=True)
     log.info(
         "node %s (%s) serving %s on %s",
         service.config.node_id,
