@@ -242,8 +242,10 @@ VARIANTS = {
     # a request in flight past its expected length has as many tokens again left (to its cap)
     "as_long_again": "latency:\n  past_expected: as_long_again\n",
     "as_long_again_late_half": "latency:\n  past_expected: as_long_again\n  overrun_left: 0.5\n",
-    # the two that erred less as shadows over twelve rounds (seeds 50, 70, 80)
+    # the two that erred less as shadows over twelve rounds (seeds 50, 70, 80): the default
+    # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
+    "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {

@@ -158,14 +158,15 @@ class LatencyKnobs(BaseModel):
         default=24, ge=1, description="steps a node's step cost must be fitted over to be used"
     )
     overrun_left: float = Field(
-        default=0.0,
+        default=0.5,
         ge=0,
         le=1,
         description="share of its prefill work or decode steps a request in flight is taken to "
         "have left once it is late against its prediction (no first token, or not finished): "
-        "how far along it is is not known; 0: as good as done, one decode step left (over two "
-        "paired prediction_error runs on the embedded default, 0 erred less than 0.5, the mean "
-        "of a uniform guess: docs/benchmarks.md)",
+        "how far along it is is not known; 0.5, the mean of a uniform guess; 0: as good as "
+        "done, one decode step left (0 erred less over two paired runs once; as a shadow model "
+        "over twelve rounds 0.5 erred less, and with in_hand_prefix off it met 11 goal cells "
+        "against 8 routing by it: docs/benchmarks.md)",
     )
     past_expected: Literal["one_step", "as_long_again"] = Field(
         default="one_step",
@@ -236,13 +237,15 @@ class LatencyKnobs(BaseModel):
         "taken over (future_arrivals)",
     )
     in_hand_prefix: bool = Field(
-        default=True,
+        default=False,
         description="on a node with a prefix cache, a request whose leading blocks an earlier "
         "request in hand computes too is replayed computing only the rest when it takes a "
         "slot after that one's prefill (both engines hand a running request's written blocks "
-        "to the next); off, each computes what the prefix index credited it at dispatch "
-        "(a burst of one app's prompts on the edge was predicted seconds of prefill ahead "
-        "that the node took from the first one's blocks)",
+        "to the next); off, each computes what the prefix index credited it at dispatch. On "
+        "once (a burst of one app's prompts on the edge was predicted seconds of prefill ahead "
+        "that the node took from the first one's blocks); as a shadow model over twelve "
+        "rounds it erred more at concurrency 16 than off (the edge's admission by prefix "
+        "takes a sharer out of order, which the replay does not see): docs/benchmarks.md",
     )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"

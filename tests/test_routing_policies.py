@@ -715,7 +715,7 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
         return first.estimate, second.estimate, later.predicted_ttft_ms
 
     slot = edge(max_batch=1, prefix_cache=True)
-    first, second, later = two_then_one(slot)
+    first, second, later = two_then_one(slot, in_hand_prefix=True)
     assert first.reused_tokens == 0.0 and first.prefill_work_tokens == 800.0
     assert second.reused_tokens == 49 * BLOCK_SIZE
     assert second.prefill_work_tokens == 800.0 - 49 * BLOCK_SIZE
@@ -725,7 +725,7 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
         # the later request waits for the second's whole prompt: 784 tokens at 500/s more
         assert cold[2] - later == pytest.approx(784 / 500 * 1000, rel=0.05)
     # two slots: the second starts beside the first, before its blocks exist, and computes them
-    _, beside, _ = two_then_one(edge(max_batch=2, prefix_cache=True))
+    _, beside, _ = two_then_one(edge(max_batch=2, prefix_cache=True), in_hand_prefix=True)
     assert beside.reused_tokens == 0.0
 
 
