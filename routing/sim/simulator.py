@@ -59,7 +59,12 @@ class BlindLedger(DispatchLedger):
         return 0
 
     def work(
-        self, node_id: str, now: float, overrun_left: float = 0.0, progress: bool = True
+        self,
+        node_id: str,
+        now: float,
+        overrun_left: float = 0.0,
+        progress: bool = True,
+        past_expected: str = "one_step",
     ) -> list[Work]:
         return []
 
