@@ -58,14 +58,9 @@ class BlindLedger(DispatchLedger):
     def since(self, node_id: str, t: float) -> int:
         return 0
 
-    def work(
-        self,
-        node_id: str,
-        now: float,
-        overrun_left: float = 0.0,
-        progress: bool = True,
-        past_expected: str = "one_step",
-    ) -> list[Work]:
+    def work(self, node_id: str, now: float, *args: object, **kwargs: object) -> list[Work]:
+        """Nothing in hand, however read (the signature accepts every call of the ledger's
+        own, so that a new way of reading it cannot break the blind one)."""
         return []
 
     def arrivals(self, *args: object, **kwargs: object) -> Arrivals | None:
