@@ -239,9 +239,6 @@ VARIANTS = {
     "  arrival_work: median\n  arrival_weight: 1.0\n",
     # the delay its prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
-    # a request in flight past its expected length has as many tokens again left (to its cap)
-    "as_long_again": "latency:\n  past_expected: as_long_again\n",
-    "as_long_again_late_half": "latency:\n  past_expected: as_long_again\n  overrun_left: 0.5\n",
     # the two that erred less as shadows over twelve rounds (seeds 50, 70, 80): the default
     # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",

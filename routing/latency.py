@@ -168,15 +168,6 @@ class LatencyKnobs(BaseModel):
         "over twelve rounds 0.5 erred less, and with in_hand_prefix off, routing by it over "
         "twelve paired rounds, every p90 was as good or better: docs/benchmarks.md)",
     )
-    past_expected: Literal["one_step", "as_long_again"] = Field(
-        default="one_step",
-        description="what a request in flight that has decoded its expected output (a "
-        "stream's tokens relayed, else the time since its first token) and not finished is "
-        "taken to have left: one_step (as good as done), or as_long_again: as many tokens as "
-        "it has decoded, up to its max_tokens (the mean of a heavy-tailed length given it ran "
-        "that far; a summary the edge ends at once or runs to its cap of 16 is expected at 2-3 "
-        "tokens, so the queue behind it waited for 13 unpredicted ones)",
-    )
     stream_progress: bool = Field(
         default=True,
         description="a stream in flight is as far along as the tokens the gateway has relayed "

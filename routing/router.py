@@ -28,7 +28,6 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -89,7 +88,6 @@ class _InFlight:
     first_token_at: float | None = None
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
     hashes: Sequence[int] = ()  # its prompt's leading block hashes, as far as a node reuses
-    max_tokens: float = math.inf  # its cap on completion tokens
 
 
 def _holders(entries: Iterable[_InFlight]) -> dict[int, int]:
@@ -139,13 +137,10 @@ class DispatchLedger:
         estimate: Estimate | None = None,
         output_tokens: float = 0.0,
         hashes: Sequence[int] = (),
-        max_tokens: float = math.inf,
     ) -> None:
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
         if estimate is not None:
-            self._entries[ticket_id] = _InFlight(
-                at, estimate, output_tokens, hashes=hashes, max_tokens=max_tokens
-            )
+            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens, hashes=hashes)
             work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
             sent.append((at, work, max(0.0, output_tokens - 1.0), float(estimate.prompt_tokens)))
@@ -269,12 +264,7 @@ class DispatchLedger:
         return len(items) - bisect.bisect_right(items, (t, float("inf")))
 
     def work(
-        self,
-        node_id: str,
-        now: float,
-        overrun_left: float = 0.0,
-        progress: bool = True,
-        past_expected: str = "one_step",
+        self, node_id: str, now: float, overrun_left: float = 0.0, progress: bool = True
     ) -> list[Work]:
         """What each request in flight on the node still has to do, oldest first, as far as
         its prediction and what was seen of it (its first token) tell; its context is its
@@ -285,8 +275,7 @@ class DispatchLedger:
         prompt left at least: its last chunk); one not finished is still decoding, however
         late. How far along a late one is, is not known:
         ``overrun_left`` of its prefill work or its decode steps is taken as left (at least one
-        step; ``latency.overrun_left``); with ``past_expected`` ``as_long_again`` one that has
-        decoded its expected steps has as many again left, up to its cap."""
+        step; ``latency.overrun_left``)."""
         out: list[Work] = []
         held: dict[int, int] = {}  # block hash -> the first request in hand with it
         for _, ticket_id in self._times.get(node_id, ()):
@@ -305,14 +294,9 @@ class DispatchLedger:
             if e.first_token_at is not None:
                 since_first = (now - e.first_token_at) * 1000.0
                 done = since_first / max(est.decode_ms_per_token, 1e-3)
-                streamed = e.tokens_seen and progress
-                if streamed:  # a stream: the tokens relayed after its first, and one more at most
-                    done = min(max(done, e.tokens_seen - 1.0), float(e.tokens_seen))
-                if past_expected == "as_long_again" and steps and done >= steps:
-                    # it decoded what was expected and goes on: as far again, up to its cap
-                    steps = max(steps, min(e.max_tokens - 1.0, 2.0 * done + 1.0))
-                if streamed:
-                    done = min(done, steps)
+                if e.tokens_seen and progress:
+                    # a stream: the tokens relayed after its first, and one more at most
+                    done = min(max(done, e.tokens_seen - 1.0), float(e.tokens_seen), steps)
                 elif done >= steps:  # past its predicted last token, not finished: still at it
                     done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
@@ -466,9 +450,7 @@ class Router:
             rtt_ms=self.regions.rtt_ms(client_region, node.region),
             # what other gateways sent it: its own counts beyond ours it had seen
             extra_inflight=max(0, node.running + node.waiting - seen),
-            ahead=self.ledger.work(
-                node.id, now, knobs.overrun_left, knobs.stream_progress, knobs.past_expected
-            ),
+            ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
             # only read where it counts: a node with a prefix cache, the knob on
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
             if node.prefix_cache and knobs.in_hand_prefix
@@ -527,10 +509,7 @@ class Router:
         )
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         hashes = profile.reusable_hashes if profile is not None else ()
-        cap = float(profile.max_tokens) if profile is not None and profile.max_tokens else math.inf
-        self.ledger.add(
-            cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out, hashes, cap
-        )
+        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out, hashes)
         return ticket
 
     def first_token(self, ticket: Ticket) -> None:

@@ -741,27 +741,3 @@ def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     assert shared("edge-eu", list(range(30))) == SharedPrefix(1, 30.0 * BLOCK_SIZE)
     assert shared("edge-eu", [1007, 1008, 1010]) == SharedPrefix(0, 2.0 * BLOCK_SIZE)
     assert shared("edge-eu", [5000]) is None
-
-
-def test_a_request_past_its_expected_length_has_as_many_again_left_up_to_its_cap():
-    """``past_expected``: a stream in hand that has relayed more tokens than its expected
-    output is taken to be as good as done (one step left), or with ``as_long_again`` to have
-    as many again left, up to its ``max_tokens``; one still short of it keeps its own steps."""
-    clock = [NOW]
-    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: clock[0])
-    fleet = view(edge())
-    p = profile(40, out=3, max_tokens=16, stream=True)
-    ticket = r.begin(r.decide(p, fleet), profile=p)
-    clock[0] += 0.5
-    r.first_token(ticket)
-    r.progress(ticket, 2)  # 1 step done of the 2 expected after the first token
-    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 1.0
-    assert r.ledger.work("edge-eu", clock[0], past_expected="as_long_again")[0].decode_steps == 1.0
-    r.progress(ticket, 5)  # 4 steps done: past the expected 2
-    assert r.ledger.work("edge-eu", clock[0])[0].decode_steps == 1.0
-    longer = r.ledger.work("edge-eu", clock[0], past_expected="as_long_again")[0]
-    assert longer.decode_steps == 5.0  # 9 steps in all (as many again and its own)
-    assert longer.context == 40 + 1 + 4  # its prompt, its first token and the 4 after it
-    r.progress(ticket, 12)  # 11 done: twice that is past its cap of 16 tokens (15 steps)
-    capped = r.ledger.work("edge-eu", clock[0], past_expected="as_long_again")[0]
-    assert capped.decode_steps == 15.0 - 11.0
