@@ -401,6 +401,25 @@ def with_shadows(samples: list[Sample]) -> list[Sample]:
     return samples + extra
 
 
+def parse_names(spec: str) -> dict[str, list[str]]:
+    """``OLD=NEW,OLD2=NEW2+NEW3`` as old name -> its new names."""
+    out: dict[str, list[str]] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        old, _, new = part.partition("=")
+        out[old] = new.split("+")
+    return out
+
+
+def renamed(samples: list[Sample], names: dict[str, list[str]] | None) -> list[Sample]:
+    """``samples`` with each shadow's predictions a variant of its own (``with_shadows``),
+    under the ``names`` given (one copy per new name, the variants not named left out); all
+    of them with ``names`` None."""
+    flat = [replace(s, shadow={}) for s in with_shadows(samples)]
+    if names is None:
+        return flat
+    return [replace(s, variant=n) for s in flat for n in names.get(s.variant, ())]
+
+
 def shadow_policy(arm: str, shadows: list[str]) -> str:
     """The policy file of ``arm`` (its own variant's, else the default's) with ``shadows``
     as shadow latency models (each a ``latency``-only variant of :data:`VARIANTS`)."""
@@ -698,9 +717,25 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: summarize the samples of these earlier runs together, per variant "
         "(a p90 over 48 requests is their 5th largest error; pooled runs pin it better)",
     )
+    ap.add_argument(
+        "--as",
+        dest="names",
+        nargs="+",
+        default=None,
+        metavar="OLD=NEW,...",
+        help="with --pool, one renaming for each JSON, so that arms of runs that named them "
+        "otherwise pool together: each variant (a shadow's too, ARM~NAME) named gets the new "
+        "name (NEW+NEW2: counted under both), the rest are left out",
+    )
     args = ap.parse_args(argv)
+    if args.names is not None and (not args.pool or len(args.names) != len(args.pool)):
+        ap.error("--as takes one renaming for each --pool JSON")
     if args.pool:
-        pooled = [Sample(**x) for f in args.pool for x in json.loads(f.read_text())["samples"]]
+        pooled: list[Sample] = []
+        for i, f in enumerate(args.pool):
+            samples = [Sample(**x) for x in json.loads(f.read_text())["samples"]]
+            names = None if args.names is None else parse_names(args.names[i])
+            pooled += renamed(samples, names)
         rows = [r for r in summarize(pooled) if r["tier"] == "all"]
         print(table(rows, [*COLUMNS[:8], "not_200"]))
         for variant, met in goal_cells_met(rows).items():
