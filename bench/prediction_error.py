@@ -243,6 +243,8 @@ VARIANTS = {
     # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
     "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
+    # the edge's kept prefix lost once every slot is taken ahead (``latency.perishable_prefix``)
+    "perishable_prefix": "latency:\n  perishable_prefix: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {

@@ -307,6 +307,7 @@ class EdgeEngine:
                 0.0,
                 0.0,
                 prefix_cache=cfg.prefix_reuse,
+                prefix_store="slots",
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
             )
@@ -322,6 +323,7 @@ class EdgeEngine:
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
             prefix_cache=cfg.prefix_reuse,
+            prefix_store="slots",
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
             prefill_chunk_every=snap.prefill_chunk_every,

@@ -238,6 +238,17 @@ class LatencyKnobs(BaseModel):
         "rounds it erred more at concurrency 16 than off (the edge's admission by prefix "
         "takes a sharer out of order, which the replay does not see): docs/benchmarks.md",
     )
+    perishable_prefix: bool = Field(
+        default=False,
+        description="on a node that keeps prefixes in the slots of finished requests (the "
+        "edge: NodeState.prefix_store 'slots'), a request that finds every slot taken by "
+        "requests in hand is credited none of the prefix the index says the node holds: the "
+        "free slot that kept it goes to one of them first; only the leading blocks a request "
+        "in hand shares with it are taken from that one once its prefill is done (off: the "
+        "index's credit stands, and a burst of other prompts on the edge made shared prompts "
+        "credited 1,136 tokens compute them cold, 2-3 s each, and the requests behind them "
+        "wait seconds unforeseen)",
+    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -348,6 +359,9 @@ class Estimate:
     # prefill work it was predicted to take from an earlier request's prefix (not in
     # ``prefill_work_tokens``, which it computes; see ``routing.backlog.SharedPrefix``)
     reused_tokens: float = 0.0
+    # prefix tokens the index credited that were taken as lost before it gets a slot
+    # (``LatencyKnobs.perishable_prefix``; not in ``cached_tokens``)
+    perished_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -974,6 +988,18 @@ class LatencyModel:
             half = 0.5 * self.mean_output_tokens(node.id)
             typical = Work(0.0, half, context=self.mean_prompt_tokens(node.id) + half)
             work = [typical] * unknown + work
+        perished = 0
+        if (
+            k.perishable_prefix
+            and node.prefix_store == "slots"
+            and cached > 0
+            and len(work) >= shape.slots
+        ):  # every slot goes to a request ahead: the free slot that kept the prefix with it
+            perished, cached = cached, 0
+            uncached = prompt_tokens
+            if shared_prefix is not None and ahead is not None:
+                took = shared_prefix.tokens if reuse else min(shared_prefix.tokens, perished)
+                shared = SharedPrefix(shared_prefix.source + unknown, took)
         out = max(1.0, expected_output_tokens)
         if node.kv_blocks_total > 0 and work:
             need = math.ceil((prompt_tokens + out) / BLOCK_SIZE) - cached // BLOCK_SIZE
@@ -1072,6 +1098,7 @@ class LatencyModel:
             extra_wait_ms=extra_wait,
             overhead_ms=overhead,
             reused_tokens=r.reused_tokens,
+            perished_tokens=perished,
         )
 
     # ---- learning ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyKnobs
-from routing.policies import NoRoute
+from routing.policies import Decision, NoRoute
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import RequestProfile
 from routing.router import Measured, Router
@@ -727,6 +727,47 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
     # two slots: the second starts beside the first, before its blocks exist, and computes them
     _, beside, _ = two_then_one(edge(max_batch=2, prefix_cache=True), in_hand_prefix=True)
     assert beside.reused_tokens == 0.0
+
+
+def test_a_kept_prefix_on_a_slot_node_is_lost_once_every_slot_is_taken_ahead():
+    """An edge keeps a finished request's prefix in its free slot: with every slot taken by
+    requests in hand that do not share it, the index's credit is taken as lost and the prompt
+    computed whole (``/v1/route`` says so); with a free slot left, or the knob off, or on a
+    node whose prefixes live in pages, the credit stands; a sharer in hand gives its blocks
+    once its prefill is done."""
+    knobs = LatencyKnobs(perishable_prefix=True)
+    shared = profile(800)  # 50 blocks; the engines reuse 49
+    credit = {"edge-eu": 50}
+
+    def after(others: int, node: NodeState, sharer: bool = False, **kw) -> Decision:
+        r = Router(PolicyConfig(policy="edge_first", latency=kw.get("latency", knobs)),
+                   clock=lambda: NOW)  # fmt: skip
+        fleet = view(node, prefix=credit)
+        for i in range(others):
+            p = profile(40, block_hashes=[5000 + 2 * i, 5001 + 2 * i])
+            r.begin(r.decide(p, view(node)), profile=p)
+        if sharer:
+            r.begin(r.decide(shared, fleet), profile=shared)
+        return r.decide(shared, fleet)
+
+    slot_edge = edge(prefix_cache=True, prefix_store="slots")  # 4 slots
+    lost = after(4, slot_edge)
+    assert (lost.estimate.cached_tokens, lost.estimate.perished_tokens) == (0, 49 * BLOCK_SIZE)
+    assert lost.estimate.uncached_tokens == 800 and lost.estimate.prefill_work_tokens == 800.0
+    assert "784 cached tokens taken as lost" in lost.detail
+    for kept in (
+        after(3, slot_edge),  # a free slot is left: the request takes the one keeping it
+        after(4, slot_edge, latency=LatencyKnobs()),  # the knob off
+        after(4, edge(prefix_cache=True)),  # pages: the prefix outlives the slots
+    ):
+        assert kept.estimate.cached_tokens == 49 * BLOCK_SIZE
+        assert kept.estimate.perished_tokens == 0
+        assert kept.predicted_ttft_ms < lost.predicted_ttft_ms - 1000  # 784 tokens at 500/s
+    # a request in hand that shares it (and took the kept slot) gives its blocks, once done
+    held = after(3, slot_edge, sharer=True)
+    assert held.estimate.perished_tokens == 49 * BLOCK_SIZE
+    assert held.estimate.reused_tokens == 49 * BLOCK_SIZE
+    assert held.estimate.prefill_work_tokens == 800.0 - 49 * BLOCK_SIZE
 
 
 def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
