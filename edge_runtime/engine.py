@@ -87,6 +87,8 @@ class EdgeEngineConfig:
     fewer of another free slot takes the free slot that widens the decoding slots' span least
     (a decode step runs every slot between the lowest and the highest busy one); off: the
     least recently freed (``edge_runtime.slot_cache.SlotCache.choose``);
+    ``keep_shared_slots``: with ``prefix_reuse``, a free slot keeping blocks that two requests
+    used (an app's system prompt) goes last to a request that would overwrite them;
     ``space_chunks``: where one 16-token block beside decoding answers takes longer than
     ``prefill_stall_ratio`` decode steps, a block runs only every so many steps, so the bound
     holds on average (``routing.prefill_budget.steps_per_chunk``; off: a block every step).
@@ -107,6 +109,7 @@ class EdgeEngineConfig:
     prefix_first: int = 4
     space_chunks: bool = False
     compact_slots: bool = True
+    keep_shared_slots: bool = False
 
 
 class EdgeEngine:
@@ -205,6 +208,7 @@ class EdgeEngine:
                 model_seed(self.model_id),
                 self.max_context - 1,
                 compact=cfg.compact_slots,
+                keep_shared=cfg.keep_shared_slots,
             )
         scheduler = SlotScheduler(
             decoder,
@@ -307,7 +311,6 @@ class EdgeEngine:
                 0.0,
                 0.0,
                 prefix_cache=cfg.prefix_reuse,
-                prefix_store="slots",
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
             )
@@ -323,7 +326,6 @@ class EdgeEngine:
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
             prefix_cache=cfg.prefix_reuse,
-            prefix_store="slots",
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
             prefill_chunk_every=snap.prefill_chunk_every,

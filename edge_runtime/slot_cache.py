@@ -24,6 +24,8 @@ Invariants (checked by :meth:`SlotCache.check_integrity`):
   dummy position at a free slot's kept length, so that position must lie past the kept KV and
   inside the context);
 - a busy slot keeps whole blocks only;
+- ``entry.shared <= len(entry.hashes)``: its leading blocks that two requests have used (one
+  reused or copied them from another), which ``keep_shared`` protects (:meth:`SlotCache.choose`);
 - ``_count`` is the multiset of all slots' hashes; the held hashes are its keys. A hash is
   reported *stored* when its count goes 0 -> 1 and *removed* when it goes 1 -> 0 (two slots may
   hold the same prefix, e.g. one system prompt); pending events are latest-wins per hash.
@@ -56,6 +58,7 @@ class SlotEntry:
     hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     busy: bool = False
     released: int = 0  # the cache's clock when the slot last became free (LRU order)
+    shared: int = 0  # leading blocks of ``hashes`` two requests have used (an app's prompt)
 
 
 class SlotCache:
@@ -68,11 +71,12 @@ class SlotCache:
         max_kept: int,
         block_size: int = BLOCK_SIZE,
         compact: bool = True,
+        keep_shared: bool = False,
     ) -> None:
         if max_kept < 0:
             raise ValueError("max_kept must be >= 0")
         self.seed, self.max_kept, self.block_size = seed, max_kept, block_size
-        self.compact = compact
+        self.compact, self.keep_shared = compact, keep_shared
         self.entries = [SlotEntry() for _ in range(slots)]
         self._count: dict[int, int] = {}
         self._clock = 0
@@ -144,7 +148,12 @@ class SlotCache:
         a decode step runs every slot from the lowest busy one to the highest
         (``edge_runtime.scheduler``), so a free slot inside that span costs nothing more per
         step, and one at the far end a whole row (on the 2-core CPU edge about 0.8 of a
-        one-row step, every step of every answer while it lasts)."""
+        one-row step, every step of every answer while it lasts).
+
+        With ``keep_shared``, before either, a slot whose shared blocks (``SlotEntry.shared``:
+        two requests used them, as an app's system prompt) the request would overwrite goes
+        last: one prompt of another app would otherwise take the only copy of a prefix that
+        its next user then computes cold (on the 2-core CPU edge 2-3 s for 1,136 tokens)."""
         if not free:
             raise ValueError("no free slot")
         matched = [(s, self.match(s, tokens, hashes, limit)) for s in free]
@@ -153,15 +162,16 @@ class SlotCache:
         best, best_key = free[0], None
         for s, n in matched:
             e = self.entries[s]
+            loses = self.keep_shared and e.shared > n
             if busy and n > most - PREFIX_FIRST_MIN_BLOCKS:
                 widen = max(busy[-1], s) - min(busy[0], s) - (busy[-1] - busy[0])
-                key = (0, widen, -n, bool(e.tokens), e.released, s)
+                key = (0, loses, widen, -n, bool(e.tokens), e.released, s)
             else:  # longest match first; then nothing to lose (empty), then least recently freed
-                key = (1 if busy else 0, 0, -n, bool(e.tokens), e.released, s)
+                key = (1 if busy else 0, loses, 0, -n, bool(e.tokens), e.released, s)
             if best_key is None or key < best_key:
                 best, best_key = s, key
         assert best_key is not None
-        return best, -best_key[2]
+        return best, -best_key[3]
 
     # --- slot life cycle -------------------------------------------------------------------------
 
@@ -177,6 +187,7 @@ class SlotCache:
         e.tokens = e.tokens[: blocks * self.block_size]
         e.hashes = e.hashes[:blocks]
         e.busy = True
+        e.shared = blocks  # its last request's and this one's
 
     def grow(self, slot: int, tokens: Sequence[int], hashes: Sequence[int]) -> None:
         """The request in busy ``slot`` has written the KV of ``tokens`` (its prompt so far;
@@ -206,6 +217,8 @@ class SlotCache:
         self._add(s.hashes[len(e.hashes) : blocks])
         e.tokens = s.tokens[: blocks * self.block_size]
         e.hashes = s.hashes[:blocks]
+        e.shared = blocks
+        s.shared = max(s.shared, blocks)
 
     def release(self, slot: int, tokens: Sequence[int], known: Sequence[int] = ()) -> None:
         """The request in ``slot`` ended with the KV of ``tokens`` written (its prompt and the
@@ -221,6 +234,7 @@ class SlotCache:
         self._add(new)  # before the drop: the reused leading blocks never leave the cache
         self._drop(e.hashes)
         e.tokens, e.hashes, e.busy = kept, new, False
+        e.shared = min(e.shared, len(new))
         self._clock += 1
         e.released = self._clock
 
@@ -229,7 +243,7 @@ class SlotCache:
         their contents unknown, or the engine stops); their hashes leave the cache."""
         for e in self.entries:
             self._drop(e.hashes)
-            e.tokens, e.hashes, e.busy = [], [], False
+            e.tokens, e.hashes, e.busy, e.shared = [], [], False, 0
 
     def kept_len(self, slot: int) -> int:
         """Positions of ``slot`` holding kept KV (a free slot's dummy decode row writes here)."""
@@ -275,7 +289,8 @@ class SlotCache:
 
     def check_integrity(self) -> None:
         """Raise :class:`IntegrityError` unless every entry's hashes are its tokens' block
-        hashes, free slots keep at most ``max_kept`` tokens, busy slots whole blocks, and the
+        hashes, free slots keep at most ``max_kept`` tokens, busy slots whole blocks, no more
+        shared blocks than blocks, and the
         hash counts are the multiset of all entries' hashes."""
         counts: dict[int, int] = {}
         for slot, e in enumerate(self.entries):
@@ -285,6 +300,8 @@ class SlotCache:
                 raise IntegrityError(f"slot {slot} keeps {len(e.tokens)} > {self.max_kept}")
             if e.busy and len(e.tokens) % self.block_size:
                 raise IntegrityError(f"busy slot {slot} keeps a partial block")
+            if not 0 <= e.shared <= len(e.hashes):
+                raise IntegrityError(f"slot {slot}: {e.shared} shared of {len(e.hashes)} blocks")
             for h in e.hashes:
                 counts[h] = counts.get(h, 0) + 1
         if counts != self._count:

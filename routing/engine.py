@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from routing.blocks import BlockEvents
-from routing.fleet.state import PrefixStore, StepCost
+from routing.fleet.state import StepCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,6 @@ class EngineStats:
     decode_ms_per_token: float  # EWMA, per sequence at the current batch
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
     prefix_cache: bool = False  # it reuses cached prefixes and reports them (PrefixCacheEngine)
-    prefix_store: PrefixStore = "pages"  # where its kept prefixes live (NodeState.prefix_store)
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel

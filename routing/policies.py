@@ -210,11 +210,6 @@ def _describe(c: Candidate) -> str:
         f"e2e {e.e2e_ms:.0f} ms at {e.decode_ms_per_token:.1f} ms/token, batch {e.batch}"
         + (f"; holds up others {e.stalled_others_ms:.0f} ms" if e.stalled_others_ms > 0 else "")
         + (
-            f"; {e.perished_tokens} cached tokens taken as lost (every slot taken ahead)"
-            if e.perished_tokens > 0
-            else ""
-        )
-        + (
             f"; {e.reused_tokens:.0f} tokens of prefill taken from a request in hand"
             if e.reused_tokens > 0
             else ""

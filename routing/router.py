@@ -453,7 +453,7 @@ class Router:
             ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
             # only read where it counts: a node with a prefix cache, the knob on
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
-            if node.prefix_cache and (knobs.in_hand_prefix or knobs.perishable_prefix)
+            if node.prefix_cache and knobs.in_hand_prefix
             else None,
             arrivals=self.ledger.arrivals(
                 node.id,

@@ -358,3 +358,38 @@ async def test_a_request_reusing_a_freed_slots_prefix_goes_first(
     finally:
         await warm.shutdown()
         await cold.shutdown()
+
+
+@pytest.mark.parametrize("keep_shared", [True, False])
+def test_a_slot_keeping_a_prefix_two_requests_used_goes_last(keep_shared: bool) -> None:
+    """Slot 0 keeps an app's prompt that a second request reused (shared blocks); slot 1 a
+    one-off chat freed later. A prompt of another app takes slot 1 with ``keep_shared``, and
+    the least recently freed slot 0, losing the app's prompt, without; a request of the app
+    still takes slot 0. A copy from a busy slot shares both slots' blocks."""
+    cache = SlotCache(slots=3, seed=model_seed("m"), max_kept=200, keep_shared=keep_shared)
+    app, chat = list(range(3, 3 + 64)), list(range(500, 540))
+    for s in (0, 1, 2):
+        cache.take(s, 0)
+    cache.release(0, [*app, 1, 2])
+    cache.release(2, [])
+    prompt = [*app, 9, 9]
+    hashes = cache.hashes(prompt)
+    assert cache.choose([0], prompt, hashes, limit=4) == (0, 4)
+    cache.take(0, 4)  # the app's second user reuses its four blocks
+    cache.release(0, [*prompt, 5])
+    cache.release(1, chat)
+    cache.check_integrity()
+    assert (cache.entries[0].shared, cache.entries[1].shared) == (4, 0)
+    other = [7] * 40
+    assert cache.choose([0, 1], other, cache.hashes(other), limit=2) == (
+        (1, 0) if keep_shared else (0, 0)
+    )
+    assert cache.choose([0, 1], prompt, hashes, limit=4) == (0, 4)
+    # a copy out of a busy slot: the source's blocks are shared too, the copy's are
+    fresh = list(range(900, 948))
+    cache.take(1, 0)
+    cache.grow(1, fresh, cache.hashes(fresh))
+    cache.take(2, 0)
+    cache.adopt(2, 1, 2)
+    assert (cache.entries[1].shared, cache.entries[2].shared) == (2, 2)
+    cache.check_integrity()

@@ -17,7 +17,8 @@ from routing.model_store import DEFAULT_MODEL
 VARIANTS = ("fp32", "int8", "int4")  # edge_runtime.export's (not imported: it loads onnx)
 INT8_METHODS = ("blockwise", "per_tensor")  # edge_runtime.quantize's
 INT8_METHOD_ENV = "EDGECLOUD_INT8_METHOD"
-SLOT_ORDERS = ("compact", "lru")  # edge_runtime.slot_cache.SlotCache(compact=...)
+# edge_runtime.slot_cache.SlotCache(compact=..., keep_shared=...)
+SLOT_ORDERS = ("compact", "lru", "shared")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -140,7 +141,9 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         default="compact",
         help="the free slot a request takes when no slot holds several more of its blocks: "
         "the one that widens the busy slots' span least, since a decode step runs every slot "
-        "between them (compact, the default), or the least recently freed (lru)",
+        "between them (compact, the default), or the least recently freed (lru), or as "
+        "compact but a slot keeping blocks two requests used (an app's system prompt) last "
+        "(shared)",
     )
     s.add_argument(
         "--prefix-first",
@@ -180,7 +183,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         huge_pages=args.huge_pages,
         prefill_stall_ratio=args.prefill_stall_ratio,
         prefix_first=args.prefix_first,
-        compact_slots=args.slot_order == "compact",
+        compact_slots=args.slot_order in ("compact", "shared"),
+        keep_shared_slots=args.slot_order == "shared",
         space_chunks=args.space_chunks,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)

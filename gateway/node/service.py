@@ -255,7 +255,6 @@ class NodeService:
             decode_ms_per_token=s.decode_ms_per_token,
             prefix_hit_rate=s.prefix_hit_rate,
             prefix_cache=s.prefix_cache,
-            prefix_store=s.prefix_store,
             tp=s.tp,
             pp=s.pp,
             devices=list(s.devices),

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-PrefixStore = Literal["pages", "slots"]
 
 SCHEMA_VERSION = 1
 
@@ -71,11 +68,6 @@ class NodeState(BaseModel):
     decode_ms_per_token: float = 0.0  # EWMA from the node's own timings
     prefix_hit_rate: float = 0.0
     prefix_cache: bool = False  # it keeps a prefix cache and publishes its block events
-    # where its kept prefixes live: "pages", a pool apart from the running requests (the cloud
-    # engine: a prefix stays until the pool needs its pages); "slots", in the slots of finished
-    # requests (the edge engine: a prefix is lost when a request that does not share it takes
-    # its slot, so with every slot taken only a running request sharing it still holds it)
-    prefix_store: PrefixStore = "pages"
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)

@@ -269,7 +269,6 @@ class Simulator:
             device=n.device,  # type: ignore[attr-defined]
             max_batch=n.slots,
             prefix_cache=n.id in self.prefix_nodes,
-            prefix_store="slots" if n.kind == "edge" else "pages",
             timestamp=0.0,
         )
 
