@@ -243,8 +243,8 @@ VARIANTS = {
     # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
     "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
-    # the edge's kept prefix lost once every slot is taken ahead (``latency.perishable_prefix``)
-    "perishable_prefix": "latency:\n  perishable_prefix: true\n",
+    # a prompt sent just after others to an idle node of mixed steps waits out their step
+    "idle_step_begun": "latency:\n  idle_step_begun: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {
@@ -269,6 +269,9 @@ SERVE_VARIANTS = {
     # the edge's free slot the least recently freed (the default before 2026-12-05: compact,
     # the one that widens the decoding slots' span least)
     "slot_lru": ["--edge-slot-order", "lru"],
+    # as compact, but a free slot keeping blocks two requests used (an app's system prompt)
+    # goes last to a request that would overwrite them
+    "slot_shared": ["--edge-slot-order", "shared"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
     # 64 was the CPU default before 2026-12-03)
     "cloud_rows8": ["--cloud-max-running", "8"],

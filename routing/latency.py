@@ -238,16 +238,15 @@ class LatencyKnobs(BaseModel):
         "rounds it erred more at concurrency 16 than off (the edge's admission by prefix "
         "takes a sharer out of order, which the replay does not see): docs/benchmarks.md",
     )
-    perishable_prefix: bool = Field(
+    idle_step_begun: bool = Field(
         default=False,
-        description="on a node that keeps prefixes in the slots of finished requests (the "
-        "edge: NodeState.prefix_store 'slots'), a request that finds every slot taken by "
-        "requests in hand is credited none of the prefix the index says the node holds: the "
-        "free slot that kept it goes to one of them first; only the leading blocks a request "
-        "in hand shares with it are taken from that one once its prefill is done (off: the "
-        "index's credit stands, and a burst of other prompts on the edge made shared prompts "
-        "credited 1,136 tokens compute them cold, 2-3 s each, and the requests behind them "
-        "wait seconds unforeseen)",
+        description="on a node of mixed steps (the cloud engine) idle but for prompts this "
+        "gateway sent it and that have not started (every request in hand such a prompt), the "
+        "first of them begins a step on arriving, before the new request arrives: the new "
+        "prompt joins from the next step and waits that one whole, not half a step in flight "
+        "(off: it shares their first step; in a burst at concurrency 16 on the embedded "
+        "default a short prompt sent a millisecond after another to the CPU cloud node waited "
+        "its step, 150-300 ms, predicted 30-50)",
     )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
@@ -359,9 +358,6 @@ class Estimate:
     # prefill work it was predicted to take from an earlier request's prefix (not in
     # ``prefill_work_tokens``, which it computes; see ``routing.backlog.SharedPrefix``)
     reused_tokens: float = 0.0
-    # prefix tokens the index credited that were taken as lost before it gets a slot
-    # (``LatencyKnobs.perishable_prefix``; not in ``cached_tokens``)
-    perished_tokens: int = 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -988,18 +984,6 @@ class LatencyModel:
             half = 0.5 * self.mean_output_tokens(node.id)
             typical = Work(0.0, half, context=self.mean_prompt_tokens(node.id) + half)
             work = [typical] * unknown + work
-        perished = 0
-        if (
-            k.perishable_prefix
-            and node.prefix_store == "slots"
-            and cached > 0
-            and len(work) >= shape.slots
-        ):  # every slot goes to a request ahead: the free slot that kept the prefix with it
-            perished, cached = cached, 0
-            uncached = prompt_tokens
-            if shared_prefix is not None and ahead is not None:
-                took = shared_prefix.tokens if reuse else min(shared_prefix.tokens, perished)
-                shared = SharedPrefix(shared_prefix.source + unknown, took)
         out = max(1.0, expected_output_tokens)
         if node.kv_blocks_total > 0 and work:
             need = math.ceil((prompt_tokens + out) / BLOCK_SIZE) - cached // BLOCK_SIZE
@@ -1017,10 +1001,17 @@ class LatencyModel:
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
+        begun = (
+            k.idle_step_begun
+            and shape.mixed_steps
+            and bool(work)
+            and all(w.prefill_tokens > 0 and not w.started for w in work)
+        )
         if arrivals is not None and k.arrival_weight < 1.0:
-            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
+            pair = replay_pair(shape, work, new, arrivals, step_begun=begun)
+            r = _blend_decode(*pair, k.arrival_weight)
         else:
-            r = replay(shape, work, new, arrivals=arrivals)
+            r = replay(shape, work, new, arrivals=arrivals, step_begun=begun)
         work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)
@@ -1050,7 +1041,7 @@ class LatencyModel:
             own_prefill = floor
         # a busy engine takes a new request in between steps: half the step in flight, on
         # average, before anything of the replay (100+ ms a step on a CPU cloud node)
-        if work:
+        if work and not begun:  # (begun: the replay waits out that step whole)
             rows = work[: shape.slots]
             in_flight = 0.5 * shape.decode_step_ms(len(rows), sum(w.context for w in rows))
             r = replace(
@@ -1098,7 +1089,6 @@ class LatencyModel:
             extra_wait_ms=extra_wait,
             overhead_ms=overhead,
             reused_tokens=r.reused_tokens,
-            perished_tokens=perished,
         )
 
     # ---- learning ----------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyKnobs
-from routing.policies import Decision, NoRoute
+from routing.policies import NoRoute
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import RequestProfile
 from routing.router import Measured, Router
@@ -729,45 +729,28 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
     assert beside.reused_tokens == 0.0
 
 
-def test_a_kept_prefix_on_a_slot_node_is_lost_once_every_slot_is_taken_ahead():
-    """An edge keeps a finished request's prefix in its free slot: with every slot taken by
-    requests in hand that do not share it, the index's credit is taken as lost and the prompt
-    computed whole (``/v1/route`` says so); with a free slot left, or the knob off, or on a
-    node whose prefixes live in pages, the credit stands; a sharer in hand gives its blocks
-    once its prefill is done."""
-    knobs = LatencyKnobs(perishable_prefix=True)
-    shared = profile(800)  # 50 blocks; the engines reuse 49
-    credit = {"edge-eu": 50}
+def test_a_prompt_sent_just_after_another_to_an_idle_cloud_waits_out_its_step():
+    """The cloud engine begins a step for the first prompt that reaches it idle; one sent just
+    after joins the next step, so it waits that one whole (``idle_step_begun``); once the
+    node runs steps anyway (the first decoding) it joins the next step as before."""
+    node = cloud(device="cpu", running=0, prefill_tokens_per_s=250.0, decode_ms_per_token=60.0)
+    fleet = view(node)
 
-    def after(others: int, node: NodeState, sharer: bool = False, **kw) -> Decision:
-        r = Router(PolicyConfig(policy="edge_first", latency=kw.get("latency", knobs)),
+    def second(begun: bool, first_decodes: bool = False) -> float:
+        r = Router(PolicyConfig(policy="latency", latency=LatencyKnobs(idle_step_begun=begun)),
                    clock=lambda: NOW)  # fmt: skip
-        fleet = view(node, prefix=credit)
-        for i in range(others):
-            p = profile(40, block_hashes=[5000 + 2 * i, 5001 + 2 * i])
-            r.begin(r.decide(p, view(node)), profile=p)
-        if sharer:
-            r.begin(r.decide(shared, fleet), profile=shared)
-        return r.decide(shared, fleet)
+        p = profile(200)
+        t = r.begin(r.decide(p, fleet), profile=p)
+        if first_decodes:
+            r.first_token(t)
+        return r.decide(profile(40, block_hashes=[900, 901]), fleet).predicted_ttft_ms
 
-    slot_edge = edge(prefix_cache=True, prefix_store="slots")  # 4 slots
-    lost = after(4, slot_edge)
-    assert (lost.estimate.cached_tokens, lost.estimate.perished_tokens) == (0, 49 * BLOCK_SIZE)
-    assert lost.estimate.uncached_tokens == 800 and lost.estimate.prefill_work_tokens == 800.0
-    assert "784 cached tokens taken as lost" in lost.detail
-    for kept in (
-        after(3, slot_edge),  # a free slot is left: the request takes the one keeping it
-        after(4, slot_edge, latency=LatencyKnobs()),  # the knob off
-        after(4, edge(prefix_cache=True)),  # pages: the prefix outlives the slots
-    ):
-        assert kept.estimate.cached_tokens == 49 * BLOCK_SIZE
-        assert kept.estimate.perished_tokens == 0
-        assert kept.predicted_ttft_ms < lost.predicted_ttft_ms - 1000  # 784 tokens at 500/s
-    # a request in hand that shares it (and took the kept slot) gives its blocks, once done
-    held = after(3, slot_edge, sharer=True)
-    assert held.estimate.perished_tokens == 49 * BLOCK_SIZE
-    assert held.estimate.reused_tokens == 49 * BLOCK_SIZE
-    assert held.estimate.prefill_work_tokens == 800.0 - 49 * BLOCK_SIZE
+    joined, waited = second(False), second(True)
+    # joined: one step of both prompts (240 tokens at 250/s) after half a step in flight
+    # (30 ms); waited: the first's step (800 ms), then its own beside the first's row (60 ms)
+    assert joined == pytest.approx(84 + 30 + 960, abs=1)
+    assert waited == pytest.approx(84 + 800 + 160 + 60, abs=1)
+    assert second(True, first_decodes=True) == second(False, first_decodes=True)
 
 
 def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
