@@ -269,9 +269,9 @@ SERVE_VARIANTS = {
     # the edge's free slot the least recently freed (the default before 2026-12-05: compact,
     # the one that widens the decoding slots' span least)
     "slot_lru": ["--edge-slot-order", "lru"],
-    # as compact, but a free slot keeping blocks two requests used (an app's system prompt)
-    # goes last to a request that would overwrite them
-    "slot_shared": ["--edge-slot-order", "shared"],
+    # the edge's slot order before 2026-12-05 (seventeenth session): compact, without keeping
+    # a free slot whose blocks two requests used (an app's system prompt) for last (shared)
+    "slot_compact": ["--edge-slot-order", "compact"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
     # 64 was the CPU default before 2026-12-03)
     "cloud_rows8": ["--cloud-max-running", "8"],

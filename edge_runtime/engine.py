@@ -109,7 +109,7 @@ class EdgeEngineConfig:
     prefix_first: int = 4
     space_chunks: bool = False
     compact_slots: bool = True
-    keep_shared_slots: bool = False
+    keep_shared_slots: bool = True
 
 
 class EdgeEngine:

@@ -150,28 +150,29 @@ class SlotCache:
         step, and one at the far end a whole row (on the 2-core CPU edge about 0.8 of a
         one-row step, every step of every answer while it lasts).
 
-        With ``keep_shared``, before either, a slot whose shared blocks (``SlotEntry.shared``:
-        two requests used them, as an app's system prompt) the request would overwrite goes
-        last: one prompt of another app would otherwise take the only copy of a prefix that
-        its next user then computes cold (on the 2-core CPU edge 2-3 s for 1,136 tokens)."""
+        With ``keep_shared``, a slot whose shared blocks (``SlotEntry.shared``: two requests
+        used them, as an app's system prompt) the request would overwrite goes after those of
+        as long a match (before the span's rule): one prompt of another app would otherwise
+        take the only copy of a prefix that its next user then computes cold (on the 2-core
+        CPU edge 2-3 s for 1,136 tokens)."""
         if not free:
             raise ValueError("no free slot")
         matched = [(s, self.match(s, tokens, hashes, limit)) for s in free]
         busy = [i for i, e in enumerate(self.entries) if e.busy] if self.compact else []
         most = max(n for _, n in matched)
-        best, best_key = free[0], None
+        best, best_n, best_key = free[0], 0, None
         for s, n in matched:
             e = self.entries[s]
             loses = self.keep_shared and e.shared > n
             if busy and n > most - PREFIX_FIRST_MIN_BLOCKS:
                 widen = max(busy[-1], s) - min(busy[0], s) - (busy[-1] - busy[0])
                 key = (0, loses, widen, -n, bool(e.tokens), e.released, s)
-            else:  # longest match first; then nothing to lose (empty), then least recently freed
-                key = (1 if busy else 0, loses, 0, -n, bool(e.tokens), e.released, s)
+            else:  # longest match first; then shared blocks kept, nothing to lose (empty),
+                # then least recently freed
+                key = (1 if busy else 0, -n, loses, 0, bool(e.tokens), e.released, s)
             if best_key is None or key < best_key:
-                best, best_key = s, key
-        assert best_key is not None
-        return best, -best_key[3]
+                best, best_n, best_key = s, n, key
+        return best, best_n
 
     # --- slot life cycle -------------------------------------------------------------------------
 

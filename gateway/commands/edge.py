@@ -18,7 +18,7 @@ VARIANTS = ("fp32", "int8", "int4")  # edge_runtime.export's (not imported: it l
 INT8_METHODS = ("blockwise", "per_tensor")  # edge_runtime.quantize's
 INT8_METHOD_ENV = "EDGECLOUD_INT8_METHOD"
 # edge_runtime.slot_cache.SlotCache(compact=..., keep_shared=...)
-SLOT_ORDERS = ("compact", "lru", "shared")
+SLOT_ORDERS = ("shared", "compact", "lru")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -138,12 +138,12 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--slot-order",
         choices=SLOT_ORDERS,
-        default="compact",
+        default="shared",
         help="the free slot a request takes when no slot holds several more of its blocks: "
-        "the one that widens the busy slots' span least, since a decode step runs every slot "
-        "between them (compact, the default), or the least recently freed (lru), or as "
-        "compact but a slot keeping blocks two requests used (an app's system prompt) last "
-        "(shared)",
+        "one that keeps no blocks two requests used (an app's system prompt) first, then the "
+        "one that widens the busy slots' span least, since a decode step runs every slot "
+        "between them (shared, the default), or without the first rule (compact), or the "
+        "least recently freed (lru)",
     )
     s.add_argument(
         "--prefix-first",

@@ -107,8 +107,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument(
         "--edge-slot-order",
         choices=SLOT_ORDERS,
-        default="compact",
-        help="the edge node's --slot-order (default compact)",
+        default="shared",
+        help="the edge node's --slot-order (default shared)",
     )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(

@@ -172,6 +172,9 @@ class EdgeSim(_Node):
         self.occupant: list[SimRequest | None] = [None] * slots
         self.kept: list[Sequence[int]] = [()] * slots  # block keys each slot's KV holds
         self.freed_at: list[int] = [0] * slots
+        # leading kept blocks two requests used, which the last free slot to go keeps (the
+        # edge's --slot-order shared, its default: ``SlotCache.choose``)
+        self.shared: list[int] = [0] * slots
         self._clock = 0
         self._count: dict[int, int] = {}
         self.order: list[SimRequest] = []  # running, in admission order
@@ -265,13 +268,22 @@ class EdgeSim(_Node):
                     if n > best_n:
                         best, best_n = i, n
             if best < 0:
-                empty = [i for i in free if not self.kept[i]]
-                best = empty[0] if empty else min(free, key=lambda i: self.freed_at[i])
+                # nothing shared to lose, then an empty slot (the lowest), then the least
+                # recently freed
+                best = min(
+                    free,
+                    key=lambda i: (
+                        self.shared[i] > 0,
+                        bool(self.kept[i]),
+                        self.freed_at[i] if self.kept[i] else i,
+                    ),
+                )
                 best_n = 0
             kept = self.kept[best]
             if len(kept) > best_n:
                 self._drop(kept[best_n:], removed)
             self.kept[best] = kept[:best_n]
+            self.shared[best] = best_n
             if self.prefix_cache:  # a longer run in a busy slot is copied into this one
                 for i, o in enumerate(self.occupant):
                     if o is not None and len(self.kept[i]) > best_n:
@@ -279,6 +291,8 @@ class EdgeSim(_Node):
                         if n > best_n:
                             self._keep(self.kept[i][best_n:n], stored)
                             self.kept[best] = list(self.kept[i][:n])
+                            self.shared[best] = n
+                            self.shared[i] = max(self.shared[i], n)
                             best_n = n
             self.occupant[best] = r
             r.slot = best
