@@ -243,8 +243,6 @@ VARIANTS = {
     # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
     "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
-    # a prompt sent just after others to an idle node of mixed steps waits out their step
-    "idle_step_begun": "latency:\n  idle_step_begun: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {

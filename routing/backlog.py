@@ -28,9 +28,6 @@ Invariants:
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
 - ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
   the requests decoding while it ran: the delay its prefill adds to the others.
-- With ``step_begun`` (a node of mixed steps idle but for prompts just sent ahead) the first
-  of them begins a step on arriving, before the new request arrives: the new prompt joins from
-  the replay's second step, never its first.
 - With :class:`Arrivals` the node keeps the population it usually has: once the new request
   has its first token, whenever fewer than ``population`` requests are left (the new one
   included), one more with the usual work joins the queue, behind the new request and never
@@ -200,21 +197,18 @@ def _run_chunk(r: _Req, shape: EngineShape, chunk: float) -> float:
 
 
 def _run_step_chunks(
-    prompts: Iterable[_Req], shape: EngineShape, rows: int, without_new: bool = False
+    prompts: Iterable[_Req], shape: EngineShape, rows: int
 ) -> tuple[float, float, list[_Req]]:
     """A mixed step's prefill: chunks of ``prompts`` (oldest first) in what the step's token
     budget leaves beside ``rows`` decode rows, at most ``chunk_tokens_decoding`` prompt tokens
-    beside any (the cloud engine's cut), the new request's left out ``without_new``. Returns
-    its time, the new request's share of it (0 when it got none) and the prompts it finished,
-    in order."""
+    beside any (the cloud engine's cut). Returns its time, the new request's share of it (0
+    when it got none) and the prompts it finished, in order."""
     budget = float(max(1, shape.chunk_tokens - rows))
     if rows and shape.chunk_tokens_decoding > 0:
         budget = min(budget, float(shape.chunk_tokens_decoding))
     total = own = 0.0
     finished: list[_Req] = []
     for r in prompts:
-        if r.new and without_new:
-            continue
         c = min(budget, r.prefill)
         ms = _run_chunk(r, shape, c)
         total += ms
@@ -255,21 +249,13 @@ class _Loop:
     target: _Req
     loops: int  # loops left before it gives up
     clock: _Clock = field(default_factory=_Clock)
-    step_begun: bool = False  # the next mixed step began before the new request came
 
     @classmethod
-    def start(
-        cls,
-        shape: EngineShape,
-        ahead: Sequence[Work],
-        new: Work,
-        max_loops: int,
-        step_begun: bool = False,
-    ) -> _Loop:
+    def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
         kept, target = _requests(shape, ahead, new)
         waiting = deque(kept)
         waiting.append(target)
-        return cls(waiting, deque(), [], target, max_loops, step_begun=step_begun)
+        return cls(waiting, deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
         """An independent copy (requests not yet decoding are copied: chunks change them, and
@@ -285,7 +271,6 @@ class _Loop:
             copies.get(id(self.target), self.target),
             self.loops,
             self.clock,
-            self.step_begun,
         )
 
 
@@ -295,13 +280,10 @@ def replay(
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
-    step_begun: bool = False,
 ) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
-    ``arrivals`` that keep the node's population; with ``step_begun`` the first mixed step
-    began before ``new`` came."""
-    loop = _Loop.start(shape, ahead, new, max_loops, step_begun)
-    r = _advance(shape, loop, arrivals, pause_at_first=False)
+    ``arrivals`` that keep the node's population."""
+    r = _advance(shape, _Loop.start(shape, ahead, new, max_loops), arrivals, pause_at_first=False)
     assert r is not None  # only a pausing run stops short
     return r
 
@@ -312,12 +294,11 @@ def replay_pair(
     new: Work,
     arrivals: Arrivals,
     max_loops: int = 4096,
-    step_begun: bool = False,
 ) -> tuple[Replayed, Replayed]:
     """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
     once the new request has its first token, so both run the same loops until then; those
     run once, and the rest forks."""
-    loop = _Loop.start(shape, ahead, new, max_loops, step_begun)
+    loop = _Loop.start(shape, ahead, new, max_loops)
     shared = _advance(shape, loop, None, pause_at_first=True)
     if shared is not None:  # done by its first token (no decode, or out of loops)
         return shared, shared
@@ -395,10 +376,7 @@ def _advance(
         pre = prefilling[0] if prefilling else None
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
-            ms, own, finished = _run_step_chunks(
-                prefilling, shape, len(decoding), without_new=loop.step_begun
-            )
-            loop.step_begun = False
+            ms, own, finished = _run_step_chunks(prefilling, shape, len(decoding))
             t += ms + (shape.chunk_beside_ms if decoding else shape.step_fixed_ms)
             if own > 0:
                 stall += (own + shape.chunk_beside_ms) * len(decoding)
@@ -482,7 +460,6 @@ def replay_literal(
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
-    step_begun: bool = False,
 ) -> Replayed:
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
@@ -530,8 +507,7 @@ def replay_literal(
         if pre is not None and shape.mixed_steps:
             rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
             prompts = (r for r in running if r.prefill > 0)
-            ms, own, finished = _run_step_chunks(prompts, shape, len(rows), step_begun)
-            step_begun = False
+            ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
             t += ms + (shape.chunk_beside_ms if rows else shape.step_fixed_ms)
             if own > 0:
                 stall += (own + shape.chunk_beside_ms) * len(rows)

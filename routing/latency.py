@@ -238,16 +238,6 @@ class LatencyKnobs(BaseModel):
         "rounds it erred more at concurrency 16 than off (the edge's admission by prefix "
         "takes a sharer out of order, which the replay does not see): docs/benchmarks.md",
     )
-    idle_step_begun: bool = Field(
-        default=False,
-        description="on a node of mixed steps (the cloud engine) idle but for prompts this "
-        "gateway sent it and that have not started (every request in hand such a prompt), the "
-        "first of them begins a step on arriving, before the new request arrives: the new "
-        "prompt joins from the next step and waits that one whole, not half a step in flight "
-        "(off: it shares their first step; in a burst at concurrency 16 on the embedded "
-        "default a short prompt sent a millisecond after another to the CPU cloud node waited "
-        "its step, 150-300 ms, predicted 30-50)",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -1001,17 +991,10 @@ class LatencyModel:
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
-        begun = (
-            k.idle_step_begun
-            and shape.mixed_steps
-            and bool(work)
-            and all(w.prefill_tokens > 0 and not w.started for w in work)
-        )
         if arrivals is not None and k.arrival_weight < 1.0:
-            pair = replay_pair(shape, work, new, arrivals, step_begun=begun)
-            r = _blend_decode(*pair, k.arrival_weight)
+            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
-            r = replay(shape, work, new, arrivals=arrivals, step_begun=begun)
+            r = replay(shape, work, new, arrivals=arrivals)
         work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)
@@ -1041,7 +1024,7 @@ class LatencyModel:
             own_prefill = floor
         # a busy engine takes a new request in between steps: half the step in flight, on
         # average, before anything of the replay (100+ ms a step on a CPU cloud node)
-        if work and not begun:  # (begun: the replay waits out that step whole)
+        if work:
             rows = work[: shape.slots]
             in_flight = 0.5 * shape.decode_step_ms(len(rows), sum(w.context for w in rows))
             r = replace(

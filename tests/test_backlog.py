@@ -96,7 +96,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
-    begun=st.booleans(),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -110,7 +109,6 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
-    begun: bool,
 ):
     shape = EngineShape(
         slots,
@@ -125,8 +123,7 @@ def test_replay_equals_the_literal_loop(
         cached_token_ms=cached_ms,
     )
     new = _sharing(new, ahead, new_source)
-    got = replay(shape, ahead, new, step_begun=begun)
-    want = replay_literal(shape, ahead, new, step_begun=begun)
+    got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
@@ -221,25 +218,6 @@ def test_a_mixed_step_gives_the_first_token_after_the_decode_rows():
     assert replay(wide, ahead, Work(30, 2)).first_token_ms == 120.0
     assert replay_literal(wide, ahead, Work(30, 2)) == replay(wide, ahead, Work(30, 2))
     assert replay(replace(wide, mixed_steps=False), ahead, Work(30, 2)).first_token_ms == 130.0
-
-
-def test_a_prompt_after_a_begun_step_joins_the_next():
-    # An idle cloud node takes A's 40-token prompt as it arrives; the new one, arriving after,
-    # waits out that step (40) and prefills in the next beside A's decode row (30 + 10 = 80).
-    shape = EngineShape(slots=4, chunk_tokens=151, prefill_ms_per_token=1.0,
-                        decode_step_ms_b1=10.0, batch_slope=0.0, mixed_steps=True)  # fmt: skip
-    ahead = [Work(40, 3)]
-    shared = replay(shape, ahead, Work(30, 2))
-    assert shared.first_token_ms == 70.0  # one step of both prompts
-    begun = replay(shape, ahead, Work(30, 2), step_begun=True)
-    assert (begun.queue_ms, begun.first_token_ms, begun.last_token_ms) == (0.0, 80.0, 100.0)
-    assert replay_literal(shape, ahead, Work(30, 2), step_begun=True) == begun
-    arrivals = Arrivals(3, Work(10, 1))
-    pair = replay_pair(shape, ahead, Work(30, 2), arrivals, step_begun=True)
-    assert pair == (begun, replay(shape, ahead, Work(30, 2), arrivals=arrivals, step_begun=True))
-    # separate steps (the edge) queue the prompts anyway: the flag changes nothing there
-    edge = replace(shape, mixed_steps=False)
-    assert replay(edge, ahead, Work(30, 2), step_begun=True) == replay(edge, ahead, Work(30, 2))
 
 
 def test_arrivals_keep_the_population_and_slow_the_decode():

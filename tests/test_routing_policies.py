@@ -729,30 +729,6 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
     assert beside.reused_tokens == 0.0
 
 
-def test_a_prompt_sent_just_after_another_to_an_idle_cloud_waits_out_its_step():
-    """The cloud engine begins a step for the first prompt that reaches it idle; one sent just
-    after joins the next step, so it waits that one whole (``idle_step_begun``); once the
-    node runs steps anyway (the first decoding) it joins the next step as before."""
-    node = cloud(device="cpu", running=0, prefill_tokens_per_s=250.0, decode_ms_per_token=60.0)
-    fleet = view(node)
-
-    def second(begun: bool, first_decodes: bool = False) -> float:
-        r = Router(PolicyConfig(policy="latency", latency=LatencyKnobs(idle_step_begun=begun)),
-                   clock=lambda: NOW)  # fmt: skip
-        p = profile(200)
-        t = r.begin(r.decide(p, fleet), profile=p)
-        if first_decodes:
-            r.first_token(t)
-        return r.decide(profile(40, block_hashes=[900, 901]), fleet).predicted_ttft_ms
-
-    joined, waited = second(False), second(True)
-    # joined: one step of both prompts (240 tokens at 250/s) after half a step in flight
-    # (30 ms); waited: the first's step (800 ms), then its own beside the first's row (60 ms)
-    assert joined == pytest.approx(84 + 30 + 960, abs=1)
-    assert waited == pytest.approx(84 + 800 + 160 + 60, abs=1)
-    assert second(True, first_decodes=True) == second(False, first_decodes=True)
-
-
 def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     r = Router(PolicyConfig(policy="edge_first"), clock=lambda: NOW)
     fleet = view(edge(max_batch=1, prefix_cache=True))
