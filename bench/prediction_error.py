@@ -243,9 +243,6 @@ VARIANTS = {
     # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
     "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
-    # a request reusing 4+ blocks on the edge replayed ahead of the queue's end that reuses
-    # less, as the edge's admission by prefix takes it (``latency.prefix_jump``)
-    "prefix_jump": "latency:\n  prefix_jump: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {

@@ -34,7 +34,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS
 from routing.backlog import (
     Arrivals,
     EngineShape,
@@ -239,15 +238,6 @@ class LatencyKnobs(BaseModel):
         "rounds it erred more at concurrency 16 than off (the edge's admission by prefix "
         "takes a sharer out of order, which the replay does not see): docs/benchmarks.md",
     )
-    prefix_jump: bool = Field(
-        default=False,
-        description="on an edge node (its queue admits a request reusing 4+ more blocks of a "
-        "free slot's kept KV ahead of those that reuse less, routing.admission), a request "
-        "credited 4+ blocks with a queue ahead is replayed ahead of the requests at the queue's "
-        "end that were credited less, up to the last one credited as much (off: in arrival "
-        "order; at concurrency 16 on the embedded default 25 of 91 TTFT misses over twenty "
-        "rounds were shared prompts served in half their predicted time, 8 in hand)",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -301,20 +291,6 @@ class LatencyKnobs(BaseModel):
         if kind == NodeKind.CLOUD:
             return self.cloud_cpu if device is not None and _cpu_device(device) else self.cloud
         return self.openai
-
-
-def _jump_point(work: Sequence[Work], slots: int) -> int:
-    """Where a request reusing a free slot's prefix enters ``work`` (in arrival order, the
-    first ``slots`` in slots): ahead of the waiting requests at the end that reuse fewer than
-    ``PREFIX_FIRST_MIN_BLOCKS`` blocks (their prompt less what they compute), behind the last
-    one that reuses as many (the edge's admission by prefix passes only those)."""
-    at = len(work)
-    while at > slots:
-        w = work[at - 1]
-        if w.started or w.context - w.prefill_tokens >= PREFIX_FIRST_MIN_BLOCKS * BLOCK_SIZE:
-            break
-        at -= 1
-    return at
 
 
 def _blend_decode(without: Replayed, held: Replayed, weight: float) -> Replayed:
@@ -1015,18 +991,10 @@ class LatencyModel:
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
-        before = work  # what it is replayed behind (the edge's queue may let it pass some)
-        if (
-            k.prefix_jump
-            and node.kind == NodeKind.EDGE
-            and node.prefix_cache
-            and cached // BLOCK_SIZE >= PREFIX_FIRST_MIN_BLOCKS
-        ):
-            before = work[: _jump_point(work, shape.slots)]
         if arrivals is not None and k.arrival_weight < 1.0:
-            r = _blend_decode(*replay_pair(shape, before, new, arrivals), k.arrival_weight)
+            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
-            r = replay(shape, before, new, arrivals=arrivals)
+            r = replay(shape, work, new, arrivals=arrivals)
         work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)

@@ -729,48 +729,6 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
     assert beside.reused_tokens == 0.0
 
 
-def test_a_prefix_reuser_is_replayed_ahead_of_the_edges_queue_end_that_reuses_less():
-    """The edge admits a waiting request reusing 4+ more blocks of a free slot first
-    (``routing.admission``): with ``prefix_jump`` a request credited 10 blocks is replayed
-    ahead of the uncredited prompts at the queue's end, but never ahead of one credited as
-    much, nor of those in slots; off, or on the cloud, in arrival order."""
-    slot = edge(max_batch=1, prefix_cache=True)
-    reuser = profile(320, block_hashes=list(range(20)))  # 20 blocks, 10 of them credited
-
-    def ttft(sent: list[RequestProfile], node: NodeState = slot, jump: bool = True) -> float:
-        r = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(prefix_jump=jump)),
-                   clock=lambda: NOW)  # fmt: skip
-        for p in sent:
-            r.begin(r.decide(p, view(node)), profile=p)
-        return r.decide(reuser, view(node, prefix={node.id: 10})).predicted_ttft_ms
-
-    def other(i: int) -> RequestProfile:
-        return profile(400, block_hashes=[7000 + 100 * i + b for b in range(25)])
-
-    three = [other(0), other(1), other(2)]  # one in the slot, two waiting
-    behind_one = ttft(three[:1])
-    assert ttft(three) == pytest.approx(behind_one)  # it passes both waiting prompts
-    assert ttft(three, jump=False) > behind_one + 2 * 400 / 500 * 1000 * 0.9  # 800 ms each
-    # a waiting reuser of 4+ blocks is not passed, nor what waits before it
-    r = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(prefix_jump=True)),
-               clock=lambda: NOW)  # fmt: skip
-    for p in three[:2]:
-        r.begin(r.decide(p, view(slot)), profile=p)
-    r.begin(r.decide(reuser, view(slot, prefix={slot.id: 10})), profile=reuser)
-    r.begin(r.decide(three[2], view(slot)), profile=three[2])
-    held = r.decide(reuser, view(slot, prefix={slot.id: 10})).predicted_ttft_ms
-    r_off = Router(PolicyConfig(policy="edge_first"), clock=lambda: NOW)
-    for p, pre in ((three[0], None), (three[1], None), (reuser, 10), (three[2], None)):
-        fleet = view(slot, prefix={slot.id: pre}) if pre else view(slot)
-        r_off.begin(r_off.decide(p, fleet), profile=p)
-    in_order = r_off.decide(reuser, view(slot, prefix={slot.id: 10})).predicted_ttft_ms
-    assert held < in_order - 0.9 * 400 / 500 * 1000  # the last prompt passed: 800 ms
-    assert held > behind_one + 0.9 * 400 / 500 * 1000  # the first waiting one not
-    # the cloud admits in arrival order
-    c = cloud(max_batch=1, prefix_cache=True)
-    assert ttft(three, node=c) == pytest.approx(ttft(three, node=c, jump=False))
-
-
 def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     r = Router(PolicyConfig(policy="edge_first"), clock=lambda: NOW)
     fleet = view(edge(max_batch=1, prefix_cache=True))
