@@ -243,6 +243,9 @@ VARIANTS = {
     # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
     "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
+    # requests in hand sharing a prefix computing it once (the default before the sixteenth
+    # session), with the rest of today's knobs
+    "in_hand_prefix": "latency:\n  in_hand_prefix: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {
