@@ -743,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
             names = None if args.names is None else parse_names(args.names[i])
             pooled += renamed(samples, names)
         rows = [r for r in summarize(pooled) if r["tier"] == "all"]
-        print(table(rows, [*COLUMNS[:8], "not_200"]))
+        print(table(rows, COLUMNS))
         for variant, met in goal_cells_met(rows).items():
             print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
         print(table(explain(pooled), EXPLAIN_COLUMNS))
