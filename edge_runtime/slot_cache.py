@@ -290,9 +290,9 @@ class SlotCache:
 
     def check_integrity(self) -> None:
         """Raise :class:`IntegrityError` unless every entry's hashes are its tokens' block
-        hashes, free slots keep at most ``max_kept`` tokens, busy slots whole blocks, no more
-        shared blocks than blocks, and the
-        hash counts are the multiset of all entries' hashes."""
+        hashes, free slots keep at most ``max_kept`` tokens, busy slots whole blocks, no entry
+        counts more shared blocks than it keeps, and the hash counts are the multiset of all
+        entries' hashes."""
         counts: dict[int, int] = {}
         for slot, e in enumerate(self.entries):
             if e.hashes != self.hashes(e.tokens):
