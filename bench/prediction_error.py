@@ -161,7 +161,7 @@ VARIANTS = {
     "    decode_ms_per_token: 20\n    batch_slope: 0.03\n    prefill_chunk: 1024\n"
     "    mixed_steps: true\n",
     # each request in hand computes what the prefix index credited it at dispatch, however
-    # many before it share its prompt (the default before 2026-12-05)
+    # many before it share its prompt (the default in the sixteenth and seventeenth sessions)
     "no_in_hand_prefix": "latency:\n  in_hand_prefix: false\n",
     # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
     # busy_wait
@@ -243,8 +243,8 @@ VARIANTS = {
     # since the sixteenth session; previous_default: the knobs before
     "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
     "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
-    # requests in hand sharing a prefix computing it once (the default before the sixteenth
-    # session), with the rest of today's knobs
+    # requests in hand sharing a prefix computing it once: the default again since the
+    # eighteenth session (kept so the results that name it can be rerun)
     "in_hand_prefix": "latency:\n  in_hand_prefix: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
