@@ -246,10 +246,6 @@ VARIANTS = {
     # requests in hand sharing a prefix computing it once: the default again since the
     # eighteenth session (kept so the results that name it can be rerun)
     "in_hand_prefix": "latency:\n  in_hand_prefix: true\n",
-    # an edge's waiting requests replayed in the order its admission by prefix takes them:
-    # every credited one first, or only the first in hand of each app's prompt
-    "prefix_first_all": "latency:\n  prefix_first_order: all\n",
-    "prefix_first_first": "latency:\n  prefix_first_order: first\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {

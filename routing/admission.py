@@ -15,12 +15,11 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 # 64 prompt tokens, ~150 ms of a 2-core CPU edge's prefill: a block or two is not worth the order
 PREFIX_FIRST_MIN_BLOCKS = 4
 PREFIX_FIRST_WINDOW = 32
-PREFIX_FIRST_PASSES = 4  # the edge engine's default limit of passes (``prefix_first``)
 
 
 def prefix_first(candidates: Iterable[tuple[int, int]], limit: int) -> int:
@@ -38,18 +37,3 @@ def prefix_first(candidates: Iterable[tuple[int, int]], limit: int) -> int:
         if passed >= limit:  # nothing behind it goes first
             break
     return best
-
-
-def admission_order(reuse: Sequence[int], limit: int = PREFIX_FIRST_PASSES) -> list[int]:
-    """The order in which an edge admits requests that all wait at once, given in queue order
-    with the leading blocks each reuses: ``prefix_first`` applied again and again, each pass
-    counted against the requests passed. A permutation of ``range(len(reuse))``."""
-    queue = list(range(len(reuse)))
-    passed = [0] * len(reuse)
-    order: list[int] = []
-    while queue:
-        best = prefix_first(((reuse[i], passed[i]) for i in queue), limit) if limit else 0
-        for i in queue[:best]:
-            passed[i] += 1
-        order.append(queue.pop(best))
-    return order

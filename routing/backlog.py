@@ -55,9 +55,6 @@ class Work:
     started: bool = False  # its prefill is under way (its fixed cost is paid)
     context: float = 0.0
     shared: SharedPrefix | None = None  # prompt blocks an earlier request in hand computes
-    # the first earlier request in hand (its index) whose prompt has 4+ of its leading blocks
-    # (one app's prompt: routing.admission's edge admits such a group's first ahead); -1: none
-    follows: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS, admission_order
 from routing.backlog import (
     Arrivals,
     EngineShape,
@@ -239,18 +238,6 @@ class LatencyKnobs(BaseModel):
         "paired rounds took the concurrency-16 TTFT p90 from 0.64 to 0.56 and the goal cells "
         "from 10 to 11: docs/benchmarks.md",
     )
-    prefix_first_order: Literal["arrival", "all", "first"] = Field(
-        default="arrival",
-        description="on an edge node with a prefix cache, the order the requests in hand still "
-        "waiting for their prompt and the new one are replayed in: arrival; or the order the "
-        "edge admits requests that wait at once (routing.admission: one reusing 4+ more "
-        "blocks than each ahead of it goes first, none passed more than 4 times), every "
-        "credited request taken to reuse a free slot's blocks (all) or only the first in hand "
-        "of those sharing 4+ leading blocks (first: the others find that slot taken); a burst "
-        "reaches the node together (at concurrency 16 on the embedded default, 12 of the 23 "
-        "shared prompts of the bursts that open each round erred more than half, predicted "
-        "seconds behind long prompts the edge took after them)",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -304,46 +291,6 @@ class LatencyKnobs(BaseModel):
         if kind == NodeKind.CLOUD:
             return self.cloud_cpu if device is not None and _cpu_device(device) else self.cloud
         return self.openai
-
-
-def _admission_ordered(
-    work: Sequence[Work], new: Work, slots: int, first_only: bool
-) -> tuple[list[Work], Work]:
-    """``work`` and ``new`` with those still waiting for their prompt (not started, prefill
-    left) in the order an edge with ``slots`` takes them when they wait at once: those that
-    fill the free slots first chosen by ``routing.admission.admission_order`` (each credited
-    its prompt less its prefill work as reused blocks; with ``first_only`` none where it
-    ``follows`` another in hand) and prefilled in arrival order, the rest as that order takes
-    them; the others keep their places. Returns what is replayed ahead of ``new`` (those it
-    passes are dropped) and ``new``, every ``Work.shared`` and ``Work.follows`` pointing at
-    its request's new index (none where that is not ahead of it)."""
-    queue = [*work, new]
-    waiting = [i for i, w in enumerate(queue) if not w.started and w.prefill_tokens > 0]
-    busy = sum(1 for w in queue if w.prefill_tokens > 0 or w.decode_steps > 0) - len(waiting)
-    free = max(0, slots - busy)
-    if len(waiting) <= free:
-        return list(work), new  # all are taken at once and prefill in arrival order
-    reuse = [
-        0 if first_only and queue[i].follows >= 0
-        else int((queue[i].context - queue[i].prefill_tokens) // BLOCK_SIZE)
-        for i in waiting
-    ]  # fmt: skip
-    order = admission_order(reuse)
-    order = sorted(order[:free]) + order[free:]
-    placed = list(range(len(queue)))  # new position -> index in queue
-    for at, k in zip(waiting, order, strict=True):
-        placed[at] = waiting[k]
-    cut = placed.index(len(work))
-    where = {old: i for i, old in enumerate(placed[: cut + 1])}
-
-    def relinked(w: Work, i: int) -> Work:
-        follows = where.get(w.follows, i) if w.follows >= 0 else i
-        if w.shared is not None:
-            source = where.get(w.shared.source, i)
-            w = replace(w, shared=replace(w.shared, source=source) if source < i else None)
-        return replace(w, follows=follows if follows < i else -1)
-
-    return [relinked(queue[old], i) for i, old in enumerate(placed[:cut])], relinked(new, cut)
 
 
 def _blend_decode(without: Replayed, held: Replayed, weight: float) -> Replayed:
@@ -1018,13 +965,9 @@ class LatencyModel:
                 shared = SharedPrefix(shared_prefix.source + unknown, beyond)
         # what work in hand shares is counted from its index among what is replayed
         work = [
-            w if w.shared is None and (w.follows < 0 or not unknown)
-            else replace(
-                w,
-                shared=replace(w.shared, source=w.shared.source + unknown)
-                if reuse and w.shared is not None else None,
-                follows=w.follows + unknown if w.follows >= 0 else -1,
-            )
+            w if w.shared is None
+            else replace(w, shared=replace(w.shared, source=w.shared.source + unknown)
+                         if reuse else None)
             for w in work
         ]  # fmt: skip
         if unknown:
@@ -1047,22 +990,11 @@ class LatencyModel:
             arrivals = Arrivals(max(len(work) + 1, arrivals.population), arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
-        follows = (
-            shared_prefix.source + unknown
-            if shared_prefix is not None
-            and ahead is not None
-            and shared_prefix.tokens >= PREFIX_FIRST_MIN_BLOCKS * BLOCK_SIZE
-            else -1
-        )
-        new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared, follows=follows)
-        before = work  # what it is replayed behind (the edge's admission may let it pass some)
-        order = k.prefix_first_order
-        if order != "arrival" and node.kind == NodeKind.EDGE and node.prefix_cache and work:
-            before, new = _admission_ordered(work, new, shape.slots, first_only=order == "first")
+        new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
         if arrivals is not None and k.arrival_weight < 1.0:
-            r = _blend_decode(*replay_pair(shape, before, new, arrivals), k.arrival_weight)
+            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
-            r = replay(shape, before, new, arrivals=arrivals)
+            r = replay(shape, work, new, arrivals=arrivals)
         work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)

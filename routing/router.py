@@ -34,7 +34,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from routing.admission import PREFIX_FIRST_MIN_BLOCKS
 from routing.backlog import Arrivals, SharedPrefix, Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeState
@@ -316,8 +315,7 @@ class DispatchLedger:
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
-                follows = source if blocks >= PREFIX_FIRST_MIN_BLOCKS else -1
-                out.append(Work(prefill, steps, started, prompt, shared, follows))
+                out.append(Work(prefill, steps, started, prompt, shared))
         return out
 
     def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:
@@ -453,9 +451,9 @@ class Router:
             # what other gateways sent it: its own counts beyond ours it had seen
             extra_inflight=max(0, node.running + node.waiting - seen),
             ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
-            # only read where it counts: a node with a prefix cache, a knob that reads it on
+            # only read where it counts: a node with a prefix cache, the knob on
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
-            if node.prefix_cache and (knobs.in_hand_prefix or knobs.prefix_first_order != "arrival")
+            if node.prefix_cache and knobs.in_hand_prefix
             else None,
             arrivals=self.ledger.arrivals(
                 node.id,

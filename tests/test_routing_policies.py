@@ -729,52 +729,6 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
     assert beside.reused_tokens == 0.0
 
 
-def test_an_edge_queue_is_replayed_in_the_order_the_edge_admits_it():
-    """Requests that wait at once for an edge's slot are admitted prefix-first
-    (``routing.admission``): with ``prefix_first_order`` a request credited 10 blocks is
-    replayed ahead of uncredited prompts still waiting, not ahead of one already prefilling;
-    with ``first``, only where no request in hand before it shares 4+ of its leading blocks;
-    where the free slots take them all, or on the cloud, in arrival order."""
-    slot = edge(max_batch=1, prefix_cache=True)
-    reuser = profile(320, block_hashes=list(range(20)))  # 20 blocks, 10 of them credited
-    three = [profile(400, block_hashes=[7000 + 100 * i + b for b in range(25)]) for i in range(3)]
-
-    def ttft(
-        sent: list[RequestProfile],
-        node: NodeState = slot,
-        order: str = "all",
-        first_started: bool = False,
-    ) -> float:
-        now = [NOW]
-        r = Router(PolicyConfig(policy="edge_first",
-                                latency=LatencyKnobs(prefix_first_order=order)),
-                   clock=lambda: now[0])  # fmt: skip
-        for i, p in enumerate(sent):
-            r.begin(r.decide(p, view(node)), profile=p)
-            if i == 0 and first_started:
-                now[0] += 0.6  # of its 800 ms of prefill
-        return r.decide(reuser, view(node, prefix={node.id: 10})).predicted_ttft_ms
-
-    alone = ttft([])
-    in_order = ttft(three, order="arrival")
-    assert in_order > alone + 0.9 * 3 * 400 / 500 * 1000  # 800 ms each
-    for order in ("all", "first"):
-        assert ttft(three, order=order) < alone + 100  # all wait at once: it goes first
-        # one already prefilling keeps its slot; it passes the two waiting
-        behind_one = ttft(three, order=order, first_started=True)
-        assert alone + 100 < behind_one
-        assert behind_one < ttft(three, order="arrival", first_started=True) - 0.9 * 1600
-    # a request of its app's prompt waiting before it: "first" keeps it behind the three
-    same_app = profile(320, block_hashes=list(range(20)))
-    assert ttft([*three, same_app], order="first") > in_order
-    assert ttft([*three, same_app], order="all") < in_order - 0.9 * 3 * 800
-    # four slots take all four at once: prefilled in arrival order, as the edge does
-    wide = edge(max_batch=4, prefix_cache=True)
-    assert ttft(three, node=wide) == pytest.approx(ttft(three, node=wide, order="arrival"))
-    c = cloud(max_batch=1, prefix_cache=True)
-    assert ttft(three, node=c) == pytest.approx(ttft(three, node=c, order="arrival"))
-
-
 def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     r = Router(PolicyConfig(policy="edge_first"), clock=lambda: NOW)
     fleet = view(edge(max_batch=1, prefix_cache=True))

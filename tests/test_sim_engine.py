@@ -221,13 +221,3 @@ def test_prefix_first_picks_the_longest_match_before_any_barrier() -> None:
     assert prefix_first([(0, 4), (9, 0)], limit=4) == 0  # the head was passed its limit
     assert prefix_first([(0, 0), (1, 4), (9, 0)], limit=4) == 0  # a barrier before the match
     assert prefix_first([(0, 0)] * 40 + [(9, 0)], limit=4) == 0  # beyond the window
-
-
-def test_admission_order_takes_reusers_first_until_the_passed_reach_their_limit() -> None:
-    from routing.admission import admission_order
-
-    assert admission_order([0, 0, 9, 0, 9], limit=4) == [2, 4, 0, 1, 3]
-    # the first two were passed once: a barrier at limit 1, so the second reuser waits
-    assert admission_order([0, 0, 9, 0, 9], limit=1) == [2, 0, 1, 4, 3]
-    assert admission_order([0, 9, 9], limit=0) == [0, 1, 2]  # 0: strict order
-    assert admission_order([]) == []
