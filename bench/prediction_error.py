@@ -273,6 +273,9 @@ SERVE_VARIANTS = {
     # the edge's slot order before 2026-12-05 (seventeenth session): compact, without keeping
     # a free slot whose blocks two requests used (an app's system prompt) for last (shared)
     "slot_compact": ["--edge-slot-order", "compact"],
+    # the edge copies a prefix into a request's slot only at its admission (the default before
+    # the eighteenth session), not also before each chunk
+    "no_catch_up": ["--no-edge-prefix-catch-up"],
     # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
     # 64 was the CPU default before 2026-12-03)
     "cloud_rows8": ["--cloud-max-running", "8"],

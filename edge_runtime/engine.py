@@ -89,6 +89,10 @@ class EdgeEngineConfig:
     least recently freed (``edge_runtime.slot_cache.SlotCache.choose``);
     ``keep_shared_slots``: with ``prefix_reuse``, a free slot keeping blocks that two requests
     used (an app's system prompt) goes last to a request that would overwrite them;
+    ``prefix_catch_up``: with ``prefix_reuse``, before each prompt chunk a request copies the
+    leading blocks of its prompt a busy slot wrote since it was admitted (a request of its
+    app admitted while the first still prefilled their shared prompt) instead of computing
+    them again (off: only what a slot held at its admission);
     ``space_chunks``: where one 16-token block beside decoding answers takes longer than
     ``prefill_stall_ratio`` decode steps, a block runs only every so many steps, so the bound
     holds on average (``routing.prefill_budget.steps_per_chunk``; off: a block every step).
@@ -110,6 +114,7 @@ class EdgeEngineConfig:
     space_chunks: bool = False
     compact_slots: bool = True
     keep_shared_slots: bool = True
+    prefix_catch_up: bool = True
 
 
 class EdgeEngine:
@@ -219,6 +224,7 @@ class EdgeEngine:
             stall_ratio=cfg.prefill_stall_ratio,
             prefix_first=cfg.prefix_first,
             space_chunks=cfg.space_chunks,
+            catch_up=cfg.prefix_catch_up,
         )
         if cfg.warmup:
             _warm_up(decoder, scheduler)
@@ -311,6 +317,7 @@ class EdgeEngine:
                 0.0,
                 0.0,
                 prefix_cache=cfg.prefix_reuse,
+                prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
             )
@@ -326,6 +333,7 @@ class EdgeEngine:
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
             prefix_cache=cfg.prefix_reuse,
+            prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
             prefill_chunk_every=snap.prefill_chunk_every,

@@ -38,6 +38,10 @@ Invariants:
   else runs on the loop thread (no run can write the source's prefix meanwhile: only this
   thread runs or admits). A decode step's dummy row of a free slot writes at that slot's kept
   length, never inside its kept KV.
+- Catch-up (with ``catch_up``): before a request's prompt chunk runs, the leading blocks of its
+  prompt that a busy slot has written beyond its own are copied in the same way (a request of
+  its app admitted while the first still prefilled their shared prompt: prefill goes oldest
+  first, so by its turn the first has written the prompt), and count as cached.
 - Admission order (with prefix reuse): priority, then arrival, except that a waiting request
   holding 4+ more leading blocks in a free slot than every request ahead of it of its
   priority goes first (``routing.admission``): under a queue only one slot is free at a time,
@@ -163,8 +167,11 @@ class SlotScheduler:
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
         space_chunks: bool = False,
+        catch_up: bool = True,
     ) -> None:
         self.decoder = decoder
+        # copy a prefix a busy slot wrote since admission before each chunk (with a cache)
+        self.catch_up = catch_up
         # how often a waiting request may be passed by one reusing more of a free slot's KV
         self.prefix_first = max(0, prefix_first)
         # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
@@ -324,8 +331,10 @@ class SlotScheduler:
                     return
                 self._changed = False
                 self._admit()
-                copies, self._copies = self._copies, []
                 first = self._oldest_prefilling()
+                if first is not None and self.cache is not None and self.catch_up:
+                    self._catch_up(first)
+                copies, self._copies = self._copies, []
                 plan = None if first is not None else self._plan_decode()
                 size = self.prefill_chunk
                 if first is not None and any(
@@ -390,6 +399,23 @@ class SlotScheduler:
             self.slots[slot] = r
             self.prompt_tokens += r.prompt_len
             self.cached_tokens += r.cached
+
+    def _catch_up(self, r: SlotRequest) -> None:
+        """Under the lock: before ``r``'s next chunk, the leading blocks of its prompt a busy
+        slot holds beyond what ``r`` has filled are copied into its slot (queued with the
+        admissions' copies) and count as cached."""
+        assert self.cache is not None
+        prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
+        source, blocks = self.cache.best_busy(prompt, r.hashes, limit, exclude=r.slot)
+        gained = blocks * KV_BLOCK - r.filled
+        if gained <= 0:
+            return
+        self.cache.adopt(r.slot, source, blocks)
+        self._copies.append((source, r.slot, blocks * KV_BLOCK))
+        r.filled += gained
+        r.cached += gained
+        self.copied_tokens += gained
+        self.cached_tokens += gained
 
     def _next_waiting(self, free: list[int]) -> SlotRequest:
         """Under the lock: take the waiting request to admit next (``routing.admission``:

@@ -205,9 +205,9 @@ class SlotCache:
         e.hashes = list(hashes[:n])
 
     def adopt(self, slot: int, source: int, blocks: int) -> None:
-        """Busy ``slot`` (just taken) now holds the leading ``blocks`` blocks of busy
-        ``source``, whose KV the caller copies into it before the slot's next run; the blocks
-        ``slot`` kept already must be the same ones."""
+        """Busy ``slot`` (just taken, or before its request's next chunk) now holds the
+        leading ``blocks`` blocks of busy ``source``, whose KV the caller copies into it before
+        the slot's next run; the blocks ``slot`` holds already must be the same ones."""
         e, s = self.entries[slot], self.entries[source]
         if not (e.busy and s.busy):
             raise IntegrityError(f"adopt from slot {source} into {slot}: both must be busy")

@@ -106,6 +106,9 @@ class EngineShape:
     # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
     chunk_beside_ms: float = 0.0
     cached_token_ms: float = 0.0  # what a cached prompt token still costs its prompt's prefill
+    # a request takes the prefix an earlier one in hand writes before each of its chunks
+    # (NodeState.prefix_catch_up), not only at admission
+    catch_up: bool = False
 
     def chunk(self, decoding: int) -> float:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -172,10 +175,13 @@ def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[lis
     return kept, target
 
 
-def _take_slot(r: _Req) -> None:
+def _take_slot(r: _Req, catch_up: bool) -> None:
     """``r`` enters a slot: it reuses the prefix its source wrote if that one's prefill is done
-    (the engines match a prefix at admission only); at least one token is still computed."""
-    if r.reuse > 0 and (r.source is None or r.source.prefill <= 0) and r.prefill > 1.0:
+    (the engines match a prefix at admission), or with ``catch_up`` in any case (the edge
+    copies it before each chunk, and the source, older, prefills first); at least one token
+    is still computed."""
+    done = r.source is None or r.source.prefill <= 0 or catch_up
+    if r.reuse > 0 and done and r.prefill > 1.0:
         r.reused = min(r.reuse, r.prefill - 1.0)
         r.prefill -= r.reused
     r.reuse, r.source = 0.0, None
@@ -366,7 +372,7 @@ def _advance(
                     waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
             r = waiting.popleft()
-            _take_slot(r)
+            _take_slot(r, shape.catch_up)
             if r.new:
                 queue_ms = t
             if r.prefill > 0:
@@ -499,7 +505,7 @@ def replay_literal(
                 waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
             r = waiting.pop()
-            _take_slot(r)
+            _take_slot(r, shape.catch_up)
             if r.new:
                 queue_ms = t
             running.append(r)

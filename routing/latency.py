@@ -911,6 +911,7 @@ class LatencyModel:
             prefill_fixed_ms=fixed,
             cached_token_ms=per_cached,
             mixed_steps=kd.mixed_steps,
+            catch_up=node.prefix_catch_up,
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
             chunk_beside_ms=beside_ms,

@@ -314,6 +314,11 @@ def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():
     assert replay_literal(one_slot, ahead, new) == r
     beside = replay(SHAPE, ahead, new)  # two slots: it starts at once, beside the first
     assert (beside.queue_ms, beside.first_token_ms, beside.reused_tokens) == (0.0, 400.0, 0.0)
+    # an edge that catches up copies the prefix before the second's first chunk, which runs
+    # once the first (older) has prefilled it
+    caught = replay(replace(SHAPE, catch_up=True), ahead, new)
+    assert (caught.queue_ms, caught.first_token_ms, caught.reused_tokens) == (0.0, 240.0, 160.0)
+    assert replay_literal(replace(SHAPE, catch_up=True), ahead, new) == caught
     # a cached token still costs its share: a tenth of a computed one saves nine tenths
     dear = replay(replace(one_slot, cached_token_ms=0.1), ahead, new)
     assert dear.first_token_ms == pytest.approx(200.0 + 40.0 + 16.0)

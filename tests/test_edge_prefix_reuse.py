@@ -272,6 +272,37 @@ async def test_a_prefix_a_running_request_holds_is_copied_into_the_next(graph: P
         await cold.shutdown()
 
 
+@pytest.mark.parametrize("catch_up", [True, False])
+async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_prompt(
+    graph: Path, catch_up: bool
+) -> None:
+    """A and B, two users of one 160-token app prompt, sent together: B is admitted while A
+    still prefills it in 16-token chunks, so its slot holds at most what A wrote by then.
+    Catching up, B copies A's whole prompt before its own first chunk (A, older, prefills
+    first) and computes only its question, with the same greedy tokens as a cold run; without,
+    it computes the rest of the app prompt again."""
+    system, qa, qb = _prompts(160, 10, 12, seed=23)
+    cold = await _engine(graph, prefix_reuse=False, slots=1)
+    warm = await _engine(graph, prefill_chunk=16, prefix_catch_up=catch_up)
+    try:
+        assert warm.stats().prefix_catch_up == catch_up
+        scheduler = warm._require_started()
+        ta, tb = await asyncio.gather(_run(warm, system + qa), _run(warm, system + qb))
+        # the prompt tokens both computed: A's 170 and what B did not copy
+        if catch_up:
+            assert (tb.cached, scheduler.prefilled_tokens) == (160, 170 + 12)
+            assert scheduler.copied_tokens >= 160 - 16
+        else:
+            assert tb.cached < 160 and scheduler.prefilled_tokens > 170 + 12 + 16
+        assert ta.cached == 0
+        assert tb.tokens == (await _run(cold, system + qb)).tokens
+        assert ta.tokens == (await _run(cold, system + qa)).tokens
+        warm._require_started().cache.check_integrity()  # type: ignore[union-attr]
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()
+
+
 @pytest.mark.parametrize("compact", [True, False])
 def test_a_free_slot_inside_the_busy_span_goes_first_unless_a_longer_prefix_is_worth_a_row(
     compact: bool,

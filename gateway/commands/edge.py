@@ -146,6 +146,15 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         "least recently freed (lru)",
     )
     s.add_argument(
+        "--no-prefix-catch-up",
+        dest="prefix_catch_up",
+        action="store_false",
+        help="copy into a request's slot only the prefix a slot holds at its admission "
+        "(default: also, before each of its prompt chunks, the blocks of its prompt another "
+        "running request wrote since, as a second user of an app's prompt admitted while the "
+        "first still prefilled it)",
+    )
+    s.add_argument(
         "--prefix-first",
         type=nonneg_int,
         default=4,
@@ -186,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         compact_slots=args.slot_order in ("compact", "shared"),
         keep_shared_slots=args.slot_order == "shared",
         space_chunks=args.space_chunks,
+        prefix_catch_up=args.prefix_catch_up,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(

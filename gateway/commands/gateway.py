@@ -93,6 +93,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="the edge node's --space-chunks (a prompt's blocks spaced between decode steps)",
     )
     s.add_argument(
+        "--no-edge-prefix-catch-up",
+        dest="edge_prefix_catch_up",
+        action="store_false",
+        help="the edge node's --no-prefix-catch-up (default: catch up before each chunk)",
+    )
+    s.add_argument(
         "--edge-prefix-first",
         type=nonneg_int,
         default=4,
@@ -244,6 +250,8 @@ def _node_argv(
         argv += ["--slot-order", args.edge_slot_order]
         if args.edge_space_chunks:
             argv += ["--space-chunks"]
+        if not args.edge_prefix_catch_up:
+            argv += ["--no-prefix-catch-up"]
     else:
         argv += ["--device", args.cloud_device]
         if args.cloud_prefill_stall_ratio is not None:

@@ -255,6 +255,7 @@ class NodeService:
             decode_ms_per_token=s.decode_ms_per_token,
             prefix_hit_rate=s.prefix_hit_rate,
             prefix_cache=s.prefix_cache,
+            prefix_catch_up=s.prefix_catch_up,
             tp=s.tp,
             pp=s.pp,
             devices=list(s.devices),

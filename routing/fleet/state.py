@@ -68,6 +68,9 @@ class NodeState(BaseModel):
     decode_ms_per_token: float = 0.0  # EWMA from the node's own timings
     prefix_hit_rate: float = 0.0
     prefix_cache: bool = False  # it keeps a prefix cache and publishes its block events
+    # a request takes the blocks of its prompt an earlier one in hand wrote since it was
+    # admitted before each of its chunks (routing.engine.EngineStats.prefix_catch_up)
+    prefix_catch_up: bool = False
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
