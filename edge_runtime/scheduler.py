@@ -39,9 +39,10 @@ Invariants:
   thread runs or admits). A decode step's dummy row of a free slot writes at that slot's kept
   length, never inside its kept KV.
 - Catch-up (with ``catch_up``): before a request's prompt chunk runs, the leading blocks of its
-  prompt that a busy slot has written beyond its own are copied in the same way (a request of
-  its app admitted while the first still prefilled their shared prompt: prefill goes oldest
-  first, so by its turn the first has written the prompt), and count as cached.
+  prompt that another slot (busy, or free and kept) holds beyond its own are copied in the
+  same way (a request of its app admitted while the first still prefilled their shared
+  prompt: prefill goes oldest first, so by its turn the first has written the prompt), and
+  count as cached.
 - Admission order (with prefix reuse): priority, then arrival, except that a waiting request
   holding 4+ more leading blocks in a free slot than every request ahead of it of its
   priority goes first (``routing.admission``): under a queue only one slot is free at a time,
@@ -401,12 +402,18 @@ class SlotScheduler:
             self.cached_tokens += r.cached
 
     def _catch_up(self, r: SlotRequest) -> None:
-        """Under the lock: before ``r``'s next chunk, the leading blocks of its prompt a busy
-        slot holds beyond what ``r`` has filled are copied into its slot (queued with the
-        admissions' copies) and count as cached."""
+        """Under the lock: before ``r``'s next chunk, the leading blocks of its prompt another
+        slot holds (busy, or free and kept: nothing takes it before the copy runs) beyond what
+        ``r`` has filled are copied into its slot (queued with the admissions' copies) and
+        count as cached."""
         assert self.cache is not None
         prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
         source, blocks = self.cache.best_busy(prompt, r.hashes, limit, exclude=r.slot)
+        for slot, occupant in enumerate(self.slots):
+            if occupant is None:
+                n = self.cache.match(slot, prompt, r.hashes, limit)
+                if n > blocks:
+                    source, blocks = slot, n
         gained = blocks * KV_BLOCK - r.filled
         if gained <= 0:
             return

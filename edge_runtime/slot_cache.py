@@ -206,11 +206,12 @@ class SlotCache:
 
     def adopt(self, slot: int, source: int, blocks: int) -> None:
         """Busy ``slot`` (just taken, or before its request's next chunk) now holds the
-        leading ``blocks`` blocks of busy ``source``, whose KV the caller copies into it before
-        the slot's next run; the blocks ``slot`` holds already must be the same ones."""
+        leading ``blocks`` blocks of ``source`` (busy, or free and kept), whose KV the caller
+        copies into it before anything can take or write ``source``; the blocks ``slot`` holds
+        already must be the same ones."""
         e, s = self.entries[slot], self.entries[source]
-        if not (e.busy and s.busy):
-            raise IntegrityError(f"adopt from slot {source} into {slot}: both must be busy")
+        if not e.busy or slot == source:
+            raise IntegrityError(f"adopt from slot {source} into {slot}: it must be busy")
         if blocks > len(s.hashes) or s.hashes[: len(e.hashes)] != e.hashes:
             raise IntegrityError(f"slot {source} does not hold {blocks} blocks {slot} extends")
         if blocks <= len(e.hashes):

@@ -272,22 +272,24 @@ async def test_a_prefix_a_running_request_holds_is_copied_into_the_next(graph: P
         await cold.shutdown()
 
 
+@pytest.mark.parametrize("a_new", [6, 1])
 @pytest.mark.parametrize("catch_up", [True, False])
 async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_prompt(
-    graph: Path, catch_up: bool
+    graph: Path, catch_up: bool, a_new: int
 ) -> None:
     """A and B, two users of one 160-token app prompt, sent together: B is admitted while A
     still prefills it in 16-token chunks, so its slot holds at most what A wrote by then.
     Catching up, B copies A's whole prompt before its own first chunk (A, older, prefills
-    first) and computes only its question, with the same greedy tokens as a cold run; without,
-    it computes the rest of the app prompt again."""
+    first; from A's busy slot, or from its free one where A's one-token answer is done) and
+    computes only its question, with the same greedy tokens as a cold run; without, it
+    computes the rest of the app prompt again."""
     system, qa, qb = _prompts(160, 10, 12, seed=23)
     cold = await _engine(graph, prefix_reuse=False, slots=1)
     warm = await _engine(graph, prefill_chunk=16, prefix_catch_up=catch_up)
     try:
         assert warm.stats().prefix_catch_up == catch_up
         scheduler = warm._require_started()
-        ta, tb = await asyncio.gather(_run(warm, system + qa), _run(warm, system + qb))
+        ta, tb = await asyncio.gather(_run(warm, system + qa, a_new), _run(warm, system + qb))
         # the prompt tokens both computed: A's 170 and what B did not copy
         if catch_up:
             assert (tb.cached, scheduler.prefilled_tokens) == (160, 170 + 12)
@@ -296,7 +298,7 @@ async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_p
             assert tb.cached < 160 and scheduler.prefilled_tokens > 170 + 12 + 16
         assert ta.cached == 0
         assert tb.tokens == (await _run(cold, system + qb)).tokens
-        assert ta.tokens == (await _run(cold, system + qa)).tokens
+        assert ta.tokens == (await _run(cold, system + qa, a_new)).tokens
         warm._require_started().cache.check_integrity()  # type: ignore[union-attr]
     finally:
         await warm.shutdown()

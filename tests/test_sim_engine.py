@@ -124,6 +124,16 @@ def test_edge_copies_a_prefix_from_a_running_request(tmp_path: Path) -> None:
     assert res.cached_tokens == [0, 48]
 
 
+def test_edge_catches_up_on_a_prefix_written_after_admission(tmp_path: Path) -> None:
+    g = {"prefix_group": "sys", "prefix_tokens": 288}
+    trace = [_req(0, 320, 2, **g), _req(0, 320, 2, **g)]
+    res = _run(_fleet(tmp_path, "edge", slots=2), trace)
+    # both take a slot at once, before A has written anything; A (older) prefills first, and
+    # before B's first chunk its 18 shared blocks are copied in (as the edge engine does)
+    assert res.cached_tokens == [0, 288]
+    assert res.ttft_s[1] < res.ttft_s[0] + 0.320 - 0.250
+
+
 def test_edge_admits_first_the_request_that_reuses_the_freed_slot(tmp_path: Path) -> None:
     g = {"prefix_group": "sys", "prefix_tokens": 96}
     trace = [_req(0, 112, 5, **g), _req(0.001, 64, 2), _req(0.002, 112, 2, **g)]

@@ -5,7 +5,8 @@ cut short when something arrives that would change the plan).
   for a request that reuses 4+ more of a free slot's kept blocks than those ahead of it
   (``routing.admission``); a new request takes the free slot holding most of its leading
   blocks (its kept KV), else an empty slot, else the least recently freed, with a longer run a busy slot holds copied into it (a
-  running request offers its prompt's blocks as its prefill writes them); each loop runs one
+  running request offers its prompt's blocks as its prefill writes them, and before each chunk
+  a request copies a longer run one wrote since its admission); each loop runs one
   prefill chunk of the oldest request
   still prefilling (cut beside decoding rows as ``routing.prefill_budget`` says, from the
   node's own EWMAs), then one decode step of every decoding row. A slot keeps its request's
@@ -160,9 +161,12 @@ class EdgeSim(_Node):
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
         space_chunks: bool = False,
+        catch_up: bool = True,
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
         self.chunk = chunk_tokens
+        # as the edge scheduler's catch_up: before a chunk, a busy slot's longer run is copied
+        self.catch_up = catch_up
         self.prefix_first = prefix_first
         self.stall_ratio = stall_ratio
         # as the edge scheduler's space_chunks: a block only every chunk_every() decode steps
@@ -323,6 +327,8 @@ class EdgeSim(_Node):
         else:
             self._pacer.reset()
         if pre is not None:
+            if self.prefix_cache and self.catch_up:
+                self._catch_up(pre)
             size = self.chunk_beside_decode() if decoding else self.chunk
             c = min(size, pre.prompt - pre.filled)
             pre_ms = cost.chunk_ms(pre.filled, c)
@@ -373,6 +379,26 @@ class EdgeSim(_Node):
             self.kept[r.slot] = list(r.blocks[:n])
             if stored:
                 self.on_blocks(stored, [])
+
+    def _catch_up(self, r: SimRequest) -> None:
+        """Before ``r``'s chunk: a longer run of its leading blocks another slot (busy or free)
+        holds than it has filled is copied into its slot and counts as cached (the edge's
+        catch-up)."""
+        have, limit = r.filled // BLOCK, reusable_blocks(r.prompt)
+        for i, kept in enumerate(self.kept):
+            if i != r.slot and len(kept) > have:
+                n = self._leading(self.kept[i], r.blocks, limit)
+                if n > have and n * BLOCK > r.filled:
+                    stored: list[int] = []
+                    self._keep(self.kept[i][len(self.kept[r.slot]) : n], stored)
+                    self.kept[r.slot] = list(self.kept[i][:n])
+                    self.shared[r.slot] = n
+                    self.shared[i] = max(self.shared[i], n)
+                    r.cached += n * BLOCK - r.filled
+                    r.filled = n * BLOCK
+                    have = n
+                    if stored:
+                        self.on_blocks(stored, [])
 
     def waiting_admissible(self) -> bool:
         return bool(self.waiting) and len(self.order) < self.slots

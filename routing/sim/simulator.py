@@ -269,6 +269,7 @@ class Simulator:
             device=n.device,  # type: ignore[attr-defined]
             max_batch=n.slots,
             prefix_cache=n.id in self.prefix_nodes,
+            prefix_catch_up=n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.catch_up,
             timestamp=0.0,
         )
 
