@@ -90,7 +90,7 @@ class EdgeEngineConfig:
     ``keep_shared_slots``: with ``prefix_reuse``, a free slot keeping blocks that two requests
     used (an app's system prompt) goes last to a request that would overwrite them;
     ``prefix_catch_up``: with ``prefix_reuse``, before each prompt chunk a request copies the
-    leading blocks of its prompt a busy slot wrote since it was admitted (a request of its
+    leading blocks of its prompt another slot holds beyond its own (a request of its
     app admitted while the first still prefilled their shared prompt) instead of computing
     them again (off: only what a slot held at its admission);
     ``space_chunks``: where one 16-token block beside decoding answers takes longer than

@@ -171,7 +171,7 @@ class SlotScheduler:
         catch_up: bool = True,
     ) -> None:
         self.decoder = decoder
-        # copy a prefix a busy slot wrote since admission before each chunk (with a cache)
+        # before each chunk, copy a longer prefix another slot holds than at admission
         self.catch_up = catch_up
         # how often a waiting request may be passed by one reusing more of a free slot's KV
         self.prefix_first = max(0, prefix_first)
@@ -388,7 +388,7 @@ class SlotScheduler:
                 prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
                 slot, blocks = self.cache.choose(free, prompt, r.hashes, limit)
                 self.cache.take(slot, blocks)
-                source, more = self.cache.best_busy(prompt, r.hashes, limit, exclude=slot)
+                source, more = self.cache.best_source(prompt, r.hashes, limit, exclude=slot)
                 if more > blocks:
                     self.cache.adopt(slot, source, more)
                     self._copies.append((source, slot, more * KV_BLOCK))
@@ -408,12 +408,9 @@ class SlotScheduler:
         count as cached."""
         assert self.cache is not None
         prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
-        source, blocks = self.cache.best_busy(prompt, r.hashes, limit, exclude=r.slot)
-        for slot, occupant in enumerate(self.slots):
-            if occupant is None:
-                n = self.cache.match(slot, prompt, r.hashes, limit)
-                if n > blocks:
-                    source, blocks = slot, n
+        source, blocks = self.cache.best_source(
+            prompt, r.hashes, limit, exclude=r.slot, free_too=True
+        )
         gained = blocks * KV_BLOCK - r.filled
         if gained <= 0:
             return

@@ -14,7 +14,7 @@ Each slot has one :class:`SlotEntry`: the token ids whose KV is valid at positio
   other blocks were reported removed when the slot was taken), growing by each full block of
   its prompt as its prefill writes them (:meth:`SlotCache.grow`). They are never taken from
   it while it runs, but a new request that shares them may have them copied into its own slot
-  (:meth:`SlotCache.best_busy`, :meth:`SlotCache.adopt`): two users of one system prompt at
+  (:meth:`SlotCache.best_source`, :meth:`SlotCache.adopt`): two users of one system prompt at
   once both skip it. The request's whole sequence comes back when it ends.
 
 Invariants (checked by :meth:`SlotCache.check_integrity`):
@@ -108,14 +108,20 @@ class SlotCache:
         e = self.entries[slot]
         return 0 if e.busy else self._leading(e, tokens, hashes, limit)
 
-    def best_busy(
-        self, tokens: Sequence[int], hashes: Sequence[int], limit: int, exclude: int
+    def best_source(
+        self,
+        tokens: Sequence[int],
+        hashes: Sequence[int],
+        limit: int,
+        exclude: int,
+        free_too: bool = False,
     ) -> tuple[int, int]:
-        """``(slot, blocks)``: the busy slot other than ``exclude`` holding the longest run of
-        leading blocks of ``tokens`` (at most ``limit``), to copy from; ``(-1, 0)`` if none."""
+        """``(slot, blocks)``: the busy slot (or, ``free_too``, any slot) other than
+        ``exclude`` holding the longest run of leading blocks of ``tokens`` (at most
+        ``limit``), to copy from; ``(-1, 0)`` if none."""
         best, most = -1, 0
         for slot, e in enumerate(self.entries):
-            if e.busy and slot != exclude and len(e.hashes) > most:
+            if (e.busy or free_too) and slot != exclude and len(e.hashes) > most:
                 n = self._leading(e, tokens, hashes, limit)
                 if n > most:
                     best, most = slot, n

@@ -340,12 +340,12 @@ def test_grow_adopt_and_the_busy_slot_to_copy_from() -> None:
     hashes = cache.hashes(prompt)
     cache.take(0, 0)
     cache.grow(0, prompt[:20], hashes)  # one full block written so far
-    assert cache.best_busy(prompt, hashes, limit=3, exclude=1) == (0, 1)
+    assert cache.best_source(prompt, hashes, limit=3, exclude=1) == (0, 1)
     cache.grow(0, prompt[:50], hashes)
     cache.check_integrity()
-    assert cache.best_busy(prompt, hashes, limit=3, exclude=1) == (0, 3)
-    assert cache.best_busy(prompt, hashes, limit=2, exclude=1) == (0, 2)  # the limit holds
-    assert cache.best_busy(prompt, hashes, limit=3, exclude=0) == (-1, 0)
+    assert cache.best_source(prompt, hashes, limit=3, exclude=1) == (0, 3)
+    assert cache.best_source(prompt, hashes, limit=2, exclude=1) == (0, 2)  # the limit holds
+    assert cache.best_source(prompt, hashes, limit=3, exclude=0) == (-1, 0)
     assert cache.choose([1, 2], prompt, hashes, limit=3) == (1, 0)  # busy: never chosen
     cache.take(1, 0)
     cache.adopt(1, 0, 3)
