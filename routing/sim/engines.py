@@ -165,7 +165,7 @@ class EdgeSim(_Node):
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
         self.chunk = chunk_tokens
-        # as the edge scheduler's catch_up: before a chunk, a busy slot's longer run is copied
+        # as the edge scheduler's catch_up: before a chunk, another slot's longer run is copied
         self.catch_up = catch_up
         self.prefix_first = prefix_first
         self.stall_ratio = stall_ratio
@@ -289,15 +289,7 @@ class EdgeSim(_Node):
             self.kept[best] = kept[:best_n]
             self.shared[best] = best_n
             if self.prefix_cache:  # a longer run in a busy slot is copied into this one
-                for i, o in enumerate(self.occupant):
-                    if o is not None and len(self.kept[i]) > best_n:
-                        n = self._leading(self.kept[i], r.blocks, limit)
-                        if n > best_n:
-                            self._keep(self.kept[i][best_n:n], stored)
-                            self.kept[best] = list(self.kept[i][:n])
-                            self.shared[best] = n
-                            self.shared[i] = max(self.shared[i], n)
-                            best_n = n
+                best_n = self._copy_longest(r.blocks, best, best_n, limit, stored, False)
             self.occupant[best] = r
             r.slot = best
             r.cached = r.filled = best_n * BLOCK
@@ -380,25 +372,42 @@ class EdgeSim(_Node):
             if stored:
                 self.on_blocks(stored, [])
 
+    def _copy_longest(
+        self,
+        blocks: Sequence[int],
+        slot: int,
+        have: int,
+        limit: int,
+        stored: list[int],
+        free_too: bool,
+    ) -> int:
+        """The busy slot (or, ``free_too``, any slot) holding the longest run of ``blocks``
+        beyond the ``have`` that ``slot`` holds has it copied into ``slot``, as
+        ``SlotCache.best_source`` and ``adopt`` do; returns the blocks ``slot`` now holds."""
+        for i, o in enumerate(self.occupant):
+            if i != slot and (o is not None or free_too) and len(self.kept[i]) > have:
+                n = self._leading(self.kept[i], blocks, limit)
+                if n > have:
+                    self._keep(self.kept[i][len(self.kept[slot]) : n], stored)
+                    self.kept[slot] = list(self.kept[i][:n])
+                    self.shared[slot] = n
+                    self.shared[i] = max(self.shared[i], n)
+                    have = n
+        return have
+
     def _catch_up(self, r: SimRequest) -> None:
         """Before ``r``'s chunk: a longer run of its leading blocks another slot (busy or free)
         holds than it has filled is copied into its slot and counts as cached (the edge's
         catch-up)."""
-        have, limit = r.filled // BLOCK, reusable_blocks(r.prompt)
-        for i, kept in enumerate(self.kept):
-            if i != r.slot and len(kept) > have:
-                n = self._leading(self.kept[i], r.blocks, limit)
-                if n > have and n * BLOCK > r.filled:
-                    stored: list[int] = []
-                    self._keep(self.kept[i][len(self.kept[r.slot]) : n], stored)
-                    self.kept[r.slot] = list(self.kept[i][:n])
-                    self.shared[r.slot] = n
-                    self.shared[i] = max(self.shared[i], n)
-                    r.cached += n * BLOCK - r.filled
-                    r.filled = n * BLOCK
-                    have = n
-                    if stored:
-                        self.on_blocks(stored, [])
+        stored: list[int] = []
+        have = self._copy_longest(
+            r.blocks, r.slot, r.filled // BLOCK, reusable_blocks(r.prompt), stored, True
+        )
+        if have * BLOCK > r.filled:
+            r.cached += have * BLOCK - r.filled
+            r.filled = have * BLOCK
+        if stored:
+            self.on_blocks(stored, [])
 
     def waiting_admissible(self) -> bool:
         return bool(self.waiting) and len(self.order) < self.slots
