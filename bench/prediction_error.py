@@ -228,6 +228,11 @@ VARIANTS = {
     # the cloud's step under way holds only the prompts begun in it (``routing.backlog``)
     "step_in_flight": "latency:\n  step_in_flight: true\n",
     "slot_prefix_in_flight": "latency:\n  slot_prefix_order: true\n  step_in_flight: true\n",
+    # and each step pays its pass on the CPU cloud too (a chunk alone: the whole pass)
+    "pass_in_flight": "latency:\n  prefill_pass: 'on'\n  step_in_flight: true\n",
+    "pass_on": "latency:\n  prefill_pass: 'on'\n",
+    "pass_wait_in_flight": "latency:\n  prefill_pass: 'on'\n  busy_wait: 'on'\n"
+    "  step_in_flight: true\n",
     # three quarters of the arrivals' weight (the default: half)
     "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
     # the node held at what it has in hand, the decode half way (geometrically) between the
