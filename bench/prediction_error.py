@@ -222,17 +222,6 @@ VARIANTS = {
     "in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
     # with the edge's blocks spaced between decode steps too (``SERVE_VARIANTS``)
     "space_in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
-    # an edge admitting by prefix replayed so: a request leaving its slot leaves its prompt,
-    # and a waiting sharer of it goes first (``routing.backlog``)
-    "slot_prefix_order": "latency:\n  slot_prefix_order: true\n",
-    # the cloud's step under way holds only the prompts begun in it (``routing.backlog``)
-    "step_in_flight": "latency:\n  step_in_flight: true\n",
-    "slot_prefix_in_flight": "latency:\n  slot_prefix_order: true\n  step_in_flight: true\n",
-    # and each step pays its pass on the CPU cloud too (a chunk alone: the whole pass)
-    "pass_in_flight": "latency:\n  prefill_pass: 'on'\n  step_in_flight: true\n",
-    "pass_on": "latency:\n  prefill_pass: 'on'\n",
-    "pass_wait_in_flight": "latency:\n  prefill_pass: 'on'\n  busy_wait: 'on'\n"
-    "  step_in_flight: true\n",
     # three quarters of the arrivals' weight (the default: half)
     "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
     # the node held at what it has in hand, the decode half way (geometrically) between the

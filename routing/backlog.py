@@ -33,18 +33,6 @@ Invariants:
   included), one more with the usual work joins the queue, behind the new request and never
   ahead of it. Requests that come later can only slow its decode (their prefill chunks between
   its steps, their rows in its batch); none shares the steps of its prompt, which come first.
-- Admission is first come, first served, except on an edge that admits by prefix
-  (``EngineShape.prefix_first``): a request that leaves its slot leaves its prompt's blocks
-  there, and a waiting request reusing ``PREFIX_FIRST_MIN_BLOCKS`` more of such a free slot
-  than each ahead of it goes first (``routing.admission``, the edge's own rule), into that
-  slot. Work in hand already in a slot (its prefill begun, or decoding) is admitted first;
-  the slots left free keep the prompts of the requests that left last (``kept``, the latest
-  last: what the gateway saw leave), and the waiting requests (those not begun, then the new
-  one) take them by that rule, with the passes they have had (``Work.passed``). Slots freed
-  in one loop join in arrival order.
-- With ``EngineShape.step_in_flight`` (mixed steps) the step under way holds only the prompts
-  in hand whose prefill has begun (``Work.started``) and the decode rows: the others and the
-  new request join from the next step.
 """
 
 from __future__ import annotations
@@ -53,11 +41,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice
 from typing import NamedTuple
-
-from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
-from routing.blocks import leading_shared
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,10 +55,6 @@ class Work:
     started: bool = False  # its prefill is under way (its fixed cost is paid)
     context: float = 0.0
     shared: SharedPrefix | None = None  # prompt blocks an earlier request in hand computes
-    # its prompt's leading block hashes, as far as a node reuses them (``routing.blocks``):
-    # what its slot keeps once it leaves, and what it reuses of a slot another one left
-    hashes: tuple[int, ...] = ()
-    passed: int = 0  # times a later request was admitted before it (``EngineShape.prefix_first``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,11 +109,6 @@ class EngineShape:
     # a request takes the prefix an earlier one in hand writes before each of its chunks
     # (NodeState.prefix_catch_up), not only at admission
     catch_up: bool = False
-    # a waiting request reusing several more blocks of a free slot than each ahead of it goes
-    # first, each passed at most this many times (NodeState.prefix_first; 0: arrival order)
-    prefix_first: int = 0
-    # mixed steps: the step under way holds only the prompts already begun (see the module)
-    step_in_flight: bool = False
 
     def chunk(self, decoding: int) -> float:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -180,83 +155,6 @@ class _Req:
     reuse: float = 0.0  # prefill work an earlier request's prefix saves it (``Work.shared``)
     source: _Req | None = None  # that request (None: its prefill is done)
     reused: float = 0.0  # what it saved, once in a slot
-    hashes: tuple[int, ...] = ()  # its prompt's leading blocks (``Work.hashes``)
-    order: int = 0  # its place in arrival order (arrivals after all of the work in hand)
-    passed: int = 0  # times a later request was admitted before it (``EngineShape.prefix_first``)
-
-
-ARRIVAL_ORDER = 1 << 30  # the place of the arrivals that keep a node's population
-
-
-def _next_waiting(
-    waiting: deque[_Req], kept: deque[tuple[int, ...]], free: int, limit: int
-) -> _Req:
-    """Take the waiting request admitted next into one of ``free`` free slots, ``kept`` of
-    which keep the prompt blocks of those that left them (least recently freed first; the
-    others keep what is not known): the first in line, unless a later one reuses
-    ``PREFIX_FIRST_MIN_BLOCKS`` more of a kept slot than each ahead of it, none passed more
-    than ``limit`` times (``routing.admission``; 0: always the first). The slot it takes stops
-    being kept: the one keeping most of its prompt, else one whose keep is not known, else the
-    least recently freed."""
-    best = 0
-    if limit > 0 and len(waiting) > 1 and any(kept):
-        candidates = (
-            (max(leading_shared(r.hashes, k) for k in kept) if r.hashes else 0, r.passed)
-            for r in islice(waiting, PREFIX_FIRST_WINDOW)
-        )
-        best = prefix_first(candidates, limit)
-    if best == 0:
-        r = waiting.popleft()
-    else:
-        r = waiting[best]
-        del waiting[best]
-        for ahead in islice(waiting, best):
-            ahead.passed += 1
-    if kept:
-        reuse = [leading_shared(r.hashes, k) for k in kept]
-        most = max(reuse)
-        if most > 0:
-            del kept[reuse.index(most)]
-        elif free <= len(kept):
-            kept.popleft()
-    return r
-
-
-def _queue(
-    shape: EngineShape, left: list[_Req], target: _Req, kept: Sequence[tuple[int, ...]]
-) -> tuple[deque[_Req], deque[tuple[int, ...]]]:
-    """The replay's first queue and what its free slots keep: where the node admits by prefix,
-    the requests in hand already in a slot first (begun or decoding), then those waiting and
-    the new one, and as many of ``kept`` (the latest) as slots are left; else arrival order."""
-    if shape.prefix_first <= 0:
-        return deque([*left, target]), deque()
-    in_slot = [r for r in left if r.started or r.prefill <= 0]
-    for r in in_slot:  # barriers: each is admitted (it holds its slot) before any choice
-        r.passed = max(r.passed, shape.prefix_first)
-    queue = deque(in_slot)
-    queue.extend(r for r in left if not (r.started or r.prefill <= 0))
-    queue.append(target)
-    free = max(0, max(1, shape.slots) - len(in_slot))
-    return queue, deque(kept[len(kept) - free :] if free else ())
-
-
-def _held(shape: EngineShape, left: Sequence[_Req]) -> bool:
-    """Whether the replay's first step is the one under way: only the prompts begun in it."""
-    return (
-        shape.mixed_steps
-        and shape.step_in_flight
-        and any(r.started and r.prefill > 0 for r in left)
-    )
-
-
-def _keep(kept: deque[tuple[int, ...]], freed: list[_Req], slots: int) -> None:
-    """The slots of ``freed`` (left since the last admission) keep their prompts, joining
-    ``kept`` in arrival order; ``freed`` is emptied."""
-    freed.sort(key=lambda r: r.order)
-    kept.extend(r.hashes for r in freed)
-    while len(kept) > slots:
-        kept.popleft()
-    freed.clear()
 
 
 def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[list[_Req], _Req]:
@@ -264,20 +162,17 @@ def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[lis
     each linked to the earlier request whose prefix it shares (``Work.shared``) with the
     prefill work that saves it."""
     reqs = [_req(w) for w in ahead]
-    for i, r in enumerate(reqs):
-        r.order = i
     target = _req(new, new=True)
-    target.order = len(reqs)
     per_token = max(shape.prefill_ms_per_token, 1e-9)
     saves = max(0.0, 1.0 - shape.cached_token_ms / per_token)
     for i, (w, r) in enumerate((*zip(ahead, reqs, strict=True), (new, target))):
         if w.shared is not None and 0 <= w.shared.source < i:
             r.reuse = max(0.0, w.shared.tokens) * saves
             r.source = reqs[w.shared.source]
-    left = [
+    kept = [
         r for w, r in zip(ahead, reqs, strict=True) if w.prefill_tokens > 0 or w.decode_steps > 0
     ]
-    return left, target
+    return kept, target
 
 
 def _take_slot(r: _Req, catch_up: bool) -> None:
@@ -355,30 +250,18 @@ class _Loop:
 
     waiting: deque[_Req]
     prefilling: deque[_Req]  # in slots, prompt not done, oldest first
-    # heap of (step count it finishes at, tiebreak, its context less the count it started
-    # at, the request)
-    decoding: list[tuple[float, int, float, _Req]]
+    # heap of (step count it finishes at, tiebreak, its context less the count it started at)
+    decoding: list[tuple[float, int, float]]
     target: _Req
     loops: int  # loops left before it gives up
     clock: _Clock = field(default_factory=_Clock)
-    # where the node admits by prefix: what free slots keep (``_next_waiting``), and the
-    # requests that left theirs since the last admission
-    kept: deque[tuple[int, ...]] = field(default_factory=deque)
-    freed: list[_Req] = field(default_factory=list)
-    held: bool = False  # the next step is the one under way (``EngineShape.step_in_flight``)
 
     @classmethod
-    def start(
-        cls,
-        shape: EngineShape,
-        ahead: Sequence[Work],
-        new: Work,
-        max_loops: int,
-        kept: Sequence[tuple[int, ...]] = (),
-    ) -> _Loop:
-        left, target = _requests(shape, ahead, new)
-        waiting, free_keep = _queue(shape, left, target, kept)
-        return cls(waiting, deque(), [], target, max_loops, kept=free_keep, held=_held(shape, left))
+    def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
+        kept, target = _requests(shape, ahead, new)
+        waiting = deque(kept)
+        waiting.append(target)
+        return cls(waiting, deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
         """An independent copy (requests not yet decoding are copied: chunks change them, and
@@ -394,9 +277,6 @@ class _Loop:
             copies.get(id(self.target), self.target),
             self.loops,
             self.clock,
-            deque(self.kept),
-            list(self.freed),
-            self.held,
         )
 
 
@@ -406,14 +286,10 @@ def replay(
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
-    kept: Sequence[tuple[int, ...]] = (),
 ) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
-    ``arrivals`` that keep the node's population; ``kept``: the prompts of the requests that
-    left the node last, the latest last (what its free slots keep, where it admits by
-    prefix)."""
-    loop = _Loop.start(shape, ahead, new, max_loops, kept)
-    r = _advance(shape, loop, arrivals, pause_at_first=False)
+    ``arrivals`` that keep the node's population."""
+    r = _advance(shape, _Loop.start(shape, ahead, new, max_loops), arrivals, pause_at_first=False)
     assert r is not None  # only a pausing run stops short
     return r
 
@@ -424,12 +300,11 @@ def replay_pair(
     new: Work,
     arrivals: Arrivals,
     max_loops: int = 4096,
-    kept: Sequence[tuple[int, ...]] = (),
 ) -> tuple[Replayed, Replayed]:
     """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
     once the new request has its first token, so both run the same loops until then; those
     run once, and the rest forks."""
-    loop = _Loop.start(shape, ahead, new, max_loops, kept)
+    loop = _Loop.start(shape, ahead, new, max_loops)
     shared = _advance(shape, loop, None, pause_at_first=True)
     if shared is not None:  # done by its first token (no decode, or out of loops)
         return shared, shared
@@ -462,12 +337,10 @@ def _advance(
     )
     t, done, base, queue_ms, first, target_end, row_steps, steps, stall, ctx_steps, seq = loop.clock
     slots = max(1, shape.slots)
-    kept, freed = loop.kept, loop.freed
-    by_prefix = shape.prefix_first > 0  # slots it leaves are kept for admission by prefix
 
     def start_decoding(r: _Req) -> None:
         nonlocal seq, target_end, base
-        heapq.heappush(decoding, (done + r.steps, seq, r.ctx - done, r))
+        heapq.heappush(decoding, (done + r.steps, seq, r.ctx - done))
         base += r.ctx - done
         seq += 1
         if r.new:
@@ -476,10 +349,7 @@ def _advance(
     def finish_decoding() -> None:
         nonlocal base
         while decoding and decoding[0][0] <= done:
-            _, _, ctx, r = heapq.heappop(decoding)
-            base -= ctx
-            if by_prefix:
-                freed.append(r)
+            base -= heapq.heappop(decoding)[2]
 
     def result(last: float) -> Replayed:
         if steps <= 0:
@@ -499,13 +369,9 @@ def _advance(
                 for _ in range(
                     arrivals.population - len(waiting) - len(prefilling) - len(decoding)
                 ):
-                    waiting.append(_arrival(arrivals.work))
-        if freed:
-            _keep(kept, freed, slots)
+                    waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
-            r = _next_waiting(
-                waiting, kept, slots - len(prefilling) - len(decoding), shape.prefix_first
-            )
+            r = waiting.popleft()
             _take_slot(r, shape.catch_up)
             if r.new:
                 queue_ms = t
@@ -516,15 +382,12 @@ def _advance(
         pre = prefilling[0] if prefilling else None
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
-            # (the step under way: only the prompts it began with)
-            prompts = [r for r in prefilling if r.started] if loop.held else prefilling
-            loop.held = False
-            ms, own, finished = _run_step_chunks(prompts, shape, len(decoding))
+            ms, own, finished = _run_step_chunks(prefilling, shape, len(decoding))
             t += ms + (shape.chunk_beside_ms if decoding else shape.step_fixed_ms)
             if own > 0:
                 stall += (own + shape.chunk_beside_ms) * len(decoding)
-            for r in finished:  # the oldest, but for a step under way's
-                prefilling.remove(r)
+            for _ in finished:  # the finished ones are the oldest
+                prefilling.popleft()
             n = len(decoding)
             if n:
                 ms, ctx = shape.decode_steps_ms(1.0, n, base + n * done)
@@ -544,8 +407,6 @@ def _advance(
                         return result(first)
                 if r.steps > 0:
                     start_decoding(r)
-                elif by_prefix:
-                    freed.append(r)
             continue
         if pre is not None:
             ms = _run_chunk(pre, shape, shape.chunk(len(decoding))) + shape.step_fixed_ms
@@ -560,8 +421,6 @@ def _advance(
                         return result(first)
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
                     start_decoding(pre)
-                elif by_prefix:
-                    freed.append(pre)
         if not decoding:
             if pre is None and not waiting:
                 break
@@ -594,26 +453,11 @@ def _advance(
     )
 
 
-def _arrival(w: Work) -> _Req:
-    """One of the requests that keep a node's population (after all the others)."""
-    r = _req(w)
-    r.order = ARRIVAL_ORDER
-    return r
-
-
 def _req(w: Work, new: bool = False) -> _Req:
     """A replay's request from ``w`` (the new one computes at least one prompt token; work in
     hand whose prefill is under way has paid its fixed cost)."""
     prefill = max(1.0, w.prefill_tokens) if new else max(0.0, w.prefill_tokens)
-    return _Req(
-        prefill,
-        max(0.0, w.decode_steps),
-        new,
-        w.started and not new,
-        max(0.0, w.context),
-        hashes=w.hashes,
-        passed=w.passed,
-    )
+    return _Req(prefill, max(0.0, w.decode_steps), new, w.started and not new, max(0.0, w.context))
 
 
 def replay_literal(
@@ -622,24 +466,15 @@ def replay_literal(
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
-    kept: Sequence[tuple[int, ...]] = (),
 ) -> Replayed:
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    left, target = _requests(shape, ahead, new)
-    waiting, free_keep = _queue(shape, left, target, kept)
-    held = _held(shape, left)
+    waiting, target = _requests(shape, ahead, new)
+    waiting.append(target)
+    waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
-    freed: list[_Req] = []
     slots = max(1, shape.slots)
-
-    def still_running() -> list[_Req]:
-        """``running`` less those done, whose slots (where it admits by prefix) keep theirs."""
-        if shape.prefix_first > 0:
-            freed.extend(r for r in running if r.prefill <= 0 and r.steps <= 0)
-        return [r for r in running if r.prefill > 0 or r.steps > 0]
-
     t = 0.0
     queue_ms = first = -1.0
     row_steps = steps = stall = ctx_steps = 0.0
@@ -667,11 +502,9 @@ def replay_literal(
     for _ in range(max_loops):
         if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(running)):
-                waiting.append(_arrival(arrivals.work))
-        if freed:
-            _keep(free_keep, freed, slots)
+                waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
-            r = _next_waiting(waiting, free_keep, slots - len(running), shape.prefix_first)
+            r = waiting.pop()
             _take_slot(r, shape.catch_up)
             if r.new:
                 queue_ms = t
@@ -679,8 +512,7 @@ def replay_literal(
         pre = next((r for r in running if r.prefill > 0), None)
         if pre is not None and shape.mixed_steps:
             rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
-            prompts = [r for r in running if r.prefill > 0 and (r.started or not held)]
-            held = False
+            prompts = (r for r in running if r.prefill > 0)
             ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
             t += ms + (shape.chunk_beside_ms if rows else shape.step_fixed_ms)
             if own > 0:
@@ -693,7 +525,7 @@ def replay_literal(
                 first = t
                 if target.steps <= 0:
                     return result(first)
-            running = still_running()
+            running = [r for r in running if r.prefill > 0 or r.steps > 0]
             continue
         if pre is not None:
             rows_n = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
@@ -709,7 +541,7 @@ def replay_literal(
         if pre is not None and pre.prefill <= 0 and pre.steps > 0:
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
         if not decoding:
-            running = still_running()
+            running = [r for r in running if r.prefill > 0 or r.steps > 0]
             if pre is None and not waiting:
                 break
             continue
@@ -720,7 +552,7 @@ def replay_literal(
         decode(decoding, k)
         if first >= 0 and target.steps <= 0:
             return result(t)
-        running = still_running()
+        running = [r for r in running if r.prefill > 0 or r.steps > 0]
     # Out of loops (a pathological backlog): finish the target alone from here.
     if first < 0:
         first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms

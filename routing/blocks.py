@@ -25,19 +25,6 @@ def reusable_blocks(prompt_tokens: int) -> int:
     return max(0, prompt_tokens - 1) // BLOCK_SIZE
 
 
-def leading_shared(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading blocks two prompts have in common, from their chained block hashes: equal at
-    block ``i`` means equal at every block before it, so the run is found by bisection."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def model_seed(model_identity: str) -> int:
     """The 64-bit root hash for a model identity; the parent of every model's first block."""
     return int.from_bytes(

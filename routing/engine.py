@@ -112,9 +112,6 @@ class EngineStats:
     # wrote since its admission (the edge's catch-up): a request sharing a prefix with an
     # earlier one in hand reuses it wherever it stands in the queue
     prefix_catch_up: bool = False
-    # a waiting request reusing several more blocks of a free slot than every one ahead of it
-    # goes first, each passed at most this many times (routing.admission; 0: arrival order)
-    prefix_first: int = 0
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel

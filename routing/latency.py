@@ -240,22 +240,6 @@ class LatencyKnobs(BaseModel):
         "paired rounds took the concurrency-16 TTFT p90 from 0.64 to 0.56 and the goal cells "
         "from 10 to 11: docs/benchmarks.md",
     )
-    slot_prefix_order: bool = Field(
-        default=False,
-        description="on an edge that admits by prefix (NodeState.prefix_first), the replay "
-        "does too: a request in hand leaving its slot leaves its prompt there, and a waiting "
-        "request reusing 4+ more of its blocks than each ahead of it goes first, into that "
-        "slot (routing.admission); off, requests are replayed in arrival order",
-    )
-    step_in_flight: bool = Field(
-        default=False,
-        description="on a node whose steps mix prompt chunks with decode rows (the cloud "
-        "engine), the step under way holds only the prompts in hand it began with: a new "
-        "request joins the next one and waits for the rest of that step (off: it joins the "
-        "replay's first step after half a decode step). At concurrency 16 on the embedded "
-        "default a burst's second and third cloud requests waited for the step the first "
-        "began, 190-450 ms measured against 85-250 predicted",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -930,8 +914,6 @@ class LatencyModel:
             cached_token_ms=per_cached,
             mixed_steps=kd.mixed_steps,
             catch_up=node.prefix_catch_up,
-            prefix_first=node.prefix_first if self.knobs.slot_prefix_order else 0,
-            step_in_flight=kd.mixed_steps and self.knobs.step_in_flight,
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
             chunk_beside_ms=beside_ms,
@@ -949,8 +931,6 @@ class LatencyModel:
         ahead: Sequence[Work] | None = None,
         arrivals: Arrivals | None = None,
         shared_prefix: SharedPrefix | None = None,
-        hashes: Sequence[int] = (),
-        kept: Sequence[tuple[int, ...]] = (),
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -965,10 +945,7 @@ class LatencyModel:
         longest run of its leading blocks a request in ``ahead`` has too (its prompt tokens:
         ``DispatchLedger.shared_prefix``); with ``in_hand_prefix``, on a node with a prefix
         cache, those beyond the credit are cached if that request's prefill is done when this
-        one takes a slot (``routing.backlog``). ``hashes`` are its prompt's leading block
-        hashes, and ``kept`` what the node's free slots keep (the prompts of the requests that
-        left it last, ``DispatchLedger.left_prompts``), for an edge that admits by prefix
-        (``slot_prefix_order``). On a node with work in hand the request first
+        one takes a slot (``routing.backlog``). On a node with work in hand the request first
         waits for the step in flight (half a decode step, on average).
         """
         k = self.knobs
@@ -1016,13 +993,11 @@ class LatencyModel:
             arrivals = Arrivals(max(len(work) + 1, arrivals.population), arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
-        new = Work(
-            work_tokens, out - 1.0, context=prompt_tokens, shared=shared, hashes=tuple(hashes)
-        )
+        new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
         if arrivals is not None and k.arrival_weight < 1.0:
-            r = _blend_decode(*replay_pair(shape, work, new, arrivals, kept=kept), k.arrival_weight)
+            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
-            r = replay(shape, work, new, arrivals=arrivals, kept=kept)
+            r = replay(shape, work, new, arrivals=arrivals)
         work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)
@@ -1051,10 +1026,8 @@ class LatencyModel:
                 )
             own_prefill = floor
         # a busy engine takes a new request in between steps: half the step in flight, on
-        # average, before anything of the replay (100+ ms a step on a CPU cloud node); where
-        # that step holds prompts begun (step_in_flight) the replay ran it
-        begun = shape.step_in_flight and any(w.started and w.prefill_tokens > 0 for w in work)
-        if work and not begun:
+        # average, before anything of the replay (100+ ms a step on a CPU cloud node)
+        if work:
             rows = work[: shape.slots]
             in_flight = 0.5 * shape.decode_step_ms(len(rows), sum(w.context for w in rows))
             r = replace(

@@ -80,10 +80,6 @@ class Measured:
     node_ttft_ms: float | None = None
 
 
-# finished requests' prompts kept per node: more than any node's slots
-LEFT_PROMPTS = 64
-
-
 @dataclass(slots=True)
 class _InFlight:
     dispatched_at: float
@@ -91,10 +87,7 @@ class _InFlight:
     output_tokens: float
     first_token_at: float | None = None
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
-    hashes: tuple[int, ...] = ()  # its prompt's leading block hashes, as far as a node reuses
-    # later requests to its node whose first token came while it had none: on an edge, which
-    # prefills oldest first, each was admitted before it (``routing.admission``'s passes)
-    passed: int = 0
+    hashes: Sequence[int] = ()  # its prompt's leading block hashes, as far as a node reuses
 
 
 def _holders(entries: Iterable[_InFlight]) -> dict[int, int]:
@@ -135,9 +128,6 @@ class DispatchLedger:
         # per node, and when the first one went: its usual population and work (``arrivals``)
         self._sent: dict[str, collections.deque[tuple[float, float, float, float]]] = {}
         self._first_sent: dict[str, float] = {}
-        # the prompts (leading block hashes) of the requests that left each node, in the
-        # order they finished: what the slots they freed keep (``left_prompts``)
-        self._left: dict[str, collections.deque[tuple[int, ...]]] = {}
 
     def add(
         self,
@@ -150,14 +140,14 @@ class DispatchLedger:
     ) -> None:
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
         if estimate is not None:
-            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens, hashes=tuple(hashes))
+            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens, hashes=hashes)
             work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
             sent.append((at, work, max(0.0, output_tokens - 1.0), float(estimate.prompt_tokens)))
             self._first_sent.setdefault(node_id, at)
 
     def remove(self, node_id: str, at: float, ticket_id: int, now: float | None = None) -> bool:
-        entry = self._entries.pop(ticket_id, None)
+        self._entries.pop(ticket_id, None)
         items = self._times.get(node_id)
         if not items:
             return False
@@ -165,8 +155,6 @@ class DispatchLedger:
         if i < len(items) and items[i] == (at, ticket_id):
             del items[i]
             if now is not None:
-                left = self._left.setdefault(node_id, collections.deque(maxlen=LEFT_PROMPTS))
-                left.append(entry.hashes if entry is not None else ())
                 done = self._finished.setdefault(node_id, collections.deque())
                 done.append((at, now))
                 while done and (now - done[0][1] > self.keep_finished_s or len(done) > 4096):
@@ -206,26 +194,10 @@ class DispatchLedger:
                 n += 1
         return n
 
-    def first_token(self, ticket_id: int, at: float, node_id: str | None = None) -> None:
-        """The ticket's first token came at ``at``; with its ``node_id``, each request sent
-        there before it still without one counts it as a pass."""
+    def first_token(self, ticket_id: int, at: float) -> None:
         entry = self._entries.get(ticket_id)
-        if entry is None or entry.first_token_at is not None:
-            return
-        entry.first_token_at = at
-        if node_id is None:
-            return
-        for _, other_id in self._times.get(node_id, ()):
-            if other_id == ticket_id:
-                break
-            other = self._entries.get(other_id)
-            if other is not None and other.first_token_at is None:
-                other.passed += 1
-
-    def left_prompts(self, node_id: str) -> tuple[tuple[int, ...], ...]:
-        """The prompts of the last requests that left the node, the latest last: what the
-        slots they freed keep, where no later request took them (``routing.backlog``)."""
-        return tuple(self._left.get(node_id, ()))
+        if entry is not None and entry.first_token_at is None:
+            entry.first_token_at = at
 
     def progress(self, ticket_id: int, tokens: int) -> None:
         """``tokens`` completion tokens of the ticket's reply have been relayed (a stream)."""
@@ -328,7 +300,7 @@ class DispatchLedger:
                 elif done >= steps:  # past its predicted last token, not finished: still at it
                     done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
-                out.append(Work(0.0, left, context=prompt + 1.0 + steps - left, hashes=e.hashes))
+                out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
@@ -343,7 +315,7 @@ class DispatchLedger:
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
-                out.append(Work(prefill, steps, started, prompt, shared, e.hashes, e.passed))
+                out.append(Work(prefill, steps, started, prompt, shared))
         return out
 
     def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:
@@ -483,10 +455,6 @@ class Router:
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
             if node.prefix_cache and knobs.in_hand_prefix
             else None,
-            hashes=profile.reusable_hashes if node.prefix_first and knobs.slot_prefix_order else (),
-            kept=self.ledger.left_prompts(node.id)
-            if node.prefix_first and knobs.slot_prefix_order
-            else (),
             arrivals=self.ledger.arrivals(
                 node.id,
                 now,
@@ -546,7 +514,7 @@ class Router:
 
     def first_token(self, ticket: Ticket) -> None:
         """The node sent the ticket's first token: its prefill is over (refines ``work``)."""
-        self.ledger.first_token(ticket.id, self.clock(), ticket.node.id)
+        self.ledger.first_token(ticket.id, self.clock())
 
     def progress(self, ticket: Ticket, tokens: int) -> None:
         """``tokens`` completion tokens of the ticket's stream have been relayed: how far its

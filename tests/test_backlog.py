@@ -59,29 +59,15 @@ plain_works = st.lists(
 )
 
 
-# two apps' prompts as chained block hashes: sharers have equal leading hashes
-APP_PROMPTS = {"a": tuple(range(100, 108)), "b": tuple(range(200, 206))}
-
-
-def _prompt(draw: st.DrawFn, own: int) -> tuple[int, ...]:
-    """Block hashes of a prompt: an app's first 2 or 8 blocks (or none), then its own block."""
-    app = draw(st.sampled_from([None, "a", "b"]))
-    if app is None:
-        return (own,)
-    return (*APP_PROMPTS[app][: draw(st.sampled_from([2, 8]))], own)
-
-
 @st.composite
 def works(draw: st.DrawFn) -> list[Work]:
-    """Work in hand, some of it sharing an earlier request's prefix, each with its prompt's
-    block hashes (what its slot keeps)."""
+    """Work in hand, some of it sharing an earlier request's prefix."""
     out = []
     for i, w in enumerate(draw(plain_works)):
         if i and draw(st.booleans()):
             source = draw(st.integers(0, i - 1))
             w = replace(w, shared=SharedPrefix(source, draw(st.sampled_from([16.0, 90.0, 800.0]))))
-        passed = draw(st.sampled_from([0, 0, 3]))
-        out.append(replace(w, hashes=_prompt(draw, 1000 + i), passed=passed))
+        out.append(w)
     return out
 
 
@@ -110,10 +96,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
-    first_limit=st.sampled_from([0, 1, 4]),
-    in_flight=st.booleans(),
-    kept=st.sampled_from([(), ((*APP_PROMPTS["a"], 5),), ((7,), APP_PROMPTS["b"], (8,))]),
-    new_hashes=st.sampled_from([(), APP_PROMPTS["a"] + (999,), (*APP_PROMPTS["b"][:2], 999)]),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -127,10 +109,6 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
-    first_limit: int,
-    in_flight: bool,
-    kept: tuple[tuple[int, ...], ...],
-    new_hashes: tuple[int, ...],
 ):
     shape = EngineShape(
         slots,
@@ -143,11 +121,9 @@ def test_replay_equals_the_literal_loop(
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
         cached_token_ms=cached_ms,
-        prefix_first=first_limit,
-        step_in_flight=in_flight,
     )
-    new = replace(_sharing(new, ahead, new_source), hashes=new_hashes)
-    got, want = replay(shape, ahead, new, kept=kept), replay_literal(shape, ahead, new, kept=kept)
+    new = _sharing(new, ahead, new_source)
+    got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
@@ -292,7 +268,7 @@ ARRIVAL_CASES = dict(
 def _arrival_shape(slots: int) -> EngineShape:
     """The engine of the arrival cases: mixed steps at two slots, a step per token otherwise."""
     return EngineShape(slots, 64, 0.5, 8.0, 0.4, prefill_fixed_ms=5.0, mixed_steps=slots == 2,
-                       decode_ms_per_context_token=0.01, prefix_first=4)  # fmt: skip
+                       decode_ms_per_context_token=0.01)  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
@@ -350,72 +326,3 @@ def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():
     chain = [Work(200, 0), Work(200, 0, shared=SharedPrefix(0, 160))]
     assert replay(one_slot, chain, Work(10, 0)).first_token_ms == 200.0 + 40.0 + 10.0
     assert replay(one_slot, [Work(200, 0), Work(200, 0)], Work(10, 0)).first_token_ms == 410.0
-
-
-def test_a_sharer_waiting_takes_the_slot_a_request_of_its_app_leaves():
-    """On an edge that admits by prefix, a waiting request whose app's prompt a request
-    leaving its slot kept goes first into that slot, ahead of one that arrived before it;
-    each request it passes counts, and at the limit it is a barrier."""
-    one_slot = replace(SHAPE, slots=1)
-    app = (1, 2, 3, 4, 5, 6, 7, 8)
-    ahead = [Work(0, 2, hashes=(*app, 10)), Work(100, 1, hashes=(20,))]
-    new = Work(10, 0, hashes=(*app, 30))
-    # in arrival order: the first leaves at 20 (two steps), the second prefills 100 tokens
-    # (first token at 120) and steps once (130), then the new one prefills 10
-    in_order = replay(one_slot, ahead, new)
-    assert (in_order.queue_ms, in_order.first_token_ms) == (130.0, 140.0)
-    by_prefix = replace(one_slot, prefix_first=4)
-    r = replay(by_prefix, ahead, new)
-    assert (r.queue_ms, r.first_token_ms) == (20.0, 30.0)
-    assert replay_literal(by_prefix, ahead, new) == r
-    # a request sharing fewer than 4 blocks more than the one ahead does not pass it
-    short = replace(new, hashes=(*app[:3], 30))
-    assert replay(by_prefix, ahead, short).queue_ms == 130.0
-    # nor does it pass a request already passed its limit times (here: once), for which
-    # a sharer ahead of the new one went first
-    limit_one = replace(one_slot, prefix_first=1)
-    two = [*ahead, Work(10, 0, hashes=(*app, 40))]
-    r = replay(limit_one, two, new)
-    # the third (a sharer) passes the second into the first's slot (20, done at 30); the second,
-    # passed once, is a barrier: it goes next (130 done, then its step: 140); then the new one
-    assert (r.queue_ms, r.first_token_ms) == (140.0, 150.0)
-    assert replay_literal(limit_one, two, new) == r
-
-
-def test_a_free_slot_keeps_the_prompt_of_the_request_that_left_it_last():
-    """Before the replay, the slots work in hand does not hold keep what left them last: a
-    waiting sharer of that prompt takes one ahead of a cold request waiting before it, and
-    work in hand already in a slot keeps its slot whatever its place."""
-    shape = replace(SHAPE, prefix_first=4)  # two slots
-    app = (1, 2, 3, 4, 5, 6, 7, 8)
-    ahead = [Work(100, 1, hashes=(20,)), Work(0, 5, hashes=(30,))]  # waiting, then decoding
-    new = Work(10, 0, hashes=(*app, 40))
-    # arrival order: the cold one and the decoding one hold both slots; the new one waits
-    assert replay(shape, ahead, new).queue_ms > 0
-    r = replay(shape, ahead, new, kept=[(50,), (*app, 60)])
-    assert (r.queue_ms, r.first_token_ms) == (0.0, 10.0)  # the free slot kept the app's prompt
-    assert replay_literal(shape, ahead, new, kept=[(50,), (*app, 60)]) == r
-    # a slot kept by the earlier of the two that left has been taken since: only the last counts
-    assert replay(shape, ahead, new, kept=[(*app, 60), (50,)]).queue_ms > 0
-    # a prompt in hand already prefilling keeps its place: the sharer's chunk runs after it
-    begun = [Work(100, 1, started=True, hashes=(20,))]
-    r = replay(shape, begun, new, kept=[(*app, 60)])
-    assert (r.queue_ms, r.first_token_ms) == (0.0, 100.0 + 10.0 + 10.0)  # its step, then ours
-    # passed its limit (here one pass) the cold one is a barrier
-    limit_one = replace(shape, prefix_first=1)
-    barrier = [replace(ahead[0], passed=1), ahead[1]]
-    assert replay(limit_one, barrier, new, kept=[(*app, 60)]).queue_ms > 0
-
-
-def test_the_step_under_way_holds_only_the_prompts_it_began_with():
-    """On a mixed-step engine a request arriving while a step runs joins the next one: with
-    ``step_in_flight`` it waits for the begun prompt's step, then runs with its decode row."""
-    shape = replace(SHAPE, mixed_steps=True, chunk_tokens=1000)
-    ahead = [Work(50, 3, started=True, context=60)]
-    new = Work(30, 0)
-    together = replay(shape, ahead, new)  # one step: both prompts, 80 ms
-    assert together.first_token_ms == 80.0
-    under_way = replay(replace(shape, step_in_flight=True), ahead, new)
-    # the begun step (50 ms), then the new prompt's 30 tokens beside the first's decode row
-    assert under_way.first_token_ms == 50.0 + 30.0 + 10.0
-    assert replay_literal(replace(shape, step_in_flight=True), ahead, new) == under_way

@@ -288,8 +288,6 @@ async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_p
     warm = await _engine(graph, prefill_chunk=16, prefix_catch_up=catch_up)
     try:
         assert warm.stats().prefix_catch_up == catch_up
-        # it admits by prefix (the replay's cue) where it reuses prefixes at all
-        assert (warm.stats().prefix_first, cold.stats().prefix_first) == (4, 0)
         scheduler = warm._require_started()
         ta, tb = await asyncio.gather(_run(warm, system + qa, a_new), _run(warm, system + qb))
         # the prompt tokens both computed: A's 170 and what B did not copy

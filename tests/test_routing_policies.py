@@ -729,47 +729,6 @@ def test_a_prompt_in_hand_twice_is_replayed_computing_its_prefix_once():
     assert beside.reused_tokens == 0.0
 
 
-def test_a_sharer_is_replayed_taking_the_slot_a_request_of_its_app_leaves():
-    """On an edge that admits by prefix (it says so: ``prefix_first``), a request of an app
-    whose prompt a request in hand will leave in its slot is replayed passing a cold request
-    that came before it: it waits for the first one only, not for the cold one's prefill
-    too. Off, or on a node that admits in arrival order, it waits for both."""
-
-    def ttft(node: NodeState, **knobs) -> float:
-        r = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs)),
-                   clock=lambda: NOW)  # fmt: skip
-        fleet = view(node)
-        app = profile(800)  # 49 reusable blocks
-        cold = profile(300, block_hashes=[900 + i for i in range(18)])
-        for p in (app, cold):
-            r.begin(r.decide(p, fleet), profile=p)
-        sharer = profile(820, block_hashes=[*range(49), 7000])
-        return r.decide(sharer, fleet).predicted_ttft_ms
-
-    admits_by_prefix = edge(max_batch=1, prefix_cache=True, prefix_first=4)
-    passing = ttft(admits_by_prefix, slot_prefix_order=True)
-    in_order = ttft(admits_by_prefix, slot_prefix_order=False)
-    assert ttft(edge(max_batch=1, prefix_cache=True), slot_prefix_order=True) == in_order
-    # it no longer waits for the cold prompt's 300 tokens at 500/s, nor its 15 decode steps
-    assert in_order - passing == pytest.approx(300 / 500 * 1000 + 15 * 20, rel=0.25)
-
-
-def test_the_ledger_counts_passes_and_keeps_the_prompts_that_left():
-    """A later request's first token before an earlier one's is a pass of the earlier (on an
-    edge, which prefills oldest first, it was admitted ahead); a request that leaves its
-    node leaves its prompt's blocks in the slot it frees."""
-    r = Router(PolicyConfig(policy="edge_first"), clock=lambda: NOW)
-    fleet = view(edge(max_batch=1, prefix_cache=True, prefix_first=4))
-    a, b = profile(400, block_hashes=[1, 2, 3]), profile(800)
-    first, second = (r.begin(r.decide(p, fleet), profile=p) for p in (a, b))
-    r.first_token(second)
-    r.first_token(second)  # counted once
-    assert [w.passed for w in r.ledger.work("edge-eu", NOW)] == [1, 0]
-    r.finish(second)
-    r.finish(first)
-    assert r.ledger.left_prompts("edge-eu") == (tuple(range(49)), (1, 2, 3))
-
-
 def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     r = Router(PolicyConfig(policy="edge_first"), clock=lambda: NOW)
     fleet = view(edge(max_batch=1, prefix_cache=True))
