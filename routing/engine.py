@@ -108,9 +108,9 @@ class EngineStats:
     decode_ms_per_token: float  # EWMA, per sequence at the current batch
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
     prefix_cache: bool = False  # it reuses cached prefixes and reports them (PrefixCacheEngine)
-    # before each prompt chunk it copies the prompt's leading blocks another running request
-    # wrote since its admission (the edge's catch-up): a request sharing a prefix with an
-    # earlier one in hand reuses it wherever it stands in the queue
+    # before each prompt chunk it copies the prompt's leading blocks another slot (busy, or
+    # free and kept) holds beyond its own (the edge's catch-up): a request sharing a prefix
+    # with an earlier one in hand reuses it wherever it stands in the queue
     prefix_catch_up: bool = False
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)

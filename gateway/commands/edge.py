@@ -151,8 +151,8 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="copy into a request's slot only the prefix a slot holds at its admission "
         "(default: also, before each of its prompt chunks, the blocks of its prompt another "
-        "running request wrote since, as a second user of an app's prompt admitted while the "
-        "first still prefilled it)",
+        "slot holds by then, busy or free, as a second user of an app's prompt admitted while "
+        "the first still prefilled it)",
     )
     s.add_argument(
         "--prefix-first",
