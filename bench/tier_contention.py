@@ -1,0 +1,122 @@
+"""Do the two tiers of the embedded default slow each other on a CPU-only box?
+
+Both nodes of ``edgecloud serve`` share the machine's cores. Each pair sends a short prompt
+straight to the cloud node alone (the peer), then the same kind of prompt again while the
+edge node prefills a long one sent at the same moment; the ratio of the cloud's times is the
+result. Prompts are new words each time (no prefix to reuse), answers one token long, sent
+to the nodes' own endpoints (no routing in between).
+
+    python bench/tier_contention.py [--pairs 6] [--short-words 30] [--long-words 700]
+
+Writes bench/results/tier_contention.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import machine, recorded_command, table, write_results
+from bench._serve import embedded_default
+from gateway.auth import NODE_TOKEN_HEADER
+
+WORDS = [
+    "office",
+    "budget",
+    "meeting",
+    "invoice",
+    "customer",
+    "printer",
+    "laptop",
+    "policy",
+    "travel",
+    "desk",
+]
+MODEL = "smollm2-135m-instruct"
+
+
+def _text(words: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def _ask(client: httpx.AsyncClient, url: str, prompt: str) -> float:
+    """One request's time (ms) from send to the whole one-token reply."""
+    t0 = time.perf_counter()
+    r = await client.post(
+        url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1},
+    )
+    r.raise_for_status()
+    return (time.perf_counter() - t0) * 1000.0
+
+
+async def _pairs(base: str, token: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    nodes = httpx.get(base + "/admin/nodes", timeout=5.0).json()["nodes"]
+    url = {n["kind"]: n["url"] for n in nodes}
+    rng = random.Random(args.seed)
+    rows = []
+    async with httpx.AsyncClient(timeout=120.0, headers={NODE_TOKEN_HEADER: token}) as c:
+        await _ask(c, url["cloud"], _text(args.short_words, rng))  # warm both once
+        await _ask(c, url["edge"], _text(args.short_words, rng))
+        for i in range(args.pairs):
+            alone = await _ask(c, url["cloud"], _text(args.short_words, rng))
+            await asyncio.sleep(0.5)
+            edge_ms, beside = await asyncio.gather(
+                _ask(c, url["edge"], _text(args.long_words, rng)),
+                _ask(c, url["cloud"], _text(args.short_words, rng)),
+            )
+            rows.append({"pair": i, "cloud_alone_ms": alone, "cloud_beside_ms": beside,
+                         "edge_long_ms": edge_ms})  # fmt: skip
+            await asyncio.sleep(1.0)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--short-words", type=int, default=30)
+    ap.add_argument("--long-words", type=int, default=700)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.pairs < 1:
+        ap.error("--pairs must be at least 1")
+    token = os.environ.get("EDGECLOUD_NODE_TOKEN") or secrets.token_urlsafe(32)
+    os.environ["EDGECLOUD_NODE_TOKEN"] = token  # the fleet's nodes take it from here
+    with embedded_default() as base:
+        rows = asyncio.run(_pairs(base, token, args))
+    alone = statistics.median(r["cloud_alone_ms"] for r in rows)
+    beside = statistics.median(r["cloud_beside_ms"] for r in rows)
+    summary = {"cloud_alone_median_ms": alone, "cloud_beside_median_ms": beside,
+               "ratio": beside / alone,
+               "edge_long_median_ms": statistics.median(r["edge_long_ms"] for r in rows)}  # fmt: skip
+    command = recorded_command("tier_contention.py", sys.argv[1:], ())
+    markdown = "\n\n".join(
+        [
+            "# The cloud's short prompt alone and beside the edge's long prefill",
+            f"`{command}`",
+            table(rows, ["pair", "cloud_alone_ms", "cloud_beside_ms", "edge_long_ms"]),
+            table([summary], list(summary)),
+        ]
+    )
+    write_results(
+        "tier_contention",
+        {"command": command, "machine": machine(), "rows": rows, "summary": summary},
+        markdown,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
