@@ -30,20 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import machine, recorded_command, table, write_results
 from bench._serve import embedded_default
+from bench.edge_shared_prompt import WORDS
 from gateway.auth import NODE_TOKEN_HEADER
 
-WORDS = [
-    "office",
-    "budget",
-    "meeting",
-    "invoice",
-    "customer",
-    "printer",
-    "laptop",
-    "policy",
-    "travel",
-    "desk",
-]
 MODEL = "smollm2-135m-instruct"
 
 
