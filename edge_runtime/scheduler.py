@@ -44,10 +44,13 @@ Invariants:
   prompt: prefill goes oldest first, so by its turn the first has written the prompt), and
   count as cached.
 - Admission order (with prefix reuse): priority, then arrival, except that a waiting request
-  holding 4+ more leading blocks in a free slot than every request ahead of it of its
+  whose prompt has 4+ more leading blocks held on the node (kept in a free slot, or written
+  so far in a busy one, which admission copies) than every request ahead of it of its
   priority goes first (``routing.admission``): under a queue only one slot is free at a time,
-  and the request at the head would overwrite the kept prefix another request waits for (at concurrency 16 on the embedded default half the shared
-  prompts sent to the edge lost their 1,136 cached tokens so, each then prefilled for ~2.5 s).
+  and the request at the head would overwrite the kept prefix another request waits for (at
+  concurrency 16 on the embedded default half the shared prompts sent to the edge lost their
+  1,136 cached tokens so, each then prefilled for ~2.5 s); and the router, which credits a
+  prompt with what the node holds wherever it is, replays that order from the same credit.
   Each request it goes ahead of counts one pass; no request is passed more than
   ``prefix_first`` times (0: strict order), so none starves.
 """
@@ -443,10 +446,13 @@ class SlotScheduler:
         return chosen[2]
 
     def _reuse(self, r: SlotRequest, free: list[int]) -> int:
-        """Under the lock: the most leading blocks of ``r`` that one of the ``free`` slots keeps."""
+        """Under the lock: the most leading blocks of ``r`` the node holds, in one of the
+        ``free`` slots (kept) or in a busy one (written so far): what ``_admit`` gives it, by
+        taking that free slot or copying from that busy one."""
         assert self.cache is not None
-        limit = reusable_blocks(r.prompt_len)
-        return max(self.cache.match(s, r.request.prompt_token_ids, r.hashes, limit) for s in free)
+        prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
+        kept = max(self.cache.match(s, prompt, r.hashes, limit) for s in free)
+        return max(kept, self.cache.best_source(prompt, r.hashes, limit, exclude=-1)[1])
 
     def _vacate(self, r: SlotRequest) -> None:
         """Under the lock: ``r`` leaves its slot; the KV it wrote stays there for reuse."""

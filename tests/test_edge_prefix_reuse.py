@@ -272,6 +272,50 @@ async def test_a_prefix_a_running_request_holds_is_copied_into_the_next(graph: P
         await cold.shutdown()
 
 
+async def _waiting(engine: EdgeEngine, n: int) -> None:
+    for _ in range(2000):
+        if engine.stats().waiting == n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never {n} waiting")
+
+
+@pytest.mark.parametrize("prefix_first", [4, 0])
+async def test_a_waiting_request_whose_prefix_a_busy_slot_holds_goes_first(
+    graph: Path, prefix_first: int
+) -> None:
+    """Two slots, both busy: A (unrelated, a long answer) and C (an app prompt S of five
+    blocks and a question, a long answer). B (unrelated) waits, then D (S and another
+    question). When A is cancelled its free slot keeps only A's prompt, but C's busy slot
+    holds S: admitting by prefix, D goes first (S copied, only its question computed) and
+    finishes while B still waits; in strict arrival order B goes first. D's greedy tokens
+    match a cold run either way."""
+    s, qc, qd, a, b = _prompts(80, 8, 8, 40, 40, seed=37)
+    warm = await _engine(graph, prefix_first=prefix_first)
+    cold = await _engine(graph, prefix_reuse=False, slots=1)
+    try:
+        ga = warm.generate(GenerationRequest(a, greedy(150)))
+        gc = warm.generate(GenerationRequest(s + qc, greedy(150)))
+        await anext(ga)
+        await anext(gc)
+        tb = asyncio.create_task(_run(warm, b))
+        await _waiting(warm, 1)
+        td = asyncio.create_task(_run(warm, s + qd))
+        await _waiting(warm, 2)
+        await ga.aclose()
+        done, _ = await asyncio.wait({tb, td}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == ({td} if prefix_first else {tb})
+        d = await td
+        # S copied either way; ahead of B, nothing but its question was prefilled meanwhile
+        assert (d.cached, d.prefilled) == (80, 8 if prefix_first else 40 + 8)
+        await tb
+        await gc.aclose()
+        assert d.tokens == (await _run(cold, s + qd)).tokens
+    finally:
+        await warm.shutdown()
+        await cold.shutdown()
+
+
 @pytest.mark.parametrize("a_new", [6, 1])
 @pytest.mark.parametrize("catch_up", [True, False])
 async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_prompt(

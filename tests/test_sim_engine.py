@@ -144,6 +144,18 @@ def test_edge_admits_first_the_request_that_reuses_the_freed_slot(tmp_path: Path
     assert res.ttft_s[2] + 0.002 < res.ttft_s[1] + 0.001
 
 
+def test_edge_admits_first_the_request_whose_prefix_a_busy_slot_holds(tmp_path: Path) -> None:
+    g = {"prefix_group": "sys", "prefix_tokens": 96}
+    # A (unrelated, ending after C has prefilled) and C (the app prompt, a long answer) fill
+    # both slots; B (unrelated) and then D (the app prompt) wait
+    trace = [_req(0, 64, 30), _req(0, 112, 400, **g), _req(0.001, 64, 2), _req(0.002, 112, 2, **g)]
+    res = _run(_fleet(tmp_path, "edge", slots=2), trace)
+    # A's free slot keeps nothing D reuses, C's busy one its six blocks: D goes first, copies
+    # them and computes only its question, as the edge engine orders its queue
+    assert res.cached_tokens == [0, 0, 0, 96]
+    assert res.ttft_s[3] + 0.002 < res.ttft_s[2] + 0.001
+
+
 def test_cloud_prefix_cache_hit(tmp_path: Path) -> None:
     g = {"prefix_group": "sys", "prefix_tokens": 320}
     res = _run(_fleet(tmp_path, "cloud"), [_req(0, 320, 2, **g), _req(1.0, 320, 2, **g)])

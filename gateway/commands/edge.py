@@ -158,9 +158,9 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         "--prefix-first",
         type=nonneg_int,
         default=4,
-        help="admit a waiting request that reuses 4+ more blocks of a free slot's kept KV "
-        "before those ahead of it, passing each at most this many times (default 4; 0: "
-        "strict arrival order)",
+        help="admit a waiting request whose prompt has 4+ more leading blocks held here (kept "
+        "in a free slot, or written in a busy one) before those ahead of it, passing each "
+        "at most this many times (default 4; 0: strict arrival order)",
     )
     s.add_argument(
         "--no-huge-pages",

@@ -2,13 +2,13 @@
 cut short when something arrives that would change the plan).
 
 - :class:`EdgeSim` mirrors ``edge_runtime.scheduler``: FCFS admission into ``slots``, but
-  for a request that reuses 4+ more of a free slot's kept blocks than those ahead of it
-  (``routing.admission``); a new request takes the free slot holding most of its leading
-  blocks (its kept KV), else an empty slot, else the least recently freed, with a longer run a busy slot holds copied into it (a
+  for a request that reuses 4+ more blocks held on the node (kept in a free slot, or
+  written so far in a busy one) than those ahead of it (``routing.admission``); a new request
+  takes the free slot holding most of its leading blocks (its kept KV), else an empty slot,
+  else the least recently freed, with a longer run a busy slot holds copied into it (a
   running request offers its prompt's blocks as its prefill writes them, and before each chunk
-  a request copies a longer run one wrote since its admission); each loop runs one
-  prefill chunk of the oldest request
-  still prefilling (cut beside decoding rows as ``routing.prefill_budget`` says, from the
+  a request copies a longer run one wrote since its admission); each loop runs one prefill
+  chunk of the oldest request still prefilling (cut beside decoding rows as ``routing.prefill_budget`` says, from the
   node's own EWMAs), then one decode step of every decoding row. A slot keeps its request's
   prompt blocks when it ends (``stored``) and drops those a new occupant does not reuse
   (``removed``), counted per slot.
@@ -242,9 +242,10 @@ class EdgeSim(_Node):
         """Take the waiting request to admit next, as ``edge_runtime.scheduler`` does."""
         if not self.prefix_cache or self.prefix_first == 0 or len(self.waiting) == 1:
             return self.waiting.popleft()
-        reuse = (
+        held = [s for s, o in enumerate(self.occupant) if o is not None] + list(free)
+        reuse = (  # kept in a free slot or written so far in a busy one (admission copies it)
             (
-                max(self._leading(self.kept[s], r.blocks, reusable_blocks(r.prompt)) for s in free),
+                max(self._leading(self.kept[s], r.blocks, reusable_blocks(r.prompt)) for s in held),
                 r.passed,
             )
             for r in islice(self.waiting, PREFIX_FIRST_WINDOW)
