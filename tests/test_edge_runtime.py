@@ -516,17 +516,19 @@ def test_sampler_nucleus_and_top_k() -> None:
 async def _beside_a_decoding_answer(
     folder: Path, ratio: float | None, space: bool = False
 ) -> tuple[int, list[int]]:
-    """A decodes; B (160 prompt tokens) arrives. Returns how many of A's tokens came out while
+    """A decodes; B (400 prompt tokens) arrives. Returns how many of A's tokens came out while
     B prefilled (after B was submitted, before B's first token), and B's tokens."""
     engine = EdgeEngine(
         folder,
         _config(slots=2, prefill_chunk=256, prefill_stall_ratio=ratio, space_chunks=space),
     )
     await engine.start()
-    a_prompt, b_prompt = _prompts([12, 160])
+    a_prompt, b_prompt = _prompts([12, 400])
     seen: list[tuple[str, int]] = []  # (who, completion tokens) in arrival order
     try:
-        a = engine.generate(GenerationRequest(a_prompt, greedy(200)))
+        # as long an answer as the context holds: on a fast machine the tiny model decodes 200
+        # tokens in under 50 ms, all before B would arrive
+        a = engine.generate(GenerationRequest(a_prompt, greedy(480)))
         while (await anext(a)).completion_tokens < 3:  # A has prefilled and decoded
             pass
 
@@ -535,7 +537,11 @@ async def _beside_a_decoding_answer(
                 seen.append(("a", event.completion_tokens))
 
         async def run_b() -> list[int]:
-            seen.append(("b-submitted", 0))
+            # A's tokens made by now but still queued for its consumer do not count
+            scheduler = engine._require_started()
+            with scheduler.lock:
+                made = max(r.generated for r in scheduler.slots if r is not None)
+            seen.append(("b-submitted", made))
             tokens: list[int] = []
             async for event in engine.generate(GenerationRequest(b_prompt, greedy(4))):
                 if not tokens:
@@ -548,7 +554,7 @@ async def _beside_a_decoding_answer(
         # submitted, still queued, must not count as made while B prefilled
         while not seen:
             await asyncio.sleep(0)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.005)
         b_tokens = await run_b()
         a_task.cancel()
         stats = engine.stats()
@@ -562,15 +568,18 @@ async def _beside_a_decoding_answer(
         await engine.shutdown()
     whos = [who for who, _ in seen]
     start, first = whos.index("b-submitted"), whos.index("b-first")
-    return whos[start:first].count("a"), b_tokens
+    made = seen[start][1]
+    return sum(1 for who, n in seen[start:first] if who == "a" and n > made), b_tokens
 
 
 async def test_a_prompt_beside_decoding_answers_is_prefilled_in_small_chunks(
     tiny_gqa: Path,
 ) -> None:
-    """Stall ratio 0: B's 160 tokens go in 16-token chunks, one of A's decode steps after each
-    (about nine of A's tokens before B's first); off: one 256-token chunk (A waits for all of
-    it). B's greedy tokens are the same either way."""
+    """Stall ratio 0: B's 400 tokens go in 16-token chunks, one of A's decode steps after each
+    (about 24 of A's tokens before B's first); off: two 256-token chunks (A waits for each).
+    B's greedy tokens are the same either way. (B's prompt is long enough, and A's answer,
+    that on a fast machine, where the tiny model decodes a token in a fraction of a
+    millisecond, the engine's order still shows through the consumers' wake-ups.)"""
     small_steps, small_tokens = await _beside_a_decoding_answer(tiny_gqa, 0.0)
     full_steps, full_tokens = await _beside_a_decoding_answer(tiny_gqa, None)
     assert small_steps >= 8, (small_steps, full_steps)
