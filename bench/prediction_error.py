@@ -124,9 +124,6 @@ class Sample:
 
 # Policy files for --variants (the default policy is the gateway's own).
 VARIANTS = {
-    # the edge's waiting requests replayed in arrival order, not in the order its admission
-    # by prefix takes them (the default before 2026-12-05, twentieth session)
-    "replay_arrival": "latency:\n  prefix_order: false\n",
     # no future arrivals in the replay (the default before 2026-12-04, eighth session)
     "no_arrivals": "latency:\n  future_arrivals: false\n",
     # the output-length statistics without the whole-prompt key (first block and coarser)

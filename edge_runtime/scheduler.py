@@ -49,8 +49,8 @@ Invariants:
   priority goes first (``routing.admission``): under a queue only one slot is free at a time,
   and the request at the head would overwrite the kept prefix another request waits for (at
   concurrency 16 on the embedded default half the shared prompts sent to the edge lost their
-  1,136 cached tokens so, each then prefilled for ~2.5 s); and the router, which credits a
-  prompt with what the node holds wherever it is, replays that order from the same credit.
+  1,136 cached tokens so, each then prefilled for ~2.5 s). Blocks in a busy slot count as
+  the router's prefix index counts them: the node holds them.
   Each request it goes ahead of counts one pass; no request is passed more than
   ``prefix_first`` times (0: strict order), so none starves.
 """

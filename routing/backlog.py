@@ -1,8 +1,7 @@
 """What a node has to do before a new request's first and last token: a replay of its engine.
 
-Both engines run one loop: admit waiting requests into free slots (first come, first served;
-on an edge that admits by prefix, ``EngineShape.prefix_first``, in ``routing.admission``'s
-order, each ranked by the leading blocks the node holds for it), compute one prefill chunk of the oldest request still prefilling, then one decode step of every
+Both engines run one loop: admit waiting requests into free slots (first come, first served),
+compute one prefill chunk of the oldest request still prefilling, then one decode step of every
 request already decoding. :func:`replay` runs that loop forward, in time only, over the work a
 node has in hand (what this gateway sent it and has not seen finish, plus what other gateways
 sent, as counts) and the new request, and says when the new request's first token comes out
@@ -39,14 +38,10 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
-
-from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
-from routing.blocks import BLOCK_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +55,6 @@ class Work:
     started: bool = False  # its prefill is under way (its fixed cost is paid)
     context: float = 0.0
     shared: SharedPrefix | None = None  # prompt blocks an earlier request in hand computes
-    # leading blocks of its prompt the node holds for it (the prefix index's credit): what an
-    # admission by prefix (``EngineShape.prefix_first``) ranks it by, with ``shared``'s once
-    # that one has begun writing them
-    held_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +109,6 @@ class EngineShape:
     # a request takes the prefix an earlier one in hand writes before each of its chunks
     # (NodeState.prefix_catch_up), not only at admission
     catch_up: bool = False
-    # waiting requests are admitted as ``routing.admission`` orders them (one holding 4+ more
-    # leading blocks than each ahead goes first), none passed more than this many times; 0:
-    # arrival order (NodeState.prefix_first)
-    prefix_first: int = 0
 
     def chunk(self, decoding: int) -> float:
         """Prompt tokens of the next chunk with ``decoding`` rows decoding beside it."""
@@ -168,34 +155,6 @@ class _Req:
     reuse: float = 0.0  # prefill work an earlier request's prefix saves it (``Work.shared``)
     source: _Req | None = None  # that request (None: its prefill is done)
     reused: float = 0.0  # what it saved, once in a slot
-    held: int = 0  # leading blocks the node holds for it (``Work.held_blocks``)
-    shared_blocks: int = 0  # those ``source`` writes besides
-    passed: int = 0  # times a later request was admitted before it
-
-
-def _held_now(r: _Req) -> int:
-    """The leading blocks of ``r``'s prompt the node holds now: its credit, and its source's
-    once that one has begun its prefill (the node admits by what is written so far)."""
-    s = r.source
-    return r.held + (r.shared_blocks if s is not None and (s.started or s.prefill <= 0) else 0)
-
-
-def _admit_index(queue: Sequence[_Req], limit: int, now: float) -> int:
-    """The index in ``queue`` (waiting requests, oldest first) of the one the node admits
-    next: with ``limit`` 0 the oldest. Else, at the replay's start (``now`` 0), first one
-    already in a slot (prefill begun or done: the node took it earlier), then the oldest:
-    the requests of a burst reach free slots one by one as they arrive, with no choice made.
-    Later, as slots free under a queue, ``routing.admission``'s choice by the blocks each
-    holds now; those it passes count a pass each."""
-    if limit <= 0 or len(queue) == 1:
-        return 0
-    window = list(itertools.islice(queue, PREFIX_FIRST_WINDOW))
-    if now <= 0:
-        return next((i for i, r in enumerate(window) if r.started or r.prefill <= 0), 0)
-    best = prefix_first(((_held_now(r), r.passed) for r in window), limit)
-    for r in window[:best]:
-        r.passed += 1
-    return best
 
 
 def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[list[_Req], _Req]:
@@ -207,11 +166,9 @@ def _requests(shape: EngineShape, ahead: Sequence[Work], new: Work) -> tuple[lis
     per_token = max(shape.prefill_ms_per_token, 1e-9)
     saves = max(0.0, 1.0 - shape.cached_token_ms / per_token)
     for i, (w, r) in enumerate((*zip(ahead, reqs, strict=True), (new, target))):
-        r.held = max(0, w.held_blocks)
         if w.shared is not None and 0 <= w.shared.source < i:
             r.reuse = max(0.0, w.shared.tokens) * saves
             r.source = reqs[w.shared.source]
-            r.shared_blocks = int(max(0.0, w.shared.tokens) // BLOCK_SIZE)
     kept = [
         r for w, r in zip(ahead, reqs, strict=True) if w.prefill_tokens > 0 or w.decode_steps > 0
     ]
@@ -414,10 +371,7 @@ def _advance(
                 ):
                     waiting.append(_req(arrivals.work))
         while waiting and len(prefilling) + len(decoding) < slots:
-            i = _admit_index(waiting, shape.prefix_first, t)
-            r = waiting.popleft() if i == 0 else waiting[i]
-            if i:
-                del waiting[i]
+            r = waiting.popleft()
             _take_slot(r, shape.catch_up)
             if r.new:
                 queue_ms = t
@@ -550,8 +504,7 @@ def replay_literal(
             for _ in range(arrivals.population - len(waiting) - len(running)):
                 waiting.insert(0, _req(arrivals.work))
         while waiting and len(running) < slots:
-            i = _admit_index(waiting[::-1], shape.prefix_first, t)
-            r = waiting.pop(len(waiting) - 1 - i)
+            r = waiting.pop()
             _take_slot(r, shape.catch_up)
             if r.new:
                 queue_ms = t

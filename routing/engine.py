@@ -112,10 +112,6 @@ class EngineStats:
     # free and kept) holds beyond its own (the edge's catch-up): a request sharing a prefix
     # with an earlier one in hand reuses it wherever it stands in the queue
     prefix_catch_up: bool = False
-    # a waiting request whose prompt has 4+ more leading blocks held on the node than every
-    # request ahead goes first, none passed more than this many times (routing.admission;
-    # 0: strict arrival order)
-    prefix_first: int = 0
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel

@@ -240,15 +240,6 @@ class LatencyKnobs(BaseModel):
         "paired rounds took the concurrency-16 TTFT p90 from 0.64 to 0.56 and the goal cells "
         "from 10 to 11: docs/benchmarks.md",
     )
-    prefix_order: bool = Field(
-        default=True,
-        description="on a node that admits by prefix (NodeState.prefix_first: the edge), the "
-        "waiting requests in hand and the new one are replayed in the order it admits them "
-        "(routing.admission: one whose prompt has 4+ more leading blocks held on the node than "
-        "each ahead goes first, none passed more than prefix_first times), each ranked by the "
-        "blocks the prefix index credited it and those an earlier request in hand writes; "
-        "off, in arrival order",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -923,7 +914,6 @@ class LatencyModel:
             cached_token_ms=per_cached,
             mixed_steps=kd.mixed_steps,
             catch_up=node.prefix_catch_up,
-            prefix_first=node.prefix_first if node.prefix_cache and self.knobs.prefix_order else 0,
             decode_ms_per_context_token=per_context,
             step_fixed_ms=pass_ms,
             chunk_beside_ms=beside_ms,
@@ -1003,13 +993,7 @@ class LatencyModel:
             arrivals = Arrivals(max(len(work) + 1, arrivals.population), arrivals.work)
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
-        new = Work(
-            work_tokens,
-            out - 1.0,
-            context=prompt_tokens,
-            shared=shared,
-            held_blocks=cached // BLOCK_SIZE,
-        )
+        new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
         if arrivals is not None and k.arrival_weight < 1.0:
             r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:

@@ -315,8 +315,7 @@ class DispatchLedger:
                 # its last chunk is still to run, however late: at least one token of it (and
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
-                credit = est.cached_tokens // BLOCK_SIZE
-                out.append(Work(prefill, steps, started, prompt, shared, held_blocks=credit))
+                out.append(Work(prefill, steps, started, prompt, shared))
         return out
 
     def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:

@@ -54,7 +54,6 @@ plain_works = st.lists(
         st.sampled_from([0.0, 1.0, 3.0, 7.5, 16.0, 31.0, 127.0]),
         st.booleans(),
         st.sampled_from([0.0, 40.0, 1200.0]),
-        held_blocks=st.sampled_from([0, 1, 71]),
     ),
     max_size=40,
 )
@@ -89,7 +88,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
         st.sampled_from([1.0, 30.0, 512.0]),
         st.sampled_from([0.0, 1.0, 15.0]),
         context=st.sampled_from([0.0, 700.0]),
-        held_blocks=st.sampled_from([0, 5, 71]),
     ),
     slots=st.sampled_from([1, 2, 4, 64]),
     chunk=st.sampled_from([64, 256]),
@@ -98,7 +96,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
-    prefix_first=st.sampled_from([0, 1, 4]),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -112,7 +109,6 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
-    prefix_first: int,
 ):
     shape = EngineShape(
         slots,
@@ -125,7 +121,6 @@ def test_replay_equals_the_literal_loop(
         mixed_steps=mixed,
         decode_ms_per_context_token=per_context,
         cached_token_ms=cached_ms,
-        prefix_first=prefix_first,
     )
     new = _sharing(new, ahead, new_source)
     got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
@@ -331,41 +326,3 @@ def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():
     chain = [Work(200, 0), Work(200, 0, shared=SharedPrefix(0, 160))]
     assert replay(one_slot, chain, Work(10, 0)).first_token_ms == 200.0 + 40.0 + 10.0
     assert replay(one_slot, [Work(200, 0), Work(200, 0)], Work(10, 0)).first_token_ms == 410.0
-
-
-@pytest.mark.parametrize(
-    "prefix_first, queue_ms, first_token_ms",
-    [(0, 385.0, 705.0), (1, 185.0, 405.0), (4, 75.0, 95.0)],
-)
-def test_an_edge_admitting_by_prefix_lets_a_credited_prompt_pass_up_to_its_limit(
-    prefix_first: int, queue_ms: float, first_token_ms: float
-):
-    """Two slots decode (3 and 5 steps left, 15 ms a step at two rows, 10 alone). Waiting: L1
-    (300 tokens, 1 block held), S1 (20 tokens, 71 blocks held: an app's prompt), L2 like L1;
-    the new request is like S1. In arrival order it waits out both long prompts. Admitting by
-    prefix, S1 takes the slot freed at 45 ms (first token at 65) and passes L1 once; with a
-    limit of 1 L1 is then a barrier, takes the slot freed at 75 and prefills to 385, while the
-    new one passes only L2 at 185 and, younger, prefills after L1; with 4 it passes both at
-    75 (chunk 75-95)."""
-    ahead = [
-        Work(0, 3),
-        Work(0, 5),
-        Work(300, 0, held_blocks=1),
-        Work(20, 0, held_blocks=71),
-        Work(300, 0, held_blocks=1),
-    ]
-    new = Work(20, 0, held_blocks=71)
-    shape = replace(SHAPE, prefix_first=prefix_first)
-    r = replay(shape, ahead, new)
-    assert (r.queue_ms, r.first_token_ms) == (queue_ms, first_token_ms)
-    assert replay_literal(shape, ahead, new) == r
-    # 4 more blocks than every request ahead (1 each), or it keeps its place
-    longs = ahead[:3] + ahead[4:]
-    assert replay(shape, longs, replace(new, held_blocks=4)).queue_ms == 365.0
-    five = replay(shape, longs, replace(new, held_blocks=5)).queue_ms
-    assert five == (365.0 if prefix_first == 0 else 45.0)
-    # a slot free from the start goes to the oldest waiting: a burst's requests reach free
-    # slots one by one as they arrive, with no choice made (L1 prefills 0-320 beside A's
-    # last steps, which end at 330)
-    burst = replay(shape, [Work(0, 3), Work(300, 0, held_blocks=1)], new)
-    assert burst.queue_ms == 330.0

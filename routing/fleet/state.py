@@ -71,9 +71,6 @@ class NodeState(BaseModel):
     # a request takes the blocks of its prompt an earlier one in hand wrote since it was
     # admitted before each of its chunks (routing.engine.EngineStats.prefix_catch_up)
     prefix_catch_up: bool = False
-    # its admission by prefix: passes allowed a waiting request (routing.engine.EngineStats
-    # .prefix_first; 0: strict arrival order)
-    prefix_first: int = Field(default=0, ge=0)
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)

@@ -270,9 +270,6 @@ class Simulator:
             max_batch=n.slots,
             prefix_cache=n.id in self.prefix_nodes,
             prefix_catch_up=n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.catch_up,
-            prefix_first=n.prefix_first
-            if n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.prefix_cache
-            else 0,
             timestamp=0.0,
         )
 
