@@ -550,8 +550,8 @@ async def _beside_a_decoding_answer(
             return tokens
 
         a_task = asyncio.create_task(drain_a())
-        # B goes in once the drain has caught up with A's stream: A's tokens made before B was
-        # submitted, still queued, must not count as made while B prefilled
+        # B goes in once the drain runs; A's tokens made before B was submitted, still queued
+        # for the drain, are not counted as made while B prefilled (``made`` above)
         while not seen:
             await asyncio.sleep(0)
         await asyncio.sleep(0.005)

@@ -8,8 +8,9 @@ cut short when something arrives that would change the plan).
   else the least recently freed, with a longer run a busy slot holds copied into it (a
   running request offers its prompt's blocks as its prefill writes them, and before each chunk
   a request copies a longer run one wrote since its admission); each loop runs one prefill
-  chunk of the oldest request still prefilling (cut beside decoding rows as ``routing.prefill_budget`` says, from the
-  node's own EWMAs), then one decode step of every decoding row. A slot keeps its request's
+  chunk of the oldest request still prefilling (cut beside decoding rows as
+  ``routing.prefill_budget`` says, from the node's own EWMAs), then one decode step of every
+  decoding row. A slot keeps its request's
   prompt blocks when it ends (``stored``) and drops those a new occupant does not reuse
   (``removed``), counted per slot.
 - :class:`CloudSim` mirrors ``cloud_engine.scheduler``: continuous batching, decodes first, then
