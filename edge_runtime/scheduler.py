@@ -176,7 +176,7 @@ class SlotScheduler:
         self.decoder = decoder
         # before each chunk, copy a longer prefix another slot holds than at admission
         self.catch_up = catch_up
-        # how often a waiting request may be passed by one reusing more of a free slot's KV
+        # how often a waiting request may be passed by one with more of its prefix held here
         self.prefix_first = max(0, prefix_first)
         # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
         self.stall_ratio = stall_ratio
@@ -385,7 +385,7 @@ class SlotScheduler:
         and starts after them; without, the lowest free slot."""
         free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
         while free and self._waiting:
-            r = self._next_waiting(free)
+            r = self._next_waiting()
             slot, blocks = free[0], 0
             if self.cache is not None:
                 prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
@@ -424,18 +424,16 @@ class SlotScheduler:
         self.copied_tokens += gained
         self.cached_tokens += gained
 
-    def _next_waiting(self, free: list[int]) -> SlotRequest:
+    def _next_waiting(self) -> SlotRequest:
         """Under the lock: take the waiting request to admit next (``routing.admission``:
-        the first in order unless a later one of the same priority reuses several more blocks
-        of a free slot)."""
+        the first in order unless a later one of the same priority has several more leading
+        blocks held on the node)."""
         if self.cache is None or self.prefix_first == 0 or len(self._waiting) == 1:
             return heapq.heappop(self._waiting)[2]
         order = heapq.nsmallest(PREFIX_FIRST_WINDOW, self._waiting)
         top = order[0][2].request.priority  # never ahead of a request of higher priority
         same = takewhile(lambda e: e[2].request.priority == top, order)
-        best = prefix_first(
-            ((self._reuse(e[2], free), e[2].passed) for e in same), self.prefix_first
-        )
+        best = prefix_first(((self._reuse(e[2]), e[2].passed) for e in same), self.prefix_first)
         chosen = order[best]
         if best == 0:
             return heapq.heappop(self._waiting)[2]
@@ -445,14 +443,14 @@ class SlotScheduler:
         heapq.heapify(self._waiting)
         return chosen[2]
 
-    def _reuse(self, r: SlotRequest, free: list[int]) -> int:
-        """Under the lock: the most leading blocks of ``r`` the node holds, in one of the
-        ``free`` slots (kept) or in a busy one (written so far): what ``_admit`` gives it, by
-        taking that free slot or copying from that busy one."""
+    def _reuse(self, r: SlotRequest) -> int:
+        """Under the lock: the most leading blocks of ``r`` the node holds, in a free slot
+        (kept) or a busy one (written so far): what ``_admit`` gives it, by taking that free
+        slot or copying from that busy one."""
         assert self.cache is not None
-        prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
-        kept = max(self.cache.match(s, prompt, r.hashes, limit) for s in free)
-        return max(kept, self.cache.best_source(prompt, r.hashes, limit, exclude=-1)[1])
+        limit = reusable_blocks(r.prompt_len)
+        prompt = r.request.prompt_token_ids
+        return self.cache.best_source(prompt, r.hashes, limit, exclude=-1, free_too=True)[1]
 
     def _vacate(self, r: SlotRequest) -> None:
         """Under the lock: ``r`` leaves its slot; the KV it wrote stays there for reuse."""

@@ -10,9 +10,8 @@ cut short when something arrives that would change the plan).
   a request copies a longer run one wrote since its admission); each loop runs one prefill
   chunk of the oldest request still prefilling (cut beside decoding rows as
   ``routing.prefill_budget`` says, from the node's own EWMAs), then one decode step of every
-  decoding row. A slot keeps its request's
-  prompt blocks when it ends (``stored``) and drops those a new occupant does not reuse
-  (``removed``), counted per slot.
+  decoding row. A slot keeps its request's prompt blocks when it ends (``stored``) and drops
+  those a new occupant does not reuse (``removed``), counted per slot.
 - :class:`CloudSim` mirrors ``cloud_engine.scheduler``: continuous batching, decodes first, then
   chunked prefill of running and newly admitted requests under ``max_tokens_per_step``;
   admission stops at ``slots`` running or when the KV pool cannot hold the prompt; a row that
@@ -239,14 +238,13 @@ class EdgeSim(_Node):
             n += 1
         return n
 
-    def _next_waiting(self, free: Sequence[int]) -> SimRequest:
+    def _next_waiting(self) -> SimRequest:
         """Take the waiting request to admit next, as ``edge_runtime.scheduler`` does."""
         if not self.prefix_cache or self.prefix_first == 0 or len(self.waiting) == 1:
             return self.waiting.popleft()
-        held = [s for s, o in enumerate(self.occupant) if o is not None] + list(free)
         reuse = (  # kept in a free slot or written so far in a busy one (admission copies it)
             (
-                max(self._leading(self.kept[s], r.blocks, reusable_blocks(r.prompt)) for s in held),
+                max(self._leading(kept, r.blocks, reusable_blocks(r.prompt)) for kept in self.kept),
                 r.passed,
             )
             for r in islice(self.waiting, PREFIX_FIRST_WINDOW)
@@ -265,7 +263,7 @@ class EdgeSim(_Node):
         stored: list[int] = []
         while self.waiting and len(self.order) < self.slots:
             free = [i for i, o in enumerate(self.occupant) if o is None]
-            r = self._next_waiting(free)
+            r = self._next_waiting()
             best, best_n = -1, 0
             limit = reusable_blocks(r.prompt)
             if self.prefix_cache:
