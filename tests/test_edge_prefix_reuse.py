@@ -291,25 +291,33 @@ async def test_a_waiting_request_whose_prefix_a_busy_slot_holds_goes_first(
     finishes while B still waits; in strict arrival order B goes first. D's greedy tokens
     match a cold run either way."""
     s, qc, qd, a, b = _prompts(80, 8, 8, 40, 40, seed=37)
-    warm = await _engine(graph, prefix_first=prefix_first)
+    # answers as long as the model's context: C must still run when B and D are done, even
+    # where the tiny model decodes a token in a fraction of a millisecond
+    warm = await _engine(graph, prefix_first=prefix_first, context=2048)
     cold = await _engine(graph, prefix_reuse=False, slots=1)
     try:
-        ga = warm.generate(GenerationRequest(a, greedy(150)))
-        gc = warm.generate(GenerationRequest(s + qc, greedy(150)))
+        ga = warm.generate(GenerationRequest(a, greedy(1900)))
+        gc = warm.generate(GenerationRequest(s + qc, greedy(1900)))
         await anext(ga)
         await anext(gc)
-        tb = asyncio.create_task(_run(warm, b))
+        finished: list[str] = []  # in the order the engine's final events were handed over
+
+        async def run(name: str, prompt: list[int]) -> Turn:
+            turn = await _run(warm, prompt)
+            finished.append(name)
+            return turn
+
+        tb = asyncio.create_task(run("B", b))
         await _waiting(warm, 1)
-        td = asyncio.create_task(_run(warm, s + qd))
+        td = asyncio.create_task(run("D", s + qd))
         await _waiting(warm, 2)
         await ga.aclose()
-        done, _ = await asyncio.wait({tb, td}, return_when=asyncio.FIRST_COMPLETED)
-        assert done == ({td} if prefix_first else {tb})
         d = await td
         # S copied either way, so D computes only its 8-token question (not read from the
         # scheduler's counter: B, admitted when D ends, may prefill before D's last event)
         assert d.cached == 80
         await tb
+        assert finished == (["D", "B"] if prefix_first else ["B", "D"])
         await gc.aclose()
         assert d.tokens == (await _run(cold, s + qd)).tokens
     finally:
