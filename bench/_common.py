@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,3 +80,16 @@ def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
     (RESULTS / f"{name}.md").write_text(markdown + "\n")
     print(markdown)
     print(f"\nwrote {RESULTS / name}.json and .md")
+
+
+def write_rows_and_summary(
+    name: str, title: str, rows: list[dict[str, Any]], summary: dict[str, Any]
+) -> None:
+    """Results of a bench of repeated rounds (each a row, every key a column) and their
+    ``summary`` (one row): the command line run, the machine, both tables, as ``name``."""
+    command = recorded_command(f"{name}.py", sys.argv[1:], ())
+    markdown = "\n\n".join(
+        [f"# {title}", f"`{command}`", table(rows, list(rows[0])), table([summary], list(summary))]
+    )
+    payload = {"command": command, "machine": machine(), "rows": rows, "summary": summary}
+    write_results(name, payload, markdown)

@@ -27,7 +27,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import machine, recorded_command, table, write_results
+from bench._common import write_rows_and_summary
 from bench._serve import embedded_default
 from bench.tier_contention import _ask, _text
 from gateway.auth import NODE_TOKEN_HEADER
@@ -82,19 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {**{f"{k}_median": v for k, v in med.items()},
                "intake_ratio": med["edge_intake_behind_ms"] / med["edge_alone_ms"],
                "cloud_ratio": med["edge_beside_cloud_ms"] / med["edge_alone_ms"]}  # fmt: skip
-    command = recorded_command("edge_burst_intake.py", sys.argv[1:], ())
-    markdown = "\n\n".join(
-        [
-            "# The edge's short prompt alone, with long prompts behind it, beside the cloud's",
-            f"`{command}`",
-            table(rows, list(rows[0])),
-            table([summary], list(summary)),
-        ]
-    )
-    write_results(
+    write_rows_and_summary(
         "edge_burst_intake",
-        {"command": command, "machine": machine(), "rows": rows, "summary": summary},
-        markdown,
+        "The edge's short prompt alone, with long prompts behind it, beside the cloud's",
+        rows,
+        summary,
     )
     return 0
 

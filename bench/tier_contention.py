@@ -28,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import machine, recorded_command, table, write_results
+from bench._common import write_rows_and_summary
 from bench._serve import embedded_default
 from bench.edge_shared_prompt import WORDS
 from gateway.auth import NODE_TOKEN_HEADER
@@ -90,19 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"cloud_alone_median_ms": alone, "cloud_beside_median_ms": beside,
                "ratio": beside / alone,
                "edge_long_median_ms": statistics.median(r["edge_long_ms"] for r in rows)}  # fmt: skip
-    command = recorded_command("tier_contention.py", sys.argv[1:], ())
-    markdown = "\n\n".join(
-        [
-            "# The cloud's short prompt alone and beside the edge's long prefill",
-            f"`{command}`",
-            table(rows, ["pair", "cloud_alone_ms", "cloud_beside_ms", "edge_long_ms"]),
-            table([summary], list(summary)),
-        ]
-    )
-    write_results(
+    write_rows_and_summary(
         "tier_contention",
-        {"command": command, "machine": machine(), "rows": rows, "summary": summary},
-        markdown,
+        "The cloud's short prompt alone and beside the edge's long prefill",
+        rows,
+        summary,
     )
     return 0
 
