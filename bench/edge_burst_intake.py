@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import write_rows_and_summary
 from bench._serve import embedded_default
-from bench.tier_contention import _ask, _text
+from bench.tier_contention import _ask, _node_urls, _text, _warm
 from gateway.auth import NODE_TOKEN_HEADER
 
 
@@ -44,13 +44,11 @@ async def _with(
 
 
 async def _rounds(base: str, token: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    nodes = httpx.get(base + "/admin/nodes", timeout=5.0).json()["nodes"]
-    url = {n["kind"]: n["url"] for n in nodes}
+    url = _node_urls(base)
     rng = random.Random(args.seed)
     rows = []
     async with httpx.AsyncClient(timeout=120.0, headers={NODE_TOKEN_HEADER: token}) as c:
-        await _ask(c, url["edge"], _text(20, rng))  # warm both once
-        await _ask(c, url["cloud"], _text(20, rng))
+        await _warm(c, url, 20, rng)
         for i in range(args.rounds):
             alone = await _ask(c, url["edge"], _text(20, rng))
             await asyncio.sleep(0.5)

@@ -51,14 +51,24 @@ async def _ask(client: httpx.AsyncClient, url: str, prompt: str) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
 
-async def _pairs(base: str, token: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _node_urls(base: str) -> dict[str, str]:
+    """The embedded default's node URLs by kind, from the gateway's view."""
     nodes = httpx.get(base + "/admin/nodes", timeout=5.0).json()["nodes"]
-    url = {n["kind"]: n["url"] for n in nodes}
+    return {n["kind"]: n["url"] for n in nodes}
+
+
+async def _warm(c: httpx.AsyncClient, url: dict[str, str], words: int, rng: random.Random) -> None:
+    """One short prompt to each node, so that no measured one is its first."""
+    for kind in ("cloud", "edge"):
+        await _ask(c, url[kind], _text(words, rng))
+
+
+async def _pairs(base: str, token: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    url = _node_urls(base)
     rng = random.Random(args.seed)
     rows = []
     async with httpx.AsyncClient(timeout=120.0, headers={NODE_TOKEN_HEADER: token}) as c:
-        await _ask(c, url["cloud"], _text(args.short_words, rng))  # warm both once
-        await _ask(c, url["edge"], _text(args.short_words, rng))
+        await _warm(c, url, args.short_words, rng)
         for i in range(args.pairs):
             alone = await _ask(c, url["cloud"], _text(args.short_words, rng))
             await asyncio.sleep(0.5)
