@@ -240,15 +240,6 @@ class LatencyKnobs(BaseModel):
         "paired rounds took the concurrency-16 TTFT p90 from 0.64 to 0.56 and the goal cells "
         "from 10 to 11: docs/benchmarks.md",
     )
-    slot_eviction: bool = Field(
-        default=True,
-        description="on a node whose prefix cache is what its slots keep (the edge), credit "
-        "no prefix the index says it holds when this gateway has at least a slot's worth of "
-        "requests there and none of them shares that prefix: every slot holds, or is about to "
-        "be taken by, a prompt without it, so whatever kept it has been overwritten (the "
-        "index hears of that only from the node's next events); what a request in hand shares "
-        "is still reused (in_hand_prefix)",
-    )
     step_alone: bool = Field(
         default=True,
         description="a request sent to a node whose work in hand began with ours reaching it "
@@ -955,8 +946,7 @@ class LatencyModel:
 
         ``cached_tokens`` is what the prefix index says the node holds (whole blocks, capped at
         ``(prompt_tokens - 1) // BLOCK_SIZE`` of them as the engines do, scaled by
-        ``prefix_credit``), none of it on a node whose slots all went to prompts without it
-        (``slot_eviction``). ``ahead`` is the work this gateway knows the node has in hand, in
+        ``prefix_credit``). ``ahead`` is the work this gateway knows the node has in hand, in
         arrival order (``routing.router.DispatchLedger.work``); ``extra_inflight`` counts
         requests on the node that ``ahead`` does not describe (other gateways', or, without
         ``ahead``, everything beyond the node's own running and waiting counts): each is taken
@@ -972,16 +962,6 @@ class LatencyModel:
         step is replayed alone, and everything else joins at its end (``step_alone``).
         """
         k = self.knobs
-        if (
-            k.slot_eviction
-            and node.prefix_in_slots
-            and ahead is not None
-            and len(ahead) >= max(1, node.max_batch)
-            and extra_inflight <= 0
-            and (shared_prefix.tokens if shared_prefix is not None else 0)
-            < min(cached_tokens // BLOCK_SIZE, reusable_blocks(prompt_tokens)) * BLOCK_SIZE
-        ):
-            cached_tokens = 0  # every slot went to a prompt without it (``slot_eviction``)
         # whole blocks only, and at least one token computed: what the engines then report
         blocks = min(cached_tokens // BLOCK_SIZE, reusable_blocks(prompt_tokens))
         cached = int(blocks * k.prefix_credit) * BLOCK_SIZE

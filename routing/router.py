@@ -473,9 +473,9 @@ class Router:
             # what other gateways sent it: its own counts beyond ours it had seen
             extra_inflight=max(0, node.running + node.waiting - seen),
             ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
-            # only read where it counts: a node with a prefix cache, a knob that reads it on
+            # only read where it counts: a node with a prefix cache, the knob on
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
-            if node.prefix_cache and (knobs.in_hand_prefix or knobs.slot_eviction)
+            if node.prefix_cache and knobs.in_hand_prefix
             else None,
             arrivals=self.ledger.arrivals(
                 node.id,
