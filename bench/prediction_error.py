@@ -127,6 +127,9 @@ VARIANTS = {
     # a request behind one that reached an idle node waits half a step, not for the step that
     # one began (the default before 2026-12-05, twenty-first session)
     "step_half": "latency:\n  step_alone: false\n",
+    # the prefix index's credit on the edge stands though every slot went to a prompt without
+    # it (the default before 2026-12-05, twenty-first session)
+    "slot_credit": "latency:\n  slot_eviction: false\n",
     # no future arrivals in the replay (the default before 2026-12-04, eighth session)
     "no_arrivals": "latency:\n  future_arrivals: false\n",
     # the output-length statistics without the whole-prompt key (first block and coarser)

@@ -318,6 +318,7 @@ class EdgeEngine:
                 0.0,
                 prefix_cache=cfg.prefix_reuse,
                 prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
+                prefix_in_slots=cfg.prefix_reuse,
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
             )
@@ -334,6 +335,7 @@ class EdgeEngine:
             prefix_hit_rate=snap.prefix_hit_rate,
             prefix_cache=cfg.prefix_reuse,
             prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
+            prefix_in_slots=cfg.prefix_reuse,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
             prefill_chunk_every=snap.prefill_chunk_every,

@@ -112,6 +112,9 @@ class EngineStats:
     # free and kept) holds beyond its own (the edge's catch-up): a request sharing a prefix
     # with an earlier one in hand reuses it wherever it stands in the queue
     prefix_catch_up: bool = False
+    # its prefix cache is the KV its slots keep, one prompt each (the edge): a request that
+    # takes a free slot overwrites what that slot kept beyond their common leading blocks
+    prefix_in_slots: bool = False
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel

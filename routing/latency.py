@@ -240,6 +240,17 @@ class LatencyKnobs(BaseModel):
         "paired rounds took the concurrency-16 TTFT p90 from 0.64 to 0.56 and the goal cells "
         "from 10 to 11: docs/benchmarks.md",
     )
+    slot_eviction: bool = Field(
+        default=True,
+        description="on a node whose prefix cache is what its slots keep (the edge), credit "
+        "no prefix the index says it holds when this gateway has a slot's worth of requests "
+        "in hand there without it, all sent after the last one with it left, and none with it "
+        "(DispatchLedger.slots_taken_without): every slot then holds, or is about to, a "
+        "prompt without it, so what kept it was overwritten, which the index hears only from "
+        "the node's next events (a burst's short prompts took the edge's four slots in its "
+        "first millisecond; its shared prompts, decided 30 ms later, were credited 1,136 "
+        "cached tokens and computed all of them)",
+    )
     step_alone: bool = Field(
         default=True,
         description="a request sent to a node whose work in hand began with ours reaching it "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -128,6 +129,8 @@ class DispatchLedger:
         # per node, and when the first one went: its usual population and work (``arrivals``)
         self._sent: dict[str, collections.deque[tuple[float, float, float, float]]] = {}
         self._first_sent: dict[str, float] = {}
+        # (finished at, its prompt's block hashes) of recent finishes per node, in that order
+        self._left: dict[str, collections.deque[tuple[float, Sequence[int]]]] = {}
 
     def add(
         self,
@@ -147,13 +150,16 @@ class DispatchLedger:
             self._first_sent.setdefault(node_id, at)
 
     def remove(self, node_id: str, at: float, ticket_id: int, now: float | None = None) -> bool:
-        self._entries.pop(ticket_id, None)
+        entry = self._entries.pop(ticket_id, None)
         items = self._times.get(node_id)
         if not items:
             return False
         i = bisect.bisect_left(items, (at, ticket_id))
         if i < len(items) and items[i] == (at, ticket_id):
             del items[i]
+            if now is not None and entry is not None and entry.hashes:
+                left = self._left.setdefault(node_id, collections.deque(maxlen=256))
+                left.append((now, entry.hashes))
             if now is not None:
                 done = self._finished.setdefault(node_id, collections.deque())
                 done.append((at, now))
@@ -193,6 +199,27 @@ class DispatchLedger:
             if at <= t:
                 n += 1
         return n
+
+    def slots_taken_without(self, node_id: str, prefix: Sequence[int], slots: int) -> bool:
+        """Whether all ``slots`` of the node went to prompts without ``prefix`` (leading block
+        hashes): at least that many of our requests in hand lack it, each sent after the last
+        one with it left the node (among the recent finishes kept), and none in hand has it
+        (one that does holds it, or writes it). False when a request in hand is not known."""
+        want, n = list(prefix), len(prefix)
+        if n == 0 or slots <= 0 or len(self._times.get(node_id, ())) < slots:
+            return False
+        last = -math.inf
+        for finished, hashes in reversed(self._left.get(node_id, ())):
+            if list(hashes[:n]) == want:
+                last = finished
+                break
+        count = 0
+        for at, ticket_id in self._times.get(node_id, ()):
+            e = self._entries.get(ticket_id)
+            if e is None or list(e.hashes[:n]) == want:
+                return False
+            count += at > last
+        return count >= slots
 
     def step_began_ms(self, node_id: str, now: float) -> float | None:
         """Milliseconds since the earliest of our requests in hand on the node was dispatched,
@@ -464,16 +491,28 @@ class Router:
         read as ``knobs`` say (the routing model's, or a shadow's own)."""
         client_region = profile.client_region or self.config.default_region
         seen = self.ledger.in_flight_at(node.id, node.timestamp)
+        extra = max(0, node.running + node.waiting - seen)
+        credited = min(view.prefix_blocks.get(node.id, 0), len(profile.reusable_hashes))
+        if (
+            credited
+            and knobs.slot_eviction
+            and node.prefix_in_slots
+            and not extra
+            and self.ledger.slots_taken_without(
+                node.id, profile.reusable_hashes[:credited], node.max_batch
+            )
+        ):
+            credited = 0  # its slots all went to prompts without it (``slot_eviction``)
         return model.estimate(
             node,
             prompt_tokens=profile.prompt_tokens,
-            cached_tokens=view.prefix_blocks.get(node.id, 0) * BLOCK_SIZE,
+            cached_tokens=credited * BLOCK_SIZE,
             expected_output_tokens=profile.expected_output_on(node.kind),
             rtt_ms=self.regions.rtt_ms(client_region, node.region),
             # what other gateways sent it: its own counts beyond ours it had seen
-            extra_inflight=max(0, node.running + node.waiting - seen),
+            extra_inflight=extra,
             ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
-            # only read where it counts: a node with a prefix cache, the knob on
+            # only read where it counts: a node with a prefix cache, a knob that reads it on
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
             if node.prefix_cache and knobs.in_hand_prefix
             else None,

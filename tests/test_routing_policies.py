@@ -794,3 +794,42 @@ def test_the_step_a_request_begins_is_its_own_only_when_nothing_of_ours_was_ther
     assert ledger.remove("n", 2.0, 2, now=3.8)
     assert ledger.step_began_ms("n", 4.001) == pytest.approx(1.0)  # #3 found it idle
     assert ledger.step_began_ms("other", 4.0) is None
+
+
+def test_a_prefix_kept_in_slots_is_not_credited_once_every_slot_went_to_other_prompts():
+    """An edge keeps prefixes in its slots: once this gateway has a slot's worth of requests
+    there without the prompt, all sent after the last one with it left, every slot was taken
+    by a prompt without it, so the index's credit (it hears of the overwrite only from the
+    node's next events) is stale. One with it in hand, or one that left after the others were
+    sent (its slot kept it), keeps the credit; a node with a paged cache keeps it too."""
+    clock = [NOW]
+    shared = profile(800)  # 50 blocks, 49 reusable
+
+    def credited(node: NodeState, others: int, sharer: str = "", **knobs) -> int:
+        r = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs)),
+                   clock=lambda: clock[0])  # fmt: skip
+        fleet = view(node, prefix={node.id: 50})
+        if sharer == "before":  # it left before the others were sent
+            t = r.begin(r.decide(shared, fleet), profile=shared)
+            r.finish(t)
+        for i in range(others):
+            clock[0] += 0.001
+            p = profile(40, block_hashes=[5000 + 10 * i, 5001 + 10 * i])
+            r.begin(r.decide(p, fleet), profile=p)
+        if sharer == "in_hand":
+            r.begin(r.decide(shared, fleet), profile=shared)
+        if sharer == "after":  # it leaves after the others were sent: its slot keeps it
+            t = r.begin(r.decide(shared, fleet), profile=shared)
+            clock[0] += 0.001
+            r.finish(t)
+        return r.decide(shared, fleet).estimate.cached_tokens
+
+    slots = edge(max_batch=4, prefix_cache=True, prefix_in_slots=True)
+    assert credited(slots, 3) == 49 * BLOCK_SIZE  # a slot may still keep it
+    assert credited(slots, 4) == 0
+    assert credited(slots, 4, "before") == 0
+    assert credited(slots, 4, slot_eviction=False) == 49 * BLOCK_SIZE
+    assert credited(slots, 4, "in_hand") == 49 * BLOCK_SIZE  # it holds or writes it
+    assert credited(slots, 4, "after") == 49 * BLOCK_SIZE
+    paged = edge(max_batch=4, prefix_cache=True)
+    assert credited(paged, 8) == 49 * BLOCK_SIZE

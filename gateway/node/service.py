@@ -256,6 +256,7 @@ class NodeService:
             prefix_hit_rate=s.prefix_hit_rate,
             prefix_cache=s.prefix_cache,
             prefix_catch_up=s.prefix_catch_up,
+            prefix_in_slots=s.prefix_in_slots,
             tp=s.tp,
             pp=s.pp,
             devices=list(s.devices),

@@ -71,6 +71,8 @@ class NodeState(BaseModel):
     # a request takes the blocks of its prompt an earlier one in hand wrote since it was
     # admitted before each of its chunks (routing.engine.EngineStats.prefix_catch_up)
     prefix_catch_up: bool = False
+    # its prefix cache is what its slots keep (routing.engine.EngineStats.prefix_in_slots)
+    prefix_in_slots: bool = False
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)

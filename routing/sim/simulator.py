@@ -270,6 +270,7 @@ class Simulator:
             max_batch=n.slots,
             prefix_cache=n.id in self.prefix_nodes,
             prefix_catch_up=n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.catch_up,
+            prefix_in_slots=n.id in self.prefix_nodes and isinstance(n, EdgeSim),
             timestamp=0.0,
         )
 
