@@ -124,9 +124,6 @@ class Sample:
 
 # Policy files for --variants (the default policy is the gateway's own).
 VARIANTS = {
-    # a request behind one that reached an idle node waits half a step, not for the step that
-    # one began (the default before 2026-12-05, twenty-first session)
-    "step_half": "latency:\n  step_alone: false\n",
     # the prefix index's credit on the edge stands though every slot went to a prompt without
     # it (the default before 2026-12-05, twenty-first session)
     "slot_credit": "latency:\n  slot_eviction: false\n",

@@ -28,10 +28,6 @@ Invariants:
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
 - ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
   the requests decoding while it ran: the delay its prefill adds to the others.
-- With ``alone`` the step in flight is known to hold only the first ``alone`` requests of
-  ``ahead`` (they reached an idle node, which began it at once): the replay's first loop runs
-  them alone, and everything else waiting joins at its end. Without, anything waiting joins
-  the first loop (the step in flight is taken as over; ``routing.latency`` adds half of it).
 - With :class:`Arrivals` the node keeps the population it usually has: once the new request
   has its first token, whenever fewer than ``population`` requests are left (the new one
   included), one more with the usual work joins the queue, behind the new request and never
@@ -259,23 +255,18 @@ class _Loop:
     target: _Req
     loops: int  # loops left before it gives up
     clock: _Clock = field(default_factory=_Clock)
-    held: deque[_Req] = field(default_factory=deque)  # waiting, kept out of the first loop
 
     @classmethod
-    def start(
-        cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int, alone: int = 0
-    ) -> _Loop:
+    def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
         kept, target = _requests(shape, ahead, new)
-        # of the first ``alone`` of ``ahead``, those with work left (``_requests`` keeps them)
-        first = sum(1 for w in ahead[:alone] if w.prefill_tokens > 0 or w.decode_steps > 0)
-        held = deque((*kept[first:], target)) if alone > 0 else deque()
-        waiting = deque(kept[:first]) if alone > 0 else deque((*kept, target))
-        return cls(waiting, deque(), [], target, max_loops, held=held)
+        waiting = deque(kept)
+        waiting.append(target)
+        return cls(waiting, deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
         """An independent copy (requests not yet decoding are copied: chunks change them, and
         a waiting one's source is its copy's)."""
-        copies = {id(r): replace(r) for r in (*self.waiting, *self.prefilling, *self.held)}
+        copies = {id(r): replace(r) for r in (*self.waiting, *self.prefilling)}
         for r in copies.values():
             if r.source is not None:
                 r.source = copies.get(id(r.source), r.source)
@@ -286,7 +277,6 @@ class _Loop:
             copies.get(id(self.target), self.target),
             self.loops,
             self.clock,
-            deque(copies.get(id(r), r) for r in self.held),
         )
 
 
@@ -296,13 +286,10 @@ def replay(
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
-    alone: int = 0,
 ) -> Replayed:
     """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
-    ``arrivals`` that keep the node's population; the first ``alone`` of ``ahead`` hold the
-    step in flight by themselves."""
-    loop = _Loop.start(shape, ahead, new, max_loops, alone)
-    r = _advance(shape, loop, arrivals, pause_at_first=False)
+    ``arrivals`` that keep the node's population."""
+    r = _advance(shape, _Loop.start(shape, ahead, new, max_loops), arrivals, pause_at_first=False)
     assert r is not None  # only a pausing run stops short
     return r
 
@@ -313,12 +300,11 @@ def replay_pair(
     new: Work,
     arrivals: Arrivals,
     max_loops: int = 4096,
-    alone: int = 0,
 ) -> tuple[Replayed, Replayed]:
     """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
     once the new request has its first token, so both run the same loops until then; those
     run once, and the rest forks."""
-    loop = _Loop.start(shape, ahead, new, max_loops, alone)
+    loop = _Loop.start(shape, ahead, new, max_loops)
     shared = _advance(shape, loop, None, pause_at_first=True)
     if shared is not None:  # done by its first token (no decode, or out of loops)
         return shared, shared
@@ -343,12 +329,11 @@ def _advance(
     ``c + done - s`` tokens, so the rows' sum is ``base + rows * done`` with ``base`` the sum
     of their ``c - s``.
     """
-    waiting, prefilling, decoding, target, held = (
+    waiting, prefilling, decoding, target = (
         loop.waiting,
         loop.prefilling,
         loop.decoding,
         loop.target,
-        loop.held,
     )
     t, done, base, queue_ms, first, target_end, row_steps, steps, stall, ctx_steps, seq = loop.clock
     slots = max(1, shape.slots)
@@ -374,9 +359,6 @@ def _advance(
         )
 
     for ran in range(loop.loops):
-        if held and (t > 0 or not (waiting or prefilling or decoding)):
-            waiting.extend(held)  # the step in flight is over
-            held.clear()
         if first >= 0:
             if pause_at_first:
                 loop.loops -= ran
@@ -440,7 +422,7 @@ def _advance(
                 if pre.steps > 0:  # its first token came out of the prefill; it decodes now
                     start_decoding(pre)
         if not decoding:
-            if pre is None and not waiting and not held:
+            if pre is None and not waiting:
                 break
             continue
         n = len(decoding)
@@ -484,17 +466,12 @@ def replay_literal(
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
-    alone: int = 0,
 ) -> Replayed:
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
     waiting, target = _requests(shape, ahead, new)
     waiting.append(target)
-    held: list[_Req] = []
-    if alone > 0:  # all but the step in flight's requests wait for its end
-        first = sum(1 for w in ahead[:alone] if w.prefill_tokens > 0 or w.decode_steps > 0)
-        waiting, held = waiting[:first], waiting[first:]
     waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)
@@ -523,9 +500,6 @@ def replay_literal(
             steps += k
 
     for _ in range(max_loops):
-        if held and (t > 0 or not (waiting or running)):
-            waiting[:0] = reversed(held)  # newer than any waiting: popped after them
-            held = []
         if arrivals is not None and first >= 0:
             for _ in range(arrivals.population - len(waiting) - len(running)):
                 waiting.insert(0, _req(arrivals.work))
@@ -568,7 +542,7 @@ def replay_literal(
             decoding.append(pre)  # its first token came out of the prefill; it decodes now
         if not decoding:
             running = [r for r in running if r.prefill > 0 or r.steps > 0]
-            if pre is None and not waiting and not held:
+            if pre is None and not waiting:
                 break
             continue
         # With nothing left to prefill, identical steps repeat until the next finish: jump.

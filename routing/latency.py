@@ -251,15 +251,6 @@ class LatencyKnobs(BaseModel):
         "first millisecond; its shared prompts, decided 30 ms later, were credited 1,136 "
         "cached tokens and computed all of them)",
     )
-    step_alone: bool = Field(
-        default=True,
-        description="a request sent to a node whose work in hand began with ours reaching it "
-        "idle, before that one's first token, waits for the step in flight, which holds that "
-        "one alone and began when it arrived: an engine takes a newcomer only between steps, "
-        "and the second of a burst's requests reaches it a millisecond after the first began "
-        "its step (off: the newcomer waits half a step, as for a busy node whose step began "
-        "at an unknown time)",
-    )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"
     )
@@ -951,7 +942,6 @@ class LatencyModel:
         ahead: Sequence[Work] | None = None,
         arrivals: Arrivals | None = None,
         shared_prefix: SharedPrefix | None = None,
-        step_began_ms: float | None = None,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -967,10 +957,7 @@ class LatencyModel:
         ``DispatchLedger.shared_prefix``); with ``in_hand_prefix``, on a node with a prefix
         cache, those beyond the credit are cached if that request's prefill is done when this
         one takes a slot (``routing.backlog``). On a node with work in hand the request first
-        waits for the step in flight: half a decode step, on average, unless
-        ``step_began_ms`` says the first of ``ahead`` reached the node idle that long ago and
-        is still in the step it began (``DispatchLedger.step_began_ms``): what is left of that
-        step is replayed alone, and everything else joins at its end (``step_alone``).
+        waits for the step in flight (half a decode step, on average).
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -1018,13 +1005,10 @@ class LatencyModel:
         elif arrivals is not None and k.arrival_population == "in_slots":
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
-        # ``ahead`` is what is left now: the step in flight's request has run for that long
-        alone = int(k.step_alone and step_began_ms is not None and unknown == 0 and bool(work))
         if arrivals is not None and k.arrival_weight < 1.0:
-            pair = replay_pair(shape, work, new, arrivals, alone=alone)
-            r = _blend_decode(*pair, k.arrival_weight)
+            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
         else:
-            r = replay(shape, work, new, arrivals=arrivals, alone=alone)
+            r = replay(shape, work, new, arrivals=arrivals)
         work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)
@@ -1054,7 +1038,7 @@ class LatencyModel:
             own_prefill = floor
         # a busy engine takes a new request in between steps: half the step in flight, on
         # average, before anything of the replay (100+ ms a step on a CPU cloud node)
-        if work and not alone:
+        if work:
             rows = work[: shape.slots]
             in_flight = 0.5 * shape.decode_step_ms(len(rows), sum(w.context for w in rows))
             r = replace(

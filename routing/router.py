@@ -221,28 +221,6 @@ class DispatchLedger:
             count += at > last
         return count >= slots
 
-    def step_began_ms(self, node_id: str, now: float) -> float | None:
-        """Milliseconds since the earliest of our requests in hand on the node was dispatched,
-        when it reached the node with nothing of ours there (every earlier one had finished)
-        and is still within its predicted prefill, its first token not seen: the node began a
-        step for it alone then, and what came after waits for that step's end. None otherwise
-        (or nothing in hand). A prompt of several chunks counts as one step: a newcomer waits
-        for its first chunk, at most one chunk too many."""
-        items = self._times.get(node_id)
-        if not items:
-            return None
-        at, ticket_id = items[0]
-        e = self._entries.get(ticket_id)
-        elapsed = (now - at) * 1000.0
-        if e is None or e.first_token_at is not None or elapsed >= e.estimate.own_prefill_ms:
-            return None
-        for dispatched, finished in reversed(self._finished.get(node_id, ())):
-            if finished <= at:  # appended in finishing order: every older one finished before
-                break
-            if dispatched < at:  # one of ours was still there when it came
-                return None
-        return elapsed
-
     def first_token(self, ticket_id: int, at: float) -> None:
         entry = self._entries.get(ticket_id)
         if entry is not None and entry.first_token_at is None:
@@ -512,7 +490,7 @@ class Router:
             # what other gateways sent it: its own counts beyond ours it had seen
             extra_inflight=extra,
             ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
-            # only read where it counts: a node with a prefix cache, a knob that reads it on
+            # only read where it counts: a node with a prefix cache, the knob on
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
             if node.prefix_cache and knobs.in_hand_prefix
             else None,
@@ -525,7 +503,6 @@ class Router:
             )
             if knobs.future_arrivals
             else None,
-            step_began_ms=self.ledger.step_began_ms(node.id, now) if knobs.step_alone else None,
         )
 
     def decide(

@@ -96,7 +96,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
-    alone=st.sampled_from([0, 1, 2]),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -110,7 +109,6 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
-    alone: int,
 ):
     shape = EngineShape(
         slots,
@@ -125,8 +123,7 @@ def test_replay_equals_the_literal_loop(
         cached_token_ms=cached_ms,
     )
     new = _sharing(new, ahead, new_source)
-    got = replay(shape, ahead, new, alone=alone)
-    want = replay_literal(shape, ahead, new, alone=alone)
+    got, want = replay(shape, ahead, new), replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
@@ -244,24 +241,6 @@ def test_arrivals_keep_the_population_and_slow_the_decode():
         Arrivals(2, Work(0, 3))
 
 
-def test_a_request_behind_a_step_in_flight_joins_at_its_end():
-    """A mixed-step node that began a step for one prompt alone takes the next only after it:
-    two 40-token prompts take two steps, where one step would hold both had they come
-    together; the step's own request is timed as before."""
-    shape = EngineShape(slots=4, chunk_tokens=100, prefill_ms_per_token=1.0,
-                        decode_step_ms_b1=10.0, batch_slope=0.5, mixed_steps=True)  # fmt: skip
-    ahead = [Work(40, 4)]
-    together = replay(shape, ahead, Work(40, 4))
-    assert together.queue_ms == 0.0 and together.first_token_ms == 80.0
-    for run in (replay, replay_literal):
-        r = run(shape, ahead, Work(40, 4), alone=1)
-        assert r.queue_ms == 40.0  # the first prompt's step
-        assert r.first_token_ms == 40.0 + 40.0 + 10.0  # its own chunk beside that one's row
-        assert r.last_token_ms > together.last_token_ms
-    # a step in flight of nothing (work in hand with nothing left) holds nobody back
-    assert replay(shape, [Work(0, 0)], Work(40, 4), alone=1) == replay(shape, [], Work(40, 4))
-
-
 def test_arrivals_come_after_the_new_requests_first_token():
     """Requests sent after the decision join once the new request's prompt is done: on a
     mixed-step node none shares the step that computes its prompt, so its first token comes
@@ -310,23 +289,17 @@ def test_replay_with_arrivals_equals_the_literal_loop(
 
 
 @settings(max_examples=300, deadline=None)
-@given(**ARRIVAL_CASES, max_loops=st.sampled_from([3, 4096]), alone=st.sampled_from([0, 1]))
+@given(**ARRIVAL_CASES, max_loops=st.sampled_from([3, 4096]))
 def test_replay_pair_equals_the_two_replays_it_forks(
-    ahead: Sequence[Work],
-    new: Work,
-    slots: int,
-    population: int,
-    later: Work,
-    max_loops: int,
-    alone: int,
+    ahead: Sequence[Work], new: Work, slots: int, population: int, later: Work, max_loops: int
 ):
     """The pair runs the loops up to the new request's first token once and forks there: each
     half is exactly what its own replay gives, the loop budget included."""
     shape = _arrival_shape(slots)
     arr = Arrivals(population, later)
-    without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops, alone=alone)
-    assert without == replay(shape, ahead, new, max_loops=max_loops, alone=alone)
-    assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr, alone=alone)
+    without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops)
+    assert without == replay(shape, ahead, new, max_loops=max_loops)
+    assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr)
 
 
 def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():

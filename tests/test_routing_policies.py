@@ -743,59 +743,6 @@ def test_the_ledger_says_which_request_in_hand_shares_a_prompts_blocks():
     assert shared("edge-eu", [5000]) is None
 
 
-def test_a_request_behind_one_that_reached_an_idle_node_waits_for_its_step():
-    """The second of a burst reaches a node a millisecond after the first, which began a step
-    alone on arriving: it waits for that step's end (the first's whole prompt on a CPU cloud
-    node, where a step holds any prompt of this size), not for half a step. Once the first's
-    token is seen, or with the knob off, the step in flight is of unknown phase again."""
-
-    def second(**knobs) -> tuple[Estimate, Estimate, Router]:
-        clock = [NOW]
-        r = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(**knobs)),
-                   clock=lambda: clock[0])  # fmt: skip
-        node = cloud(device="cpu", running=0, max_batch=8, prefill_tokens_per_s=250.0)
-        fleet = view(node)
-        first = r.begin(r.decide(profile(40), fleet), profile=profile(40))
-        clock[0] += 0.001
-        assert r.ledger.step_began_ms(node.id, clock[0]) == pytest.approx(1.0)
-        return first.estimate, r.decide(profile(40), fleet).estimate, r
-
-    first, behind, r = second()
-    step = first.own_prefill_ms
-    assert behind.queue_ms == pytest.approx(step - 1.0, abs=2.0)
-    assert behind.ttft_ms >= first.ttft_ms + step - 2.0  # a step of its own after that one
-    _, half, _ = second(step_alone=False)
-    assert half.queue_ms < 0.6 * step  # half a decode step: a guess at the phase
-    assert behind.ttft_ms > half.ttft_ms
-    # the first's token seen, or its prefill over: the step in flight is no longer its own
-    ledger = r.ledger
-    assert ledger.step_began_ms("cloud-us", NOW + (step + 1.0) / 1000.0) is None
-    at, ticket_id = ledger._times["cloud-us"][0]
-    ledger.first_token(ticket_id, at + 0.05)
-    assert ledger.step_began_ms("cloud-us", at + 0.06) is None
-
-
-def test_the_step_a_request_begins_is_its_own_only_when_nothing_of_ours_was_there():
-    from routing.router import DispatchLedger
-
-    ledger = DispatchLedger()
-    ledger.add("n", 0.0, 1)
-    ledger.add("n", 2.0, 2)
-    assert ledger.step_began_ms("n", 3.0) is None  # without an estimate: nothing known of it
-    est = router().decide(profile(40), FLEET).estimate
-    ledger = DispatchLedger()
-    ledger.add("n", 0.0, 1, est)
-    ledger.add("n", 2.0, 2, est)
-    assert ledger.step_began_ms("n", 0.005) == pytest.approx(5.0)
-    assert ledger.remove("n", 0.0, 1, now=3.0)
-    # #2 came while #1 was there: the node's step in flight is of unknown phase
-    assert ledger.step_began_ms("n", 2.001) is None
-    ledger.add("n", 4.0, 3, est)
-    assert ledger.remove("n", 2.0, 2, now=3.8)
-    assert ledger.step_began_ms("n", 4.001) == pytest.approx(1.0)  # #3 found it idle
-    assert ledger.step_began_ms("other", 4.0) is None
-
-
 def test_a_prefix_kept_in_slots_is_not_credited_once_every_slot_went_to_other_prompts():
     """An edge keeps prefixes in its slots: once this gateway has a slot's worth of requests
     there without the prompt, all sent after the last one with it left, every slot was taken
