@@ -124,6 +124,9 @@ class Sample:
 
 # Policy files for --variants (the default policy is the gateway's own).
 VARIANTS = {
+    # the edge orders its queue itself (a prefix reuser passing ahead) and the replay assumes
+    # arrival order (the default before 2026-12-06, twenty-first session)
+    "node_order": "latency:\n  gateway_order: false\n",
     # the prefix index's credit on the edge stands though every slot went to a prompt without
     # it (the default before 2026-12-05, twenty-first session)
     "slot_credit": "latency:\n  slot_eviction: false\n",

@@ -428,11 +428,18 @@ class SlotScheduler:
         """Under the lock: take the waiting request to admit next (``routing.admission``:
         the first in order unless a later one of the same priority has several more leading
         blocks held on the node)."""
-        if self.cache is None or self.prefix_first == 0 or len(self._waiting) == 1:
+        head = self._waiting[0][2]
+        if (
+            self.cache is None
+            or self.prefix_first == 0
+            or len(self._waiting) == 1
+            or head.request.ordered  # the gateway placed it: nothing passes it
+        ):
             return heapq.heappop(self._waiting)[2]
         order = heapq.nsmallest(PREFIX_FIRST_WINDOW, self._waiting)
         top = order[0][2].request.priority  # never ahead of a request of higher priority
-        same = takewhile(lambda e: e[2].request.priority == top, order)
+        # of its priority, up to the first the gateway placed (which none passes)
+        same = takewhile(lambda e: e[2].request.priority == top and not e[2].request.ordered, order)
         best = prefix_first(((self._reuse(e[2]), e[2].passed) for e in same), self.prefix_first)
         chosen = order[best]
         if best == 0:

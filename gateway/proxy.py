@@ -21,7 +21,7 @@ import os
 import random
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -280,11 +280,12 @@ async def open_first(
     max_attempts: int = 3,
     backoff_s: float = 0.05,
     on_failure: Callable[[str], None] = lambda _n: None,
-    on_dispatch: Callable[[str], None] = lambda _n: None,
+    on_dispatch: Callable[[str], Mapping[str, str] | None] = lambda _n: None,
     is_allowed: Callable[[str], bool] = lambda _n: True,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> Opened:
-    """Try candidates in order until one answers without a retryable failure."""
+    """Try candidates in order until one answers without a retryable failure.
+    ``on_dispatch`` counts each send and may add headers for that node's request."""
     attempts: list[Attempt] = []
     last_status, last_body, retry_after = None, b"", None
     for index, (node_id, url) in enumerate(candidates):
@@ -294,12 +295,14 @@ async def open_first(
             continue
         if attempts:
             await sleep(backoff_s * (2 ** (len(attempts) - 1)) * (0.5 + random.random()))
-        on_dispatch(node_id)
+        extra = on_dispatch(node_id)
         att = Attempt(node_id)
         attempts.append(att)
         sent_at = time.perf_counter()
         try:
-            resp = await send_upstream(client, url.rstrip("/") + path, body, headers)
+            resp = await send_upstream(
+                client, url.rstrip("/") + path, body, {**headers, **extra} if extra else headers
+            )
         except (httpx.TransportError, OSError) as exc:
             att.error = f"{type(exc).__name__}: {exc}"
             on_failure(node_id)

@@ -28,6 +28,8 @@ Invariants:
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
 - ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
   the requests decoding while it ran: the delay its prefill adds to the others.
+- With ``position`` the new request waits at that place among ``ahead`` (a node that takes
+  the gateway's order, ``routing.passes``), not behind all of it.
 - With :class:`Arrivals` the node keeps the population it usually has: once the new request
   has its first token, whenever fewer than ``population`` requests are left (the new one
   included), one more with the usual work joins the queue, behind the new request and never
@@ -257,11 +259,17 @@ class _Loop:
     clock: _Clock = field(default_factory=_Clock)
 
     @classmethod
-    def start(cls, shape: EngineShape, ahead: Sequence[Work], new: Work, max_loops: int) -> _Loop:
+    def start(
+        cls,
+        shape: EngineShape,
+        ahead: Sequence[Work],
+        new: Work,
+        max_loops: int,
+        position: int | None = None,
+    ) -> _Loop:
         kept, target = _requests(shape, ahead, new)
-        waiting = deque(kept)
-        waiting.append(target)
-        return cls(waiting, deque(), [], target, max_loops)
+        at = _kept_before(ahead, position)
+        return cls(deque((*kept[:at], target, *kept[at:])), deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
         """An independent copy (requests not yet decoding are copied: chunks change them, and
@@ -280,16 +288,27 @@ class _Loop:
         )
 
 
+def _kept_before(ahead: Sequence[Work], position: int | None) -> int:
+    """How many of the replay's requests in hand (those with work left) come before the new
+    one, which waits at ``position`` among ``ahead`` (None: after all of it)."""
+    if position is None:
+        position = len(ahead)
+    return sum(1 for w in ahead[: max(0, position)] if w.prefill_tokens > 0 or w.decode_steps > 0)
+
+
 def replay(
     shape: EngineShape,
     ahead: Sequence[Work],
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
+    position: int | None = None,
 ) -> Replayed:
-    """Run the engine forward over ``ahead`` (in arrival order), then ``new``, then the
-    ``arrivals`` that keep the node's population."""
-    r = _advance(shape, _Loop.start(shape, ahead, new, max_loops), arrivals, pause_at_first=False)
+    """Run the engine forward over ``ahead`` (in arrival order) with ``new`` at
+    ``position`` among it (None: last), then the ``arrivals`` that keep the node's
+    population."""
+    loop = _Loop.start(shape, ahead, new, max_loops, position)
+    r = _advance(shape, loop, arrivals, pause_at_first=False)
     assert r is not None  # only a pausing run stops short
     return r
 
@@ -300,11 +319,12 @@ def replay_pair(
     new: Work,
     arrivals: Arrivals,
     max_loops: int = 4096,
+    position: int | None = None,
 ) -> tuple[Replayed, Replayed]:
     """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
     once the new request has its first token, so both run the same loops until then; those
     run once, and the rest forks."""
-    loop = _Loop.start(shape, ahead, new, max_loops)
+    loop = _Loop.start(shape, ahead, new, max_loops, position)
     shared = _advance(shape, loop, None, pause_at_first=True)
     if shared is not None:  # done by its first token (no decode, or out of loops)
         return shared, shared
@@ -466,12 +486,13 @@ def replay_literal(
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
+    position: int | None = None,
 ) -> Replayed:
     """The same engine loop run literally, one pass over the rows for every step: the naive
     twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
     Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
     waiting, target = _requests(shape, ahead, new)
-    waiting.append(target)
+    waiting.insert(_kept_before(ahead, position), target)
     waiting.reverse()  # pop() takes the oldest
     running: list[_Req] = []
     slots = max(1, shape.slots)

@@ -240,6 +240,24 @@ class LatencyKnobs(BaseModel):
         "paired rounds took the concurrency-16 TTFT p90 from 0.64 to 0.56 and the goal cells "
         "from 10 to 11: docs/benchmarks.md",
     )
+    gateway_order: bool = Field(
+        default=True,
+        description="on a node that takes the gateway's order (NodeState.gateway_order: the "
+        "edge), send each request its place in the node's queue (x-edgecloud-order-at: when "
+        "it was sent), so the node admits and prefills in the order the replay assumes and "
+        "never lets one request pass another by itself; a request whose prompt the node holds "
+        "4+ blocks more of than waiting requests in hand is placed ahead of those with room "
+        "for it (routing.passes, pass_room) and predicted there; off, the node orders its "
+        "queue itself (by arrival, a prefix reuser passing ahead) and the replay assumes "
+        "arrival order",
+    )
+    pass_room: float = Field(
+        default=1.5,
+        gt=1.0,
+        description="gateway_order: a waiting request is passed only while what passes it "
+        "adds to its wait (each passer's predicted time in a slot) stays within pass_room - 1 "
+        "times its predicted time to first token",
+    )
     slot_eviction: bool = Field(
         default=True,
         description="on a node whose prefix cache is what its slots keep (the edge), credit "
@@ -361,6 +379,10 @@ class Estimate:
     # prefill work it was predicted to take from an earlier request's prefix (not in
     # ``prefill_work_tokens``, which it computes; see ``routing.backlog.SharedPrefix``)
     reused_tokens: float = 0.0
+    # requests in hand it was placed ahead of on a node that takes the gateway's order
+    # (``routing.passes``), and its time in a slot, which each of them waits more
+    placed_ahead: int = 0
+    slot_ms: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -942,6 +964,7 @@ class LatencyModel:
         ahead: Sequence[Work] | None = None,
         arrivals: Arrivals | None = None,
         shared_prefix: SharedPrefix | None = None,
+        position: int | None = None,
     ) -> Estimate:
         """Predict one request's timings on ``node``.
 
@@ -956,8 +979,10 @@ class LatencyModel:
         longest run of its leading blocks a request in ``ahead`` has too (its prompt tokens:
         ``DispatchLedger.shared_prefix``); with ``in_hand_prefix``, on a node with a prefix
         cache, those beyond the credit are cached if that request's prefill is done when this
-        one takes a slot (``routing.backlog``). On a node with work in hand the request first
-        waits for the step in flight (half a decode step, on average).
+        one takes a slot (``routing.backlog``). ``position`` places it among ``ahead`` on a
+        node that takes the gateway's order (``routing.passes``; None: after all of it). On a
+        node with work in hand the request first waits for the step in flight (half a decode
+        step, on average).
         """
         k = self.knobs
         # whole blocks only, and at least one token computed: what the engines then report
@@ -972,7 +997,11 @@ class LatencyModel:
             unknown = max(0, extra_inflight)
             work = list(ahead)
         reuse = k.in_hand_prefix and node.prefix_cache
+        if position is not None and (unknown or ahead is None):
+            position = None  # placed among requests it knows, in front of none it does not
         shared = None
+        if position is not None and shared_prefix is not None and shared_prefix.source >= position:
+            shared_prefix = None  # the one writing it comes after it now
         if reuse and shared_prefix is not None and ahead is not None:
             beyond = shared_prefix.tokens - cached
             if beyond > 0:
@@ -1006,9 +1035,10 @@ class LatencyModel:
             arrivals = Arrivals(min(len(work) + 1, shape.slots), arrivals.work)
         new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
         if arrivals is not None and k.arrival_weight < 1.0:
-            r = _blend_decode(*replay_pair(shape, work, new, arrivals), k.arrival_weight)
+            pair = replay_pair(shape, work, new, arrivals, position=position)
+            r = _blend_decode(*pair, k.arrival_weight)
         else:
-            r = replay(shape, work, new, arrivals=arrivals)
+            r = replay(shape, work, new, arrivals=arrivals, position=position)
         work_tokens -= r.reused_tokens  # what it computes
         # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
         # adds to the decode rows' step (nothing where that step has the pass already)
@@ -1086,6 +1116,8 @@ class LatencyModel:
             extra_wait_ms=extra_wait,
             overhead_ms=overhead,
             reused_tokens=r.reused_tokens,
+            placed_ahead=max(0, len(work) - position) if position is not None else 0,
+            slot_ms=max(0.0, r.last_token_ms - r.queue_ms),
         )
 
     # ---- learning ----------------------------------------------------------------------------

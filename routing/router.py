@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import itertools
 import math
 import statistics
@@ -40,6 +41,7 @@ from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeState
 from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyKnobs, LatencyModel, Observation
+from routing.passes import Queued, place
 from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, make_policy
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import OutputLengthEstimator, RequestProfile
@@ -58,6 +60,10 @@ class Ticket:
     dispatched_at: float
     profile: RequestProfile | None = None
     shadow: tuple[tuple[str, Estimate], ...] = ()  # the shadow models' estimates for its node
+    # its place in the node's queue (wall-clock seconds, ``dispatched_at`` unless it was
+    # placed ahead of requests in hand: ``routing.passes``); the node is told it where it
+    # takes the gateway's order (``order_headers``)
+    order_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +95,10 @@ class _InFlight:
     first_token_at: float | None = None
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
     hashes: Sequence[int] = ()  # its prompt's leading block hashes, as far as a node reuses
+    # its place in the node's queue (clock seconds): when it was sent, or just before the
+    # requests in hand it was placed ahead of (``Estimate.passes``)
+    order_at: float = 0.0
+    delayed_ms: float = 0.0  # what requests placed ahead of it have added to its wait
 
 
 def _holders(entries: Iterable[_InFlight]) -> dict[int, int]:
@@ -140,10 +150,14 @@ class DispatchLedger:
         estimate: Estimate | None = None,
         output_tokens: float = 0.0,
         hashes: Sequence[int] = (),
+        order_at: float | None = None,
     ) -> None:
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
         if estimate is not None:
-            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens, hashes=hashes)
+            order = at if order_at is None else order_at
+            self._entries[ticket_id] = _InFlight(
+                at, estimate, output_tokens, hashes=hashes, order_at=order
+            )
             work = estimate.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
             sent.append((at, work, max(0.0, output_tokens - 1.0), float(estimate.prompt_tokens)))
@@ -199,6 +213,41 @@ class DispatchLedger:
             if at <= t:
                 n += 1
         return n
+
+    def _queue(self, node_id: str) -> list[_InFlight]:
+        """Our requests in hand on the node (those with a prediction) in the order it takes
+        them: by ``order_at``, which is the dispatch order but for requests placed ahead."""
+        entries = [
+            (e.order_at, ticket_id, e)
+            for _, ticket_id in self._times.get(node_id, ())
+            if (e := self._entries.get(ticket_id)) is not None
+        ]
+        entries.sort(key=lambda x: (x[0], x[1]))
+        return [e for _, _, e in entries]
+
+    def queued(self, node_id: str, now: float) -> list[Queued]:
+        """Our requests in hand on the node in its order (``work``'s), as a pass judges
+        them (``routing.passes``)."""
+        return [
+            Queued(
+                held_blocks=e.estimate.cached_tokens // BLOCK_SIZE,
+                predicted_ttft_ms=e.estimate.ttft_ms,
+                waited_ms=(now - e.dispatched_at) * 1000.0,
+                delayed_ms=e.delayed_ms,
+                started=e.first_token_at is not None,
+            )
+            for e in self._queue(node_id)
+        ]
+
+    def place_ahead(self, node_id: str, passed: int, slot_ms: float) -> float | None:
+        """The place in the node's queue just ahead of its last ``passed`` requests in hand,
+        each of which now waits ``slot_ms`` more; None when there are none to pass."""
+        queue = self._queue(node_id)
+        if passed <= 0 or passed > len(queue):
+            return None
+        for e in queue[-passed:]:
+            e.delayed_ms += slot_ms
+        return queue[-passed].order_at - 1e-6
 
     def slots_taken_without(self, node_id: str, prefix: Sequence[int], slots: int) -> bool:
         """Whether all ``slots`` of the node went to prompts without ``prefix`` (leading block
@@ -305,10 +354,7 @@ class DispatchLedger:
         step; ``latency.overrun_left``)."""
         out: list[Work] = []
         held: dict[int, int] = {}  # block hash -> the first request in hand with it
-        for _, ticket_id in self._times.get(node_id, ()):
-            e = self._entries.get(ticket_id)
-            if e is None:
-                continue
+        for e in self._queue(node_id):
             index = len(out)
             blocks, source = _shared(e.hashes, held)
             for h in e.hashes:
@@ -349,12 +395,7 @@ class DispatchLedger:
         """The longest run of leading blocks of a new prompt (its block ``hashes``) that a
         request of ours in hand on the node has too, as ``SharedPrefix(index in
         :meth:`work`, its prompt tokens)``; None when none shares a block."""
-        entries = (
-            e
-            for _, ticket_id in self._times.get(node_id, ())
-            if (e := self._entries.get(ticket_id)) is not None
-        )
-        blocks, source = _shared(hashes, _holders(entries))
+        blocks, source = _shared(hashes, _holders(self._queue(node_id)))
         return SharedPrefix(source, float(blocks * BLOCK_SIZE)) if blocks else None
 
 
@@ -481,7 +522,9 @@ class Router:
             )
         ):
             credited = 0  # its slots all went to prompts without it (``slot_eviction``)
-        return model.estimate(
+        ahead = self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress)
+        estimate = functools.partial(
+            model.estimate,
             node,
             prompt_tokens=profile.prompt_tokens,
             cached_tokens=credited * BLOCK_SIZE,
@@ -489,7 +532,7 @@ class Router:
             rtt_ms=self.regions.rtt_ms(client_region, node.region),
             # what other gateways sent it: its own counts beyond ours it had seen
             extra_inflight=extra,
-            ahead=self.ledger.work(node.id, now, knobs.overrun_left, knobs.stream_progress),
+            ahead=ahead,
             # only read where it counts: a node with a prefix cache, the knob on
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
             if node.prefix_cache and knobs.in_hand_prefix
@@ -504,6 +547,13 @@ class Router:
             if knobs.future_arrivals
             else None,
         )
+        est = estimate()
+        if not (knobs.gateway_order and node.gateway_order and credited and not extra):
+            return est
+        # placed ahead of the waiting requests in hand with room for it (``routing.passes``)
+        queue = self.ledger.queued(node.id, now)
+        at = place(queue, node.max_batch, credited, est.slot_ms, knobs.pass_room)
+        return est if at >= len(queue) else estimate(position=at)
 
     def decide(
         self,
@@ -543,13 +593,22 @@ class Router:
     ) -> Ticket:
         """Count a dispatch to ``candidate`` (default: the chosen node) as in flight."""
         cand = candidate or decision.chosen
-        ticket = Ticket(
-            next(self._ids), cand.node, cand.estimate, self.clock(), profile, cand.shadow
-        )
+        now = self.clock()
+        est = cand.estimate
+        order = self.ledger.place_ahead(cand.node.id, est.placed_ahead, est.slot_ms)
+        ticket = Ticket(next(self._ids), cand.node, est, now, profile, cand.shadow, order or now)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         hashes = profile.reusable_hashes if profile is not None else ()
-        self.ledger.add(cand.node.id, ticket.dispatched_at, ticket.id, cand.estimate, out, hashes)
+        self.ledger.add(cand.node.id, now, ticket.id, est, out, hashes, ticket.order_at)
         return ticket
+
+    def place(self, ticket: Ticket) -> float | None:
+        """The ticket's place in its node's queue to tell the node (wall-clock seconds), where
+        the node takes the gateway's order and the routing model uses it
+        (``latency.gateway_order``); None otherwise."""
+        if not (ticket.node.gateway_order and self.config.latency.gateway_order):
+            return None
+        return ticket.order_at if ticket.order_at is not None else ticket.dispatched_at
 
     def first_token(self, ticket: Ticket) -> None:
         """The node sent the ticket's first token: its prefill is over (refines ``work``)."""

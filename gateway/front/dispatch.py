@@ -39,7 +39,12 @@ from gateway.errors import APIError, too_many_requests
 from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.metrics import GatewayMetrics
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, node_ttft_ms, node_wait_ms
+from gateway.node_headers import (
+    HEADERS_AT_FIRST_TOKEN,
+    ORDER_AT_HEADER,
+    node_ttft_ms,
+    node_wait_ms,
+)
 from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_headers
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
@@ -289,8 +294,9 @@ class Dispatch:
         deps = self.deps
         by_id = {c.node.id: c for c in cands}
 
-        def dispatched(node_id: str) -> None:
-            self.begin(by_id[node_id])
+        def dispatched(node_id: str) -> dict[str, str]:
+            place = deps.router.place(self.begin(by_id[node_id]).ticket)
+            return {} if place is None else {ORDER_AT_HEADER: f"{place:.6f}"}
 
         opened = await open_first(
             deps.client,
