@@ -127,6 +127,9 @@ VARIANTS = {
     # the edge orders its queue itself (a prefix reuser passing ahead) and the replay assumes
     # arrival order (the default before 2026-12-06, twenty-first session)
     "node_order": "latency:\n  gateway_order: false\n",
+    # a waiting request passed while its wait stays within twice its predicted TTFT (the
+    # default: one and a half times)
+    "pass_room2": "latency:\n  pass_room: 2.0\n",
     # the prefix index's credit on the edge stands though every slot went to a prompt without
     # it (the default before 2026-12-05, twenty-first session)
     "slot_credit": "latency:\n  slot_eviction: false\n",
