@@ -90,6 +90,9 @@ def test_the_router_places_a_prefix_reuser_ahead_and_tells_the_node_its_place():
     r, tickets, decision, ticket = run()
     est = decision.chosen.estimate
     assert est.placed_ahead == 2 and est.cached_tokens == 72 * BLOCK_SIZE
+    # /v1/route says so, with the number
+    assert "placed ahead of 2 waiting request(s)" in decision.detail
+    assert decision.chosen.to_dict()["placed_ahead"] == 2
     assert tickets[1].order_at < ticket.order_at < tickets[2].order_at
     assert r.place(ticket) == pytest.approx(ticket.order_at)
     assert r.place(tickets[1]) == tickets[1].dispatched_at
