@@ -160,7 +160,8 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         default=4,
         help="admit a waiting request whose prompt has 4+ more leading blocks held here (kept "
         "in a free slot, or written in a busy one) before those ahead of it, passing each "
-        "at most this many times (default 4; 0: strict arrival order)",
+        "at most this many times (default 4; 0: strict arrival order); a request the "
+        "gateway gave its place (x-edgecloud-order-at) is neither passed nor passes",
     )
     s.add_argument(
         "--no-huge-pages",
