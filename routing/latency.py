@@ -249,7 +249,9 @@ class LatencyKnobs(BaseModel):
         "4+ blocks more of than waiting requests in hand is placed ahead of those with room "
         "for it (routing.passes, pass_room) and predicted there; off, the node orders its "
         "queue itself (by arrival, a prefix reuser passing ahead) and the replay assumes "
-        "arrival order",
+        "arrival order (on the embedded default, eight paired rounds pooled: concurrency-16 "
+        "TTFT p90 0.46 against 0.78, 12 goal cells against 10, mean e2e there 10% more: "
+        "docs/benchmarks.md)",
     )
     pass_room: float = Field(
         default=1.5,
@@ -267,7 +269,8 @@ class LatencyKnobs(BaseModel):
         "prompt without it, so what kept it was overwritten, which the index hears only from "
         "the node's next events (a burst's short prompts took the edge's four slots in its "
         "first millisecond; its shared prompts, decided 30 ms later, were credited 1,136 "
-        "cached tokens and computed all of them)",
+        "cached tokens and computed all of them; as a shadow over twelve rounds it turned 4 "
+        "misses into hits and 1 hit into a miss)",
     )
     service_output_tokens: float = Field(
         default=128.0, gt=0, description="assumed output of a request ahead in the queue"

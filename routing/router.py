@@ -62,7 +62,7 @@ class Ticket:
     shadow: tuple[tuple[str, Estimate], ...] = ()  # the shadow models' estimates for its node
     # its place in the node's queue (wall-clock seconds, ``dispatched_at`` unless it was
     # placed ahead of requests in hand: ``routing.passes``); the node is told it where it
-    # takes the gateway's order (``order_headers``)
+    # takes the gateway's order (``Router.place``)
     order_at: float | None = None
 
 
@@ -96,7 +96,7 @@ class _InFlight:
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
     hashes: Sequence[int] = ()  # its prompt's leading block hashes, as far as a node reuses
     # its place in the node's queue (clock seconds): when it was sent, or just before the
-    # requests in hand it was placed ahead of (``Estimate.passes``)
+    # requests in hand it was placed ahead of (``Estimate.placed_ahead``)
     order_at: float = 0.0
     delayed_ms: float = 0.0  # what requests placed ahead of it have added to its wait
 
@@ -591,12 +591,17 @@ class Router:
         candidate: Candidate | None = None,
         profile: RequestProfile | None = None,
     ) -> Ticket:
-        """Count a dispatch to ``candidate`` (default: the chosen node) as in flight."""
+        """Count a dispatch to ``candidate`` (default: the chosen node) as in flight, at the
+        place in the node's queue its estimate was made for (``Estimate.placed_ahead``: ahead
+        of that many of the last requests in hand, which each wait its ``slot_ms`` more).
+        Requests that some other dispatch put in hand between the decision and this call
+        (an await between them) are among those counted."""
         cand = candidate or decision.chosen
         now = self.clock()
         est = cand.estimate
         order = self.ledger.place_ahead(cand.node.id, est.placed_ahead, est.slot_ms)
-        ticket = Ticket(next(self._ids), cand.node, est, now, profile, cand.shadow, order or now)
+        place = now if order is None else order
+        ticket = Ticket(next(self._ids), cand.node, est, now, profile, cand.shadow, place)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         hashes = profile.reusable_hashes if profile is not None else ()
         self.ledger.add(cand.node.id, now, ticket.id, est, out, hashes, ticket.order_at)
