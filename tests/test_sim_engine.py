@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from routing.latency import LatencyKnobs
 from routing.policy_config import PolicyConfig
 from routing.sim.fleet import FleetSpec, load_fleet
 from routing.sim.generator import MorningPeak, generate
@@ -62,8 +63,8 @@ def _req(t: float, prompt: int, out: int, **kw: object) -> TraceRequest:
     return TraceRequest(arrival_s=t, prompt_tokens=prompt, output_tokens=out, **kw)
 
 
-def _run(fleet: FleetSpec, trace: list[TraceRequest], policy: str = "latency"):
-    return simulate(trace, fleet, PolicyConfig(), policy=policy)
+def _run(fleet: FleetSpec, trace: list[TraceRequest], policy: str = "latency", **latency: object):
+    return simulate(trace, fleet, PolicyConfig(latency=LatencyKnobs(**latency)), policy=policy)
 
 
 def test_cloud_batches_prefills_then_decodes(tmp_path: Path) -> None:
@@ -137,11 +138,17 @@ def test_edge_catches_up_on_a_prefix_written_after_admission(tmp_path: Path) -> 
 def test_edge_admits_first_the_request_that_reuses_the_freed_slot(tmp_path: Path) -> None:
     g = {"prefix_group": "sys", "prefix_tokens": 96}
     trace = [_req(0, 112, 5, **g), _req(0.001, 64, 2), _req(0.002, 112, 2, **g)]
-    res = _run(_fleet(tmp_path, "edge", slots=1), trace)
+    res = _run(_fleet(tmp_path, "edge", slots=1), trace, gateway_order=False)
     # A's slot keeps the six shared blocks when it ends; C (behind B) reuses them and goes
-    # first, as the edge engine orders its queue; in arrival order B would overwrite them
+    # first, as the edge engine orders its queue by itself; in arrival order B would
+    # overwrite them
     assert res.cached_tokens == [0, 0, 96]
     assert res.ttft_s[2] + 0.002 < res.ttft_s[1] + 0.001
+    # with the gateway's order (the default), C passes B only where B's predicted wait has
+    # room for C's time in the slot: B, predicted to start as soon as A ends, has none
+    res = _run(_fleet(tmp_path, "edge", slots=1), trace)
+    assert res.cached_tokens == [0, 0, 0]
+    assert res.ttft_s[1] + 0.001 < res.ttft_s[2] + 0.002
 
 
 def test_edge_admits_first_the_request_whose_prefix_a_busy_slot_holds(tmp_path: Path) -> None:
@@ -149,7 +156,7 @@ def test_edge_admits_first_the_request_whose_prefix_a_busy_slot_holds(tmp_path: 
     # A (unrelated, ending after C has prefilled) and C (the app prompt, a long answer) fill
     # both slots; B (unrelated) and then D (the app prompt) wait
     trace = [_req(0, 64, 30), _req(0, 112, 400, **g), _req(0.001, 64, 2), _req(0.002, 112, 2, **g)]
-    res = _run(_fleet(tmp_path, "edge", slots=2), trace)
+    res = _run(_fleet(tmp_path, "edge", slots=2), trace, gateway_order=False)
     # A's free slot keeps nothing D reuses, C's busy one its six blocks: D goes first, copies
     # them and computes only its question, as the edge engine orders its queue
     assert res.cached_tokens == [0, 0, 0, 96]

@@ -31,7 +31,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, takewhile
 
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.blocks import reusable_blocks
@@ -68,6 +68,9 @@ class SimRequest:
     refs: list[int] = field(default_factory=list)  # cloud: hashed blocks referenced
     preempted: int = 0
     passed: int = 0  # edge: times a later request was admitted before it (prefix_first)
+    # its place in the queue the gateway gave (simulated seconds; None: its arrival), which an
+    # edge queues it by and lets nothing pass (``routing.passes``)
+    order_s: float | None = None
     # compute of its own prompt chunks, as the node reports it (the cloud: its token share of
     # each step that ran them, beyond the decode rows' time)
     prefill_ms: float = 0.0
@@ -143,6 +146,10 @@ class _Node:
         self.served += 1
         self.prompt_tokens += r.prompt
         self.cached_tokens += r.cached
+
+    def enqueue(self, r: SimRequest) -> None:
+        """``r`` reaches the node and waits behind every request already waiting."""
+        self.waiting.append(r)
 
 
 class EdgeSim(_Node):
@@ -238,16 +245,37 @@ class EdgeSim(_Node):
             n += 1
         return n
 
+    def enqueue(self, r: SimRequest) -> None:
+        """``r`` reaches the node: behind every waiting request, or, at the place the gateway
+        gave it, behind the waiting ones placed before it (as the edge scheduler's queue)."""
+        if r.order_s is None:
+            self.waiting.append(r)
+            return
+        i = len(self.waiting)
+        while i > 0:
+            ahead = self.waiting[i - 1].order_s
+            if ahead is None or ahead <= r.order_s:  # unplaced ones that came first stay ahead
+                break
+            i -= 1
+        self.waiting.insert(i, r)
+
     def _next_waiting(self) -> SimRequest:
         """Take the waiting request to admit next, as ``edge_runtime.scheduler`` does."""
-        if not self.prefix_cache or self.prefix_first == 0 or len(self.waiting) == 1:
+        if (
+            not self.prefix_cache
+            or self.prefix_first == 0
+            or len(self.waiting) == 1
+            or self.waiting[0].order_s is not None  # the gateway placed it: nothing passes it
+        ):
             return self.waiting.popleft()
         reuse = (  # kept in a free slot or written so far in a busy one (admission copies it)
             (
                 max(self._leading(kept, r.blocks, reusable_blocks(r.prompt)) for kept in self.kept),
                 r.passed,
             )
-            for r in islice(self.waiting, PREFIX_FIRST_WINDOW)
+            for r in takewhile(
+                lambda r: r.order_s is None, islice(self.waiting, PREFIX_FIRST_WINDOW)
+            )
         )
         best = prefix_first(reuse, self.prefix_first)
         if best == 0:

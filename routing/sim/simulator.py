@@ -271,6 +271,7 @@ class Simulator:
             prefix_cache=n.id in self.prefix_nodes,
             prefix_catch_up=n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.catch_up,
             prefix_in_slots=n.id in self.prefix_nodes and isinstance(n, EdgeSim),
+            gateway_order=n.id in self.prefix_nodes and isinstance(n, EdgeSim),
             timestamp=0.0,
         )
 
@@ -410,6 +411,7 @@ class Simulator:
                 f.predicted_ttft_ms = decision.estimate.ttft_ms
                 f.predicted_e2e_ms = decision.estimate.e2e_ms
                 r = SimRequest(i, tr.prompt_tokens, tr.output_tokens, blocks, tr.arrival_s)
+                r.order_s = router.place(ticket)  # the edge's queue takes the gateway's order
                 r.payload = f
                 self._push(t + f.net_s + node.request_overhead_s, _NODE_IN, r)  # type: ignore[attr-defined]
             elif kind == _NODE_IN:
@@ -418,7 +420,7 @@ class Simulator:
                 j = f.node
                 node = nodes[j]
                 r.node_arrival_s = t
-                node.waiting.append(r)
+                node.enqueue(r)
                 if not node.busy:
                     self._step(j, t)
                 elif node.run is not None and node.wants_step_on_arrival():
