@@ -22,6 +22,7 @@ its requests' bodies were read and tokenized in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 HEADERS_AT_FIRST_TOKEN = "x-edgecloud-headers-at-first-token"
@@ -40,9 +41,16 @@ def order_at(headers: Mapping[str, str]) -> float | None:
     if raw is None:
         return None
     value = float(raw)
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise ValueError(raw)
     return value
+
+
+def queue_time(at: float, wall_now: float, mono_now: float) -> float:
+    """The place ``at`` (wall-clock seconds) as a node's monotonic arrival time, read at the
+    same moment as ``wall_now`` and ``mono_now``: never later than now, at most
+    :data:`ORDER_MAX_AHEAD_S` back."""
+    return mono_now - min(max(0.0, wall_now - at), ORDER_MAX_AHEAD_S)
 
 
 def _ms(headers: Mapping[str, str], name: str) -> float | None:

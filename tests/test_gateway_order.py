@@ -106,3 +106,17 @@ def test_the_router_places_a_prefix_reuser_ahead_and_tells_the_node_its_place():
     assert r.place(off_ticket) is not None  # the node takes the gateway's order...
     r_off = Router(PolicyConfig(policy="edge_first", latency=LatencyKnobs(gateway_order=False)))
     assert r_off.place(off_ticket) is None  # ...unless the routing model does not use it
+
+
+def test_a_place_becomes_an_arrival_time_no_later_than_now_and_not_far_back():
+    from gateway.node_headers import ORDER_MAX_AHEAD_S, order_at, queue_time
+
+    # sent 0.25 s ago by the wall clock: queued 0.25 s back on the node's own clock
+    assert queue_time(1000.0, 1000.25, 50.0) == pytest.approx(49.75)
+    assert queue_time(1001.0, 1000.0, 50.0) == 50.0  # a gateway clock ahead: now
+    assert queue_time(0.0, 1000.0, 50.0) == 50.0 - ORDER_MAX_AHEAD_S
+    assert order_at({}) is None
+    assert order_at({"x-edgecloud-order-at": "12.5"}) == 12.5
+    for bad in ("nan", "inf", "-inf", "soon"):
+        with pytest.raises(ValueError):
+            order_at({"x-edgecloud-order-at": bad})

@@ -29,9 +29,9 @@ from gateway.node_headers import (
     HEADERS_AT_FIRST_TOKEN,
     NODE_TTFT_HEADER,
     ORDER_AT_HEADER,
-    ORDER_MAX_AHEAD_S,
     PREFILL_MS_HEADER,
     order_at,
+    queue_time,
 )
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
 from gateway.sse import sse_event
@@ -136,7 +136,7 @@ def create_node_app(
     def take_place(prep: Prepared, request: Request) -> None:
         """The request's place in the engine's queue, where the gateway gave one
         (:data:`gateway.node_headers.ORDER_AT_HEADER`): its wall-clock time in this clock's
-        terms, no later than now and at most ``ORDER_MAX_AHEAD_S`` back."""
+        terms (:func:`gateway.node_headers.queue_time`)."""
         try:
             at = order_at(request.headers)
         except ValueError:
@@ -145,8 +145,7 @@ def create_node_app(
             ) from None
         if at is None:
             return
-        back = min(max(0.0, time.time() - at), ORDER_MAX_AHEAD_S)
-        prep.gen.arrival_time = time.monotonic() - back
+        prep.gen.arrival_time = queue_time(at, time.time(), time.monotonic())
         prep.gen.ordered = True
 
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
