@@ -271,7 +271,7 @@ class Simulator:
             prefix_cache=n.id in self.prefix_nodes,
             prefix_catch_up=n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.catch_up,
             prefix_in_slots=n.id in self.prefix_nodes and isinstance(n, EdgeSim),
-            gateway_order=n.id in self.prefix_nodes and isinstance(n, EdgeSim),
+            gateway_order=isinstance(n, EdgeSim),  # as the live edge: always
             timestamp=0.0,
         )
 
