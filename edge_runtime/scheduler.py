@@ -398,6 +398,13 @@ class SlotScheduler:
                     self.copied_tokens += (more - blocks) * KV_BLOCK
                     blocks = more
             free.remove(slot)
+            if log.isEnabledFor(logging.DEBUG):  # the queue's order, as `edgecloud -v` shows it
+                log.debug(
+                    "admitted %s to slot %d after %.1f ms: %d blocks reused, passed %d times, "
+                    "placed by the gateway: %s, %d waiting",
+                    r.request.request_id, slot, (time.monotonic() - r.request.arrival_time) * 1e3,
+                    blocks, r.passed, r.request.ordered, len(self._waiting),
+                )  # fmt: skip
             r.slot, r.filled = slot, blocks * KV_BLOCK
             r.cached = r.filled
             self.slots[slot] = r
