@@ -1,4 +1,8 @@
-"""Small helpers shared by the benchmarks: result files and table printing."""
+"""Small helpers shared by the benchmarks: result files and table printing.
+
+Each benchmark keeps one current summary in ``bench/results/`` (``NAME.json`` and ``NAME.md``,
+committed); everything a run writes besides (per-request samples, per-run folders, logs, plots)
+goes under ``bench/results/raw/``, which git ignores."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# per-run outputs: samples, logs, plots, profiles (ignored by git)
+RAW = RESULTS / "raw"
 # the shared data (MaxMind test databases, LLM traces): ``shared/data`` beside the checkout,
 # or wherever EDGECLOUD_SHARED_DATA says
 SHARED_DATA = Path(
@@ -74,12 +80,27 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
+def raw_dir(name: str) -> Path:
+    """A run's folder for its per-run outputs, ``bench/results/raw/NAME`` (ignored by git)."""
+    path = RAW / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_results(
+    name: str, payload: dict[str, Any], markdown: str, raw: dict[str, Any] | None = None
+) -> None:
+    """The benchmark's summary, ``bench/results/NAME.json`` and ``.md``; ``raw`` (per-run
+    data too large or too noisy to commit) goes to ``bench/results/raw/NAME.json``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
     (RESULTS / f"{name}.md").write_text(markdown + "\n")
     print(markdown)
     print(f"\nwrote {RESULTS / name}.json and .md")
+    if raw is not None:
+        RAW.mkdir(parents=True, exist_ok=True)
+        (RAW / f"{name}.json").write_text(json.dumps(raw, indent=1))
+        print(f"wrote {RAW / name}.json")
 
 
 def write_rows_and_summary(

@@ -110,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             "threshold_us",
             "latency_literal_loop_us", "speedup"]  # fmt: skip
     print(table(rows, cols))
+    command = recorded_command("decision_cost.py", sys.argv[1:], ("--out",))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "command": recorded_command("decision_cost.py", sys.argv[1:], ("--out",)),
-        "machine": machine(), "results": rows}, indent=2))  # fmt: skip
+        "command": command, "machine": machine(), "results": rows}, indent=2))  # fmt: skip
+    args.out.with_suffix(".md").write_text(
+        f"# decision_cost\n\n`{command}`\n\n{table(rows, cols)}\n"
+    )
     return 0
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+RAW = ROOT / "bench" / "results" / "raw"  # progress files of a run (ignored by git)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -470,8 +471,8 @@ def measure(
         for kind, prec, folder in order:
             res = spawn(kind, folder, run_args, model_dir)
             raw[(kind, prec)].append(res)
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"edge_decode.raw.t{threads}.json").write_text(
+            RAW.mkdir(parents=True, exist_ok=True)
+            (RAW / f"edge_decode.raw.t{threads}.json").write_text(
                 json.dumps(
                     [{"engine": k, "precision": p, "rounds": v} for (k, p), v in raw.items()]
                 )
@@ -657,7 +658,7 @@ def report(
         json.dumps({"meta": meta, "sections": out_sections}, indent=2)
     )
     stem.with_suffix(".md").write_text("\n".join(md))
-    for partial in args.out.glob("edge_decode.raw.t*.json"):  # progress files of this run
+    for partial in RAW.glob("edge_decode.raw.t*.json"):  # progress files of this run
         partial.unlink()
 
 

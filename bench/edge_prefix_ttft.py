@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import RESULTS, machine, recorded_command, table
+from bench._common import machine, recorded_command, table, write_results
 
 DOCUMENT = (
     "Edge nodes answer short requests close to the user, while a cloud engine with continuous "
@@ -169,10 +168,12 @@ def main() -> None:
         f"(paired, median of the repetitions' ratios: {result['speedup_paired_median']:.2f}x); "
         f"same first token cold vs warm: {result['same_first_token']}"
     )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "edge_prefix_ttft.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    markdown = (
+        f"# edge_prefix_ttft\n\n`{result['meta']['command']}`\n\n{table(result['rows'], cols)}"
+        f"\n\ncold / warm median TTFT {result['speedup_median_ttft']:.2f}x, paired "
+        f"{result['speedup_paired_median']:.2f}x; same first token {result['same_first_token']}"
+    )
+    write_results("edge_prefix_ttft", result, markdown)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Reported per policy: mean and p99 end-to-end latency, p99 TTFT, SLO attainment a
 (TTFT <= 1 s and <= 0.1 s per output token), cloud share; over the whole trace and at the peak
 (arrivals 09:00-09:30). The tuned policy is searched on 09:00-09:15 only and evaluated on the
 whole trace. Results: ``bench/results/morning_peak.json`` (``mean_e2e_s`` per policy), plots in
-``bench/results/morning_peak/``, the markdown table in ``bench/results/morning_peak.md``.
+``bench/results/raw/morning_peak/``, the markdown table in ``bench/results/morning_peak.md``.
 
     python bench/morning_peak.py --budget 24
 """
@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import RESULTS, TRACES, machine, recorded_command, write_results
+from bench._common import TRACES, machine, raw_dir, recorded_command, write_results
 from routing.policy_config import POLICY_NAMES, PolicyConfig
 from routing.sim.bounds import alone
 from routing.sim.fleet import load_fleet
@@ -79,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     slo = Slo(1.0, 0.1)
     fleet = load_fleet(args.fleet)
-    out_dir = RESULTS / args.name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = raw_dir(args.name)
     trace = generate(MorningPeak(people=args.people, regions=tuple(OFFICES)), seed=args.seed)
     print(f"morning peak: {len(trace)} requests, {args.people} people", flush=True)
     base = PolicyConfig()
@@ -289,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     md += [
         "Plots: "
         + ", ".join(
-            f"`{args.name}/{f}.png`"
+            f"`raw/{args.name}/{f}.png`"
             for f in ("latency_cdf", "load_per_tier", "cloud_share", "objective_vs_knobs")
         )
         + ".",

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._common import RESULTS, machine, recorded_command  # noqa: E402
+from bench._common import RESULTS, machine, recorded_command, table  # noqa: E402
 
 
 def _requests(n: int, prompt: int, output: int, vocab: int, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -203,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         command=recorded_command("parallel.py", sys.argv[1:] if argv is None else argv, ()),
     )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / args.results).write_text(json.dumps(result, indent=2) + "\n")
+    out = RESULTS / args.results
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    cols = ["tp", "pp", "pp_layers", "concurrency", "tok_s", "busy", "control_us", "pack_us"]
+    out.with_suffix(".md").write_text(
+        f"# parallel\n\n`{result['command']}`\n\n{table(rows, cols)}\n"
+    )
     return 0
 
 

@@ -51,7 +51,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import RESULTS, machine, recorded_command, table
+from bench._common import RAW, machine, recorded_command, table
+from bench._common import write_results as write_summary
 from bench._serve import embedded_default
 
 WORDS = [
@@ -725,7 +726,12 @@ def main(argv: list[str] | None = None) -> int:
         "by 0.1 from run to run on a 2-core machine)",
     )
     ap.add_argument("--log", type=Path, default=None, help="write serve's output here")
-    ap.add_argument("--out", type=Path, default=RESULTS / "prediction_error.json")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=RAW / "prediction_error.json",
+        help="the run's samples (--pool reads them); its summary goes to bench/results/",
+    )
     ap.add_argument(
         "--pool",
         type=Path,
@@ -759,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant, met in goal_cells_met(rows).items():
             print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
         print(table(explain(pooled), EXPLAIN_COLUMNS))
+        write_summary_of(rows)
         return 0
 
     if args.repeat < 1:
@@ -835,6 +842,16 @@ def write_results(
             },
             indent=1,
         )
+    )
+    write_summary_of([r for r in rows if r["tier"] == "all"])
+
+
+def write_summary_of(rows: list[dict[str, Any]]) -> None:
+    """The benchmark's committed summary, ``bench/results/prediction_error.{json,md}``."""
+    command = recorded_command("prediction_error.py", sys.argv[1:], ("--out", "--log"))
+    markdown = "\n\n".join(["# prediction_error", f"`{command}`", table(rows, COLUMNS)])
+    write_summary(
+        "prediction_error", {"command": command, "machine": machine(), "results": rows}, markdown
     )
 
 

@@ -171,26 +171,26 @@ def main(argv: list[str] | None = None) -> int:
                 runs.extend(summary)
                 bad = sum(r["status"] != 200 for r in rows)
                 print(f"{policy}, concurrency {c}: {len(rows)} requests, {bad} not 200")
-    print(
-        table(
-            runs,
-            [
-                "policy",
-                "concurrency",
-                "tier",
-                "requests",
-                "credited_eq_reported",
-                "credited_more",
-                "credited_less",
-                "mean_reported_cached",
-            ],
-        )
-    )
+    cols = [
+        "policy",
+        "concurrency",
+        "tier",
+        "requests",
+        "credited_eq_reported",
+        "credited_more",
+        "credited_less",
+        "mean_reported_cached",
+    ]
+    print(table(runs, cols))
+    command = recorded_command("prefix_credit.py", sys.argv[1:], ("--out", "--trace"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(
+        f"# prefix_credit\n\n`{command}`\n\n{table(runs, cols)}\n"
+    )
     args.out.write_text(
         json.dumps(
             {
-                "command": recorded_command("prefix_credit.py", sys.argv[1:], ("--out", "--trace")),
+                "command": command,
                 "machine": machine(),
                 "trace": TRACE_FILE,
                 "requests": args.requests,

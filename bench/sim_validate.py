@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import RESULTS, TRACES, machine, recorded_command, write_results
+from bench._common import TRACES, machine, raw_dir, recorded_command, write_results
 from bench._serve import embedded_default
 from gateway.commands.replay import replay
 from routing.policy_config import PolicyConfig
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--live-from",
         default=None,
-        help="a results folder of an earlier run: simulate against its saved live replies "
+        help="an earlier run's folder (bench/results/raw/NAME): simulate against its saved live "
+        "replies "
         "(no live run; give that run's --fleet and --warm)",
     )
     args = ap.parse_args(argv)
@@ -351,8 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     os.environ["EDGECLOUD_NODE_TOKEN"] = NODE_TOKEN
-    out_dir = RESULTS / args.name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = raw_dir(args.name)  # per-run replies, profiles, logs
     if args.profile and not args.live_from:
         args.fleet = str(_profiled_fleet(Path(args.fleet), out_dir))
     fleet = load_fleet(args.fleet)
