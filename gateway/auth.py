@@ -50,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError, too_many_requests
-from routing.ratelimit import KeyRecord, KeyStoreUnavailable, Limits, RateDecision, RateLimiter
+from gateway.ratelimit import KeyRecord, KeyStoreUnavailable, Limits, RateDecision, RateLimiter
 
 KEY_PREFIX = "sk-ec-"
 HASH_SCHEME = "hmac-sha256"
@@ -198,7 +198,7 @@ class KeyIdentity:
 
 
 class KeyLookup(Protocol):
-    """A store of keys by hash (``routing.ratelimit.RedisKeyStore`` fits)."""
+    """A store of keys by hash (``gateway.ratelimit.RedisKeyStore`` fits)."""
 
     async def get(self, key_hash: str) -> KeyRecord | None: ...
 

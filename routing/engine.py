@@ -2,8 +2,8 @@
 
 The node app (``gateway.node``) drives any engine through :class:`Engine` only; tests and
 benchmarks do the same. Engines deal in token ids: detokenization and stop *strings* are handled
-above them by :class:`routing.textstream.TextStreamer`, which aborts the engine request when a
-stop string matches. Engines handle stop *token ids* and ``max_tokens`` themselves.
+above them by :class:`gateway.node.textstream.TextStreamer`, which aborts the engine request when
+a stop string matches. Engines handle stop *token ids* and ``max_tokens`` themselves.
 """
 
 from __future__ import annotations

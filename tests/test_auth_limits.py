@@ -23,7 +23,7 @@ from gateway.auth import (
     rate_limit_headers,
 )
 from gateway.errors import install_error_handlers
-from routing.ratelimit import (
+from gateway.ratelimit import (
     InProcessRateLimiter,
     KeyRecord,
     KeyStoreUnavailable,

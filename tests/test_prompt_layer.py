@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.node.textstream import TextStreamer
 from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
 from routing.prompt import PromptFormatter, TemplateError
-from routing.textstream import TextStreamer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. 1234567890!",

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from routing.ratelimit import Limits, RedisRateLimiter
+from gateway.ratelimit import Limits, RedisRateLimiter
 from tests.nodes import Served, serve_node, tiny_cloud_engine
 
 

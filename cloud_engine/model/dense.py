@@ -78,7 +78,7 @@ def stream_tokens(
     """Yield ``(token_id, finish_reason)``; the last pair has a finish reason.
 
     Stops on ``params.stop_token_ids`` (unless ``ignore_eos``), ``max_tokens``, or the context.
-    Stop strings are the caller's (see ``routing.textstream``).
+    Stop strings are the caller's (see ``gateway.node.textstream``).
     """
     if not prompt_ids:
         raise ValueError("empty prompt")

@@ -53,10 +53,10 @@ def run(args: argparse.Namespace) -> int:
 
     from cloud_engine.model.dense import stream_tokens
     from cloud_engine.model.loader import load_model
+    from gateway.node.textstream import TextStreamer
     from routing.engine import FinishReason, SamplingParams
     from routing.model_store import DEFAULT_MODEL, ModelNotFound, resolve
     from routing.prompt import PromptFormatter
-    from routing.textstream import TextStreamer
 
     torch.set_num_threads(args.threads or min(8, os.cpu_count() or 1))
     name = args.model or DEFAULT_MODEL

@@ -46,13 +46,13 @@ from gateway.node_headers import (
     node_wait_ms,
 )
 from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_headers
+from gateway.ratelimit import RateDecision, RateLimiter
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
 from routing.fleet.memory_store import OpenAINodeTracker
 from routing.fleet.store import FleetStore
 from routing.policies import Candidate, Decision
 from routing.profile import RequestProfile
-from routing.ratelimit import RateDecision, RateLimiter
 from routing.router import Measured, Router, Ticket
 
 RouteName = Literal["chat", "completion"]

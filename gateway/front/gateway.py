@@ -44,6 +44,7 @@ from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import close_client, make_client
+from gateway.ratelimit import InProcessRateLimiter, RateLimiter
 from gateway.request_log import RequestLog
 from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
@@ -52,7 +53,6 @@ from routing.fleet.store import FleetStore, FleetView
 from routing.policies import Decision
 from routing.policy_config import ConfigSource
 from routing.profile import RequestProfile
-from routing.ratelimit import InProcessRateLimiter, RateLimiter
 from routing.router import Router
 
 SSE_REPLY_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -142,7 +142,7 @@ class Gateway:
 
     def _make_limiter(self) -> RateLimiter:
         if self.config.redis_url:
-            from routing.ratelimit import RedisRateLimiter
+            from gateway.ratelimit import RedisRateLimiter
 
             return RedisRateLimiter(
                 self.config.redis_url,
@@ -155,7 +155,7 @@ class Gateway:
     def _make_auth(self) -> Authenticator:
         store = None
         if self.config.redis_url and self.config.auth.redis_keys:
-            from routing.ratelimit import RedisKeyStore
+            from gateway.ratelimit import RedisKeyStore
 
             store = RedisKeyStore(self.config.redis_url, client=self.redis)
         return Authenticator(self.config.auth, key_store=store)

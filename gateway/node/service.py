@@ -22,6 +22,7 @@ from pathlib import Path
 import anyio
 
 from gateway.errors import APIError, bad_request, not_found_model, too_many_requests
+from gateway.node.textstream import TextStreamer
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from routing.engine import (
     Engine,
@@ -36,7 +37,6 @@ from routing.engine import (
 from routing.fleet.state import NodeKind, NodeState
 from routing.prompt import PromptFormatter, TemplateError, UnencodableText
 from routing.sampling_limits import InvalidSampling, check_sampling
-from routing.textstream import TextStreamer
 
 # Prompts longer than this many characters are tokenized off the event loop.
 _OFFLOAD_CHARS = 2000

@@ -18,6 +18,8 @@ from tokenizers.decoders import DecodeStream
 
 @dataclass
 class TextStreamer:
+    """Turns one request's token ids into text deltas, cut at the first stop string."""
+
     tokenizer: Tokenizer
     stop: Sequence[str] = ()
     skip_special_tokens: bool = True
