@@ -14,7 +14,7 @@ Two tables, each timed as CUDA-graph replays of chains over a model's distinct l
   limit (its weight and KV bytes over the measured copy bandwidth).
 
 Random bf16 weights of the model's shapes; one sequence. Writes ``decode_kernels.md`` and
-``.json`` to ``--out`` (default ``bench/results``, file names suffixed ``_h200`` there).
+``.json`` to ``--out`` (default ``bench/results``).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def main() -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "decode_kernels" + ("_h200" if out.resolve() == RESULTS.resolve() else "")
+    stem = "decode_kernels"
     (out / f"{stem}.json").write_text(
         json.dumps({"meta": meta, "products": prod_rows, "layers": layer_rows}, indent=1)
     )

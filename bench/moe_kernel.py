@@ -3,7 +3,8 @@ against SparseMoE's eager loop, and, at decode sizes, the grouped path against t
 (``cloud_engine.kernels.moe_decode``), both from the residual stream (norm, routing, experts,
 residual add) and replayed from CUDA graphs as the engine runs them; bytes counted are the
 routed experts' weights (distinct experts hit) plus activations. The crossover sets
-``moe_decode.MAX_TOKENS``. Usage: ``python bench/moe_kernel.py [--out FILE]``."""
+``moe_decode.MAX_TOKENS``. Usage: ``python bench/moe_kernel.py [--out FILE]`` (default
+``bench/results/moe_kernel.json``, and ``.md`` beside it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import RESULTS, table
 from cloud_engine.kernels import norm as norm_kernels
 from cloud_engine.kernels.moe import moe_forward, route
 from cloud_engine.kernels.moe_decode import moe_residual
@@ -53,7 +55,7 @@ def graph_time(fn, iters: int = 50) -> float:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS / "moe_kernel.json")
     ap.add_argument("--tokens", default="1,2,4,8,16,64,256,1024")
     ap.add_argument("--pair-tokens", type=int, default=8, help="time the pair kernels up to here")
     args = ap.parse_args()
@@ -135,8 +137,19 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     res = dict(device=torch.cuda.get_device_name(), copy_bw_Bps=copy_bw, layer_rows=rows)
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(res))
+
+
+def markdown(res: dict) -> str:
+    """The layer rows as a table, times in microseconds."""
+    rows = res["layer_rows"]
+    cols = [c for c in rows[0] if c != "bytes"] if rows else []
+    return (
+        f"# moe_kernel ({res['device']}, copy bandwidth {res['copy_bw_Bps'] / 1e12:.2f} TB/s)"
+        f"\n\n{table(rows, cols)}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ decode graph replay (torch.profiler), the replay and whole-engine step times, an
 bandwidth they imply, for several kernel variants of the same random model.
 
     python bench/profile_decode.py --shapes qwen3-0.6b,llama-3.2-1b --batches 1 \\
-        --variants base,gemv+attn,gemv+attn+pdl --out /tmp/prof
+        --variants base,gemv+attn,gemv+attn+pdl
 
 A variant is ``+``-joined parts: ``base`` (cuBLAS products, the separate norm / SwiGLU / RoPE /
 combine kernels), ``gemv`` (the skinny-GEMV kernels, up to ``rows=N`` rows), ``attn`` (the fused
@@ -14,7 +14,8 @@ seed and prompts: the table gives, against the first variant, the relative error
 of the first decode step and the agreement of greedy tokens over the timed steps (bf16
 rounding differences flip near-ties, after which sequences diverge).
 
-Writes ``profile_decode.md`` and ``profile_decode.json`` to ``--out``.
+Writes ``profile_decode.md`` and ``profile_decode.json`` to ``--out`` (default
+``bench/results``; a sweep of variants: another folder, such as ``bench/results/raw``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import cuda_ms, recorded_command
+from bench._common import RESULTS, cuda_ms, recorded_command
 from bench.cloud_throughput import SHAPES, copy_bandwidth, random_model
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
@@ -242,7 +243,7 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=int, default=4)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     meta = {
