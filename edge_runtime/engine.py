@@ -319,7 +319,6 @@ class EdgeEngine:
                 prefix_cache=cfg.prefix_reuse,
                 prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
                 prefix_in_slots=cfg.prefix_reuse,
-                gateway_order=True,
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
             )
@@ -337,7 +336,6 @@ class EdgeEngine:
             prefix_cache=cfg.prefix_reuse,
             prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
             prefix_in_slots=cfg.prefix_reuse,
-            gateway_order=True,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
             prefill_chunk_every=snap.prefill_chunk_every,

@@ -401,9 +401,9 @@ class SlotScheduler:
             if log.isEnabledFor(logging.DEBUG):  # the queue's order, as `edgecloud -v` shows it
                 log.debug(
                     "admitted %s to slot %d after %.1f ms: %d blocks reused, passed %d times, "
-                    "placed by the gateway: %s, %d waiting",
+                    "%d waiting",
                     r.request.request_id, slot, (time.monotonic() - r.request.arrival_time) * 1e3,
-                    blocks, r.passed, r.request.ordered, len(self._waiting),
+                    blocks, r.passed, len(self._waiting),
                 )  # fmt: skip
             r.slot, r.filled = slot, blocks * KV_BLOCK
             r.cached = r.filled
@@ -435,18 +435,11 @@ class SlotScheduler:
         """Under the lock: take the waiting request to admit next (``routing.admission``:
         the first in order unless a later one of the same priority has several more leading
         blocks held on the node)."""
-        head = self._waiting[0][2]
-        if (
-            self.cache is None
-            or self.prefix_first == 0
-            or len(self._waiting) == 1
-            or head.request.ordered  # the gateway placed it: nothing passes it
-        ):
+        if self.cache is None or self.prefix_first == 0 or len(self._waiting) == 1:
             return heapq.heappop(self._waiting)[2]
         order = heapq.nsmallest(PREFIX_FIRST_WINDOW, self._waiting)
         top = order[0][2].request.priority  # never ahead of a request of higher priority
-        # of its priority, up to the first the gateway placed (which none passes)
-        same = takewhile(lambda e: e[2].request.priority == top and not e[2].request.ordered, order)
+        same = takewhile(lambda e: e[2].request.priority == top, order)
         best = prefix_first(((self._reuse(e[2]), e[2].passed) for e in same), self.prefix_first)
         chosen = order[best]
         if best == 0:

@@ -45,9 +45,6 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     priority: int = 0  # lower value is served first; ties FCFS by arrival_time
     arrival_time: float = field(default_factory=time.monotonic)
-    # its place (arrival_time) was given by the gateway: an engine that orders its queue by
-    # prefix lets it pass nothing and nothing pass it (``EngineStats.gateway_order``)
-    ordered: bool = False
 
 
 class FinishReason(enum.StrEnum):
@@ -118,9 +115,6 @@ class EngineStats:
     # its prefix cache is the KV its slots keep, one prompt each (the edge): a request that
     # takes a free slot overwrites what that slot kept beyond their common leading blocks
     prefix_in_slots: bool = False
-    # it queues, admits and prefills a request at the place the gateway gives
-    # (``GenerationRequest.ordered``), passing none ahead of it by prefix (the edge)
-    gateway_order: bool = False
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel

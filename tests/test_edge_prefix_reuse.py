@@ -49,12 +49,12 @@ class Turn:
         self.tokens, self.cached, self.prefilled = tokens, cached, prefilled
 
 
-async def _run(engine: EdgeEngine, prompt: list[int], new: int = 6, ordered: bool = False) -> Turn:
+async def _run(engine: EdgeEngine, prompt: list[int], new: int = 6) -> Turn:
     scheduler = engine._require_started()
     before = scheduler.prefilled_tokens
     tokens: list[int] = []
     cached: list[int] = []
-    request = GenerationRequest(prompt, greedy(new), ordered=ordered)
+    request = GenerationRequest(prompt, greedy(new))
     async for event in engine.generate(request):
         tokens += event.token_ids
         cached.append(event.cached_tokens)
@@ -281,17 +281,16 @@ async def _waiting(engine: EdgeEngine, n: int) -> None:
     raise AssertionError(f"never {n} waiting")
 
 
-@pytest.mark.parametrize(("prefix_first", "ordered"), [(4, False), (0, False), (4, True)])
+@pytest.mark.parametrize("prefix_first", [4, 0])
 async def test_a_waiting_request_whose_prefix_a_busy_slot_holds_goes_first(
-    graph: Path, prefix_first: int, ordered: bool
+    graph: Path, prefix_first: int
 ) -> None:
     """Two slots, both busy: A (unrelated, a long answer) and C (an app prompt S of five
     blocks and a question, a long answer). B (unrelated) waits, then D (S and another
     question). When A is cancelled its free slot keeps only A's prompt, but C's busy slot
     holds S: admitting by prefix, D goes first (S copied, only its question computed) and
-    finishes while B still waits; in strict arrival order B goes first, as it does where the
-    gateway gave both their places (``ordered``: nothing passes a request placed so). D's
-    greedy tokens match a cold run either way."""
+    finishes while B still waits; in strict arrival order B goes first. D's greedy tokens
+    match a cold run either way."""
     s, qc, qd, a, b = _prompts(80, 8, 8, 40, 40, seed=37)
     # answers as long as the model's context: C must still run when B and D are done, even
     # where the tiny model decodes a token in a fraction of a millisecond
@@ -305,7 +304,7 @@ async def test_a_waiting_request_whose_prefix_a_busy_slot_holds_goes_first(
         finished: list[str] = []  # in the order the engine's final events were handed over
 
         async def run(name: str, prompt: list[int]) -> Turn:
-            turn = await _run(warm, prompt, ordered=ordered)
+            turn = await _run(warm, prompt)
             finished.append(name)
             return turn
 
@@ -319,7 +318,7 @@ async def test_a_waiting_request_whose_prefix_a_busy_slot_holds_goes_first(
         # scheduler's counter: B, admitted when D ends, may prefill before D's last event)
         assert d.cached == 80
         await tb
-        assert finished == (["D", "B"] if prefix_first and not ordered else ["B", "D"])
+        assert finished == (["D", "B"] if prefix_first else ["B", "D"])
         await gc.aclose()
         assert d.tokens == (await _run(cold, s + qd)).tokens
     finally:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, ORDER_AT_HEADER
+from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
 from tests.conftest import free_port
 from tests.nodes import Proc, cli
 
@@ -288,21 +288,6 @@ def test_disconnect_frees_the_slot(tiny_node) -> None:
     load = wait_idle(node)
     assert load["running"] == 0 and load["waiting"] == 0
     assert load["kv_blocks_used"] == 0  # every block it held is back (free or cached)
-
-
-def test_a_place_in_the_queue_is_taken_or_refused(tiny_node) -> None:
-    """The gateway's place for a request (x-edgecloud-order-at) is taken, a malformed one is a
-    400 naming the header, and the edge says it takes the gateway's order."""
-    kind, node = tiny_node
-    body = {"model": served_model(node), "prompt": "Hi", "max_tokens": 2, "temperature": 0}
-    url = node.url + "/v1/completions"
-    ok = httpx.post(url, json=body, headers={ORDER_AT_HEADER: f"{time.time() - 0.5:.6f}"})
-    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
-    for bad in ("soon", "nan", "inf"):
-        r = httpx.post(url, json=body, headers={ORDER_AT_HEADER: bad}, timeout=30)
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == ORDER_AT_HEADER
-    assert httpx.get(node.url + "/load").json()["gateway_order"] == (kind == "edge")
 
 
 def test_a_whole_reply_sends_its_headers_at_the_first_token(tiny_node) -> None:

@@ -21,17 +21,14 @@ from fastapi.responses import Response, StreamingResponse
 from gateway import gc_tuning
 from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
-from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
 from gateway.node.publisher import StatePublisher
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.node_headers import (
     HEADERS_AT_FIRST_TOKEN,
     NODE_TTFT_HEADER,
-    ORDER_AT_HEADER,
     PREFILL_MS_HEADER,
-    order_at,
-    queue_time,
 )
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
 from gateway.sse import sse_event
@@ -133,23 +130,7 @@ def create_node_app(
                 h[PREFILL_MS_HEADER] = f"{first.event.prefill_ms:.1f}"
         return h
 
-    def take_place(prep: Prepared, request: Request) -> None:
-        """The request's place in the engine's queue, where the gateway gave one
-        (:data:`gateway.node_headers.ORDER_AT_HEADER`): its wall-clock time in this clock's
-        terms (:func:`gateway.node_headers.queue_time`)."""
-        try:
-            at = order_at(request.headers)
-        except ValueError:
-            raise bad_request(
-                f"header {ORDER_AT_HEADER} must be a number of seconds", param=ORDER_AT_HEADER
-            ) from None
-        if at is None:
-            return
-        prep.gen.arrival_time = queue_time(at, time.time(), time.monotonic())
-        prep.gen.ordered = True
-
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
-        take_place(prep, request)
         t0 = time.perf_counter()
         with_ids = stream and request.headers.get(TOKEN_IDS_HEADER) == "1"
         deltas = service.run(prep, with_ids=with_ids)

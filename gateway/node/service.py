@@ -257,7 +257,6 @@ class NodeService:
             prefix_cache=s.prefix_cache,
             prefix_catch_up=s.prefix_catch_up,
             prefix_in_slots=s.prefix_in_slots,
-            gateway_order=s.gateway_order,
             tp=s.tp,
             pp=s.pp,
             devices=list(s.devices),
