@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,13 +25,17 @@ from tests.nodes import REPO, cli
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX process semantics")
 
+# Parent and children share one stdout pipe: each line goes out in one write(2) (atomic below
+# PIPE_BUF), where print() may split a line into several writes (PYTHONUNBUFFERED) and let
+# another process's line land inside it.
+
 # A child that arms its parent binding (as ``edgecloud`` does at start-up), says so, sleeps.
 CHILD = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from routing.supervisor import bind_to_parent
     b = bind_to_parent(use_pdeathsig={pdeathsig}, grace_s=1.0)
-    print("bound", b.pdeathsig, b.pipe_fd is not None, flush=True)
+    os.write(1, f"bound {{b.pdeathsig}} {{b.pipe_fd is not None}}\\n".encode())
     time.sleep({life})
     sys.exit({code})
     """
@@ -40,21 +45,26 @@ CHILD = textwrap.dedent(
 # to die unexpectedly (exit 1) or for SIGTERM (stop them, exit 0).
 PARENT = textwrap.dedent(
     """
-    import signal, sys, threading
+    import os, signal, sys, threading
     from routing.supervisor import ChildSpec, Supervisor
+    def say(line): os.write(1, (line + "\\n").encode())
     died = threading.Event()
-    sup = Supervisor(on_unexpected_exit=lambda e: (print(e.describe(), flush=True), died.set()))
+    sup = Supervisor(on_unexpected_exit=lambda e: (say(e.describe()), died.set()))
     signal.signal(signal.SIGTERM, lambda *_: died.set())
     for i, child in enumerate(sys.argv[1:]):
         c = sup.start(ChildSpec(f"child {i}", [sys.executable, "-c", child]))
-        print("pid", c.pid, flush=True)
+        say(f"started child {i} pid {c.pid}")
     died.wait()
     for e in sup.stop(term_timeout_s=2.0):
-        print(e.describe(), flush=True)
+        say(e.describe())
     assert sup.stop() == sup.stop()  # stopped once; later calls return the same result
     sys.exit(1 if sup.unexpected else 0)
     """
 )
+
+
+STARTED = re.compile(r"started child (\d+) pid (\d+)")
+STOPPED = re.compile(r"stopped child \d+ \(pid (\d+)\) in [^\n]*\(signal SIGTERM\)")
 
 
 def _alive(pid: int) -> bool:
@@ -91,13 +101,15 @@ def _start_parent(*children: str) -> tuple[subprocess.Popen[str], list[int]]:
         text=True,
     )
     assert parent.stdout is not None
-    pids: list[int] = []
+    pids: dict[int, int] = {}
+    seen = ""
     while len(pids) < len(children):  # the children's own lines may come first
         line = parent.stdout.readline()
-        assert line, "parent exited before starting its children"
-        if line.startswith("pid "):
-            pids.append(int(line.split()[1]))
-    return parent, pids
+        seen += line
+        assert line, f"parent exited before starting its children: {seen!r}"
+        for i, pid in STARTED.findall(line):
+            pids[int(i)] = int(pid)
+    return parent, [pids[i] for i in range(len(children))]
 
 
 def _wait_bound(pid: int, timeout: float = 10.0) -> None:
@@ -149,8 +161,10 @@ def test_sigterm_stops_children_once() -> None:
     parent.send_signal(signal.SIGTERM)
     out, _ = parent.communicate(timeout=20)
     assert parent.returncode == 0, out
-    lines = [line for line in out.splitlines() if line.startswith("stopped child")]
-    assert len(lines) == 2, out
+    # each child stopped exactly once, by SIGTERM, and none reported as an unexpected exit
+    stopped = sorted(int(pid) for pid in STOPPED.findall(out))
+    assert stopped == sorted(pids), out
+    assert "unexpectedly" not in out, out
     for pid in pids:
         assert not _alive(pid)
 
