@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up edgecloud in ./.venv: Python 3.11+ virtualenv, CPU torch, the project, the default model.
 # Idempotent: a second run only checks. Usage: scripts/setup.sh [--test]  (--test adds test tools)
+# Each step prints one line (what it installs, about how long it takes); pip's output is kept in
+# a log and shown only if the step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,24 +10,59 @@ PYTHON="${PYTHON:-python3}"
 EXTRAS=""
 [[ "${1:-}" == "--test" ]] && EXTRAS="[test]"
 
+# step "what (about how long)" command...: one line for the step; the command's output is shown
+# only if it fails.
+step() {
+    local what="$1" log rc t0=$SECONDS
+    shift
+    log="$(mktemp "${TMPDIR:-/tmp}/edgecloud-setup.XXXXXX")"
+    printf '%s... ' "$what"
+    if "$@" >"$log" 2>&1; then
+        printf 'done (%d s)\n' $((SECONDS - t0))
+        rm -f "$log"
+    else
+        rc=$?
+        printf 'FAILED (exit %d)\n' "$rc"
+        echo "---- output of: $* ----" >&2
+        tail -n 60 "$log" >&2
+        echo "---- (whole log: $log) ----" >&2
+        exit "$rc"
+    fi
+}
+
 "$PYTHON" - <<'PY' || { echo "edgecloud needs Python 3.11 or newer (set PYTHON=...)" >&2; exit 1; }
 import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
 PY
 
-[[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
+if [[ ! -x .venv/bin/python ]]; then
+    step "creating .venv and upgrading pip (a few seconds)" \
+        bash -c "\"$PYTHON\" -m venv .venv && .venv/bin/python -m pip install --upgrade pip"
+fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
-python -m pip install --quiet --upgrade pip
 
 # Torch: the CPU build unless this machine has an NVIDIA GPU. Where the CPU wheel is not cached
 # locally, point TORCH_INDEX_URL at PyTorch's CPU wheel index so pip never pulls a CUDA build.
 if ! python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
-        python -m pip install --quiet "torch>=2.5,<2.15"
+        step "installing CUDA torch (about 2-5 minutes, a 2+ GB download)" \
+            python -m pip install "torch>=2.5,<2.15"
     else
-        python -m pip install --quiet "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+        step "installing CPU torch (about 1-2 minutes)" \
+            python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
 fi
 
-python -m pip install --quiet -e ".${EXTRAS}"
+# The project and its dependencies, again only when pyproject.toml changed since the last install
+# (a stamp per set of extras; the test extras include the plain install).
+stamp() { echo ".venv/.edgecloud-installed-$(sha256sum pyproject.toml | cut -c1-16)$1"; }
+if [[ ! -f "$(stamp "$EXTRAS")" ]] || ! command -v edgecloud >/dev/null 2>&1; then
+    step "installing edgecloud and its dependencies${EXTRAS:+ with test tools} (about 1 minute)" \
+        python -m pip install -e ".${EXTRAS}"
+    rm -f .venv/.edgecloud-installed-*
+    touch "$(stamp "$EXTRAS")"
+    if [[ -n "$EXTRAS" ]]; then touch "$(stamp "")"; fi
+fi
+
+echo "getting the default model (about a minute the first time; then a check)..."
 edgecloud models pull smollm2-135m-instruct
