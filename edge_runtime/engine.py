@@ -63,39 +63,23 @@ class EdgeEngineConfig:
     """How an edge engine runs its graph.
 
     ``context`` is the KV capacity per slot (default: the model's context, at most 2048); the
-    KV cache takes ``slots * context`` tokens of memory, allocated and committed at start
-    (SmolLM2-135M: 46 KB per token, 377 MB for 4 x 2048);
+    KV cache takes ``slots * context`` tokens of memory, allocated and committed at start;
     ``providers`` is the execution-provider preference (default: NPUs first, then CPU);
     ``threads`` is ONNX Runtime's intra-op thread count (default: CPUs available, at most 8);
     ``stream_interval_ms``: a request's tokens between its first and its last are handed to the
-    consumer at most this often, several per event when decode is faster (default 0: every
-    token at once). Each hand-over wakes the event loop's thread (about 0.1-0.15 ms of CPU on
-    the 2-core test machine); grouping them for 20 ms measured 0 to +5% single-stream decode
-    there (docs/benchmarks.md), so it is offered, not imposed (see ``edge_runtime.scheduler``);
-    ``huge_pages``: back the memory the session allocated (its weights) and the KV cache with
-    transparent huge pages once loaded, where the kernel allows (``edge_runtime.huge_pages``);
-    ``prefix_reuse``: a finished request's KV stays in its slot, and a later request whose
-    leading 16-token blocks it holds (multi-turn chat) takes that slot and prefills only the
-    rest (``edge_runtime.slot_cache``); off: no reuse, no block events, no held blocks;
+    consumer at most this often, several per event (0: every token at once);
+    ``huge_pages``: back the session's memory and the KV cache with transparent huge pages
+    once loaded, where the kernel allows (``edge_runtime.huge_pages``);
+    ``prefix_reuse``: a finished request's KV stays in its slot, a later request whose leading
+    16-token blocks a slot holds reuses them, and a request copies the blocks of its prompt
+    another slot holds before each of its chunks (``edge_runtime.slot_cache``); off: no reuse,
+    no block events, no held blocks;
     ``prefill_stall_ratio``: while answers decode, a prompt is prefilled in chunks of at most
     this many decode steps' time, so a later prompt slows each of their tokens by at most
     ``1 + ratio`` (``routing.prefill_budget``; None: full ``prefill_chunk`` chunks always);
     ``prefix_first``: with ``prefix_reuse``, a waiting request that reuses several more blocks
-    of a free slot than those ahead of it is admitted first, each passing them at most this
-    many times (0: strict priority-then-arrival order; ``edge_runtime.scheduler``);
-    ``compact_slots``: with ``prefix_reuse``, a request that reuses no more than a few blocks
-    fewer of another free slot takes the free slot that widens the decoding slots' span least
-    (a decode step runs every slot between the lowest and the highest busy one); off: the
-    least recently freed (``edge_runtime.slot_cache.SlotCache.choose``);
-    ``keep_shared_slots``: with ``prefix_reuse``, a free slot keeping blocks that two requests
-    used (an app's system prompt) goes last to a request that would overwrite them;
-    ``prefix_catch_up``: with ``prefix_reuse``, before each prompt chunk a request copies the
-    leading blocks of its prompt another slot holds beyond its own (a request of its
-    app admitted while the first still prefilled their shared prompt) instead of computing
-    them again (off: only what a slot held at its admission);
-    ``space_chunks``: where one 16-token block beside decoding answers takes longer than
-    ``prefill_stall_ratio`` decode steps, a block runs only every so many steps, so the bound
-    holds on average (``routing.prefill_budget.steps_per_chunk``; off: a block every step).
+    than those ahead of it is admitted first, passing each at most this many times (0: strict
+    priority-then-arrival order; ``edge_runtime.admission``).
     """
 
     slots: int = 4
@@ -111,10 +95,6 @@ class EdgeEngineConfig:
     prefix_reuse: bool = True
     prefill_stall_ratio: float | None = 1.0
     prefix_first: int = 4
-    space_chunks: bool = False
-    compact_slots: bool = True
-    keep_shared_slots: bool = True
-    prefix_catch_up: bool = True
 
 
 class EdgeEngine:
@@ -208,13 +188,7 @@ class EdgeEngine:
         decoder = Decoder(session, self.info, cfg.slots, self.max_context)
         cache = None
         if cfg.prefix_reuse:
-            cache = SlotCache(
-                cfg.slots,
-                model_seed(self.model_id),
-                self.max_context - 1,
-                compact=cfg.compact_slots,
-                keep_shared=cfg.keep_shared_slots,
-            )
+            cache = SlotCache(cfg.slots, model_seed(self.model_id), self.max_context - 1)
         scheduler = SlotScheduler(
             decoder,
             cfg.max_waiting,
@@ -223,8 +197,6 @@ class EdgeEngine:
             cache,
             stall_ratio=cfg.prefill_stall_ratio,
             prefix_first=cfg.prefix_first,
-            space_chunks=cfg.space_chunks,
-            catch_up=cfg.prefix_catch_up,
         )
         if cfg.warmup:
             _warm_up(decoder, scheduler)
@@ -317,7 +289,7 @@ class EdgeEngine:
                 0.0,
                 0.0,
                 prefix_cache=cfg.prefix_reuse,
-                prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
+                prefix_catch_up=cfg.prefix_reuse,
                 prefix_in_slots=cfg.prefix_reuse,
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
@@ -334,11 +306,10 @@ class EdgeEngine:
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
             prefix_cache=cfg.prefix_reuse,
-            prefix_catch_up=cfg.prefix_reuse and cfg.prefix_catch_up,
+            prefix_catch_up=cfg.prefix_reuse,
             prefix_in_slots=cfg.prefix_reuse,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
-            prefill_chunk_every=snap.prefill_chunk_every,
         )
 
     def drain_block_events(self) -> BlockEvents:

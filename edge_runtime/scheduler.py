@@ -9,9 +9,7 @@ requests run or wait (the plan of rows is kept; only tokens and lengths move bet
 While any slot decodes, a chunk is cut to ``stall_ratio`` decode steps' worth of prompt tokens
 (``routing.prefill_budget``): a later prompt slows the answers already decoding by a bounded
 factor instead of holding each of their tokens for a whole 256-token chunk. A chunk is never
-shorter than one 16-token block; with ``space_chunks``, where a block takes longer than the
-ratio allows, a loop runs one only every ``steps_per_chunk`` decode steps (the others decode
-alone), so the bound holds on average, and the node reports that spacing.
+shorter than one 16-token block.
 
 Invariants:
 - All bookkeeping (slots, queue, request state) changes under ``lock``; ONNX runs happen outside
@@ -38,7 +36,7 @@ Invariants:
   else runs on the loop thread (no run can write the source's prefix meanwhile: only this
   thread runs or admits). A decode step's dummy row of a free slot writes at that slot's kept
   length, never inside its kept KV.
-- Catch-up (with ``catch_up``): before a request's prompt chunk runs, the leading blocks of its
+- Catch-up (with prefix reuse): before a request's prompt chunk runs, the leading blocks of its
   prompt that another slot (busy, or free and kept) holds beyond its own are copied in the
   same way (a request of its app admitted while the first still prefilled their shared
   prompt: prefill goes oldest first, so by its turn the first has written the prompt), and
@@ -73,7 +71,7 @@ from edge_runtime.slot_cache import SlotCache
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.blocks import reusable_blocks
 from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
-from routing.prefill_budget import BlockPacer, chunk_beside_decode, steps_per_chunk
+from routing.prefill_budget import chunk_beside_decode
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +155,6 @@ class SchedulerSnapshot:
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens of admitted requests
     prefill_chunk: int = 0  # prompt tokens per chunk with nothing decoding
     prefill_chunk_decoding: int = 0  # the chunk the measured rates give while rows decode
-    prefill_chunk_every: float = 1.0  # decode steps per such chunk (``space_chunks``)
 
 
 class SlotScheduler:
@@ -170,20 +167,12 @@ class SlotScheduler:
         cache: SlotCache | None = None,
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
-        space_chunks: bool = False,
-        catch_up: bool = True,
     ) -> None:
         self.decoder = decoder
-        # before each chunk, copy a longer prefix another slot holds than at admission
-        self.catch_up = catch_up
         # how often a waiting request may be passed by one with more of its prefix held here
         self.prefix_first = max(0, prefix_first)
         # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
         self.stall_ratio = stall_ratio
-        # where one block beside decoding rows takes longer than the ratio allows, run one only
-        # every steps_per_chunk steps
-        self.space_chunks = space_chunks
-        self._pacer = BlockPacer()
         self.cache = cache  # prefix reuse of kept slot KV; None: off
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
@@ -276,7 +265,6 @@ class SlotScheduler:
                 prefix_hit_rate=self.cached_tokens / max(self.prompt_tokens, 1),
                 prefill_chunk=self.prefill_chunk,
                 prefill_chunk_decoding=self._chunk_beside_decode(),
-                prefill_chunk_every=self._steps_per_chunk(),
             )
 
     def _prefill_ms_per_token(self) -> float:
@@ -287,14 +275,6 @@ class SlotScheduler:
     def _chunk_beside_decode(self) -> int:
         """Under the lock: the chunk to prefill while rows decode, from the measured rates."""
         return chunk_beside_decode(
-            self.prefill_chunk, self.stall_ratio, self.decode_ms.value, self._prefill_ms_per_token()
-        )
-
-    def _steps_per_chunk(self) -> float:
-        """Under the lock: decode steps per chunk beside decoding rows (1 unless spaced)."""
-        if not self.space_chunks:
-            return 1.0
-        return steps_per_chunk(
             self.prefill_chunk, self.stall_ratio, self.decode_ms.value, self._prefill_ms_per_token()
         )
 
@@ -336,7 +316,7 @@ class SlotScheduler:
                 self._changed = False
                 self._admit()
                 first = self._oldest_prefilling()
-                if first is not None and self.cache is not None and self.catch_up:
+                if first is not None and self.cache is not None:
                     self._catch_up(first)
                 copies, self._copies = self._copies, []
                 plan = None if first is not None else self._plan_decode()
@@ -345,10 +325,6 @@ class SlotScheduler:
                     r is not None and not r.prefilling for r in self.slots
                 ):
                     size = self._chunk_beside_decode()
-                    if not self._pacer.due(self._steps_per_chunk()):
-                        first, plan = None, self._plan_decode()
-                else:
-                    self._pacer.reset()
             try:
                 for src, dst, n in copies:  # before any run that reads them
                     self.decoder.copy_prefix(src, dst, n)

@@ -25,7 +25,7 @@ Invariants (checked by :meth:`SlotCache.check_integrity`):
   inside the context);
 - a busy slot keeps whole blocks only;
 - ``entry.shared <= len(entry.hashes)``: its leading blocks that two requests have used (one
-  reused or copied them from another), which ``keep_shared`` protects (:meth:`SlotCache.choose`);
+  reused or copied them from another), which :meth:`SlotCache.choose` protects;
 - ``_count`` is the multiset of all slots' hashes; the held hashes are its keys. A hash is
   reported *stored* when its count goes 0 -> 1 and *removed* when it goes 1 -> 0 (two slots may
   hold the same prefix, e.g. one system prompt); pending events are latest-wins per hash.
@@ -70,13 +70,10 @@ class SlotCache:
         seed: int,
         max_kept: int,
         block_size: int = BLOCK_SIZE,
-        compact: bool = True,
-        keep_shared: bool = False,
     ) -> None:
         if max_kept < 0:
             raise ValueError("max_kept must be >= 0")
         self.seed, self.max_kept, self.block_size = seed, max_kept, block_size
-        self.compact, self.keep_shared = compact, keep_shared
         self.entries = [SlotEntry() for _ in range(slots)]
         self._count: dict[int, int] = {}
         self._clock = 0
@@ -148,28 +145,25 @@ class SlotCache:
         leading blocks of ``tokens`` (at most ``limit``); without any match, an empty slot,
         else the least recently freed one, so that kept KV survives as long as possible.
 
-        With ``compact``, a match fewer than ``PREFIX_FIRST_MIN_BLOCKS`` blocks short of the
-        longest counts as the longest (a few blocks are not worth a row more in every decode
-        step after), and of those the slot that widens the busy slots' span least goes first:
-        a decode step runs every slot from the lowest busy one to the highest
-        (``edge_runtime.scheduler``), so a free slot inside that span costs nothing more per
-        step, and one at the far end a whole row (on the 2-core CPU edge about 0.8 of a
-        one-row step, every step of every answer while it lasts).
+        While any slot is busy, a match fewer than ``PREFIX_FIRST_MIN_BLOCKS`` blocks short of
+        the longest counts as the longest (a few blocks are not worth a row more in every
+        decode step after), and of those the slot that widens the busy slots' span least goes
+        first: a decode step runs every slot from the lowest busy one to the highest
+        (``edge_runtime.scheduler``), so a free slot inside that span costs no more per step.
 
-        With ``keep_shared``, a slot whose shared blocks (``SlotEntry.shared``: two requests
-        used them, as an app's system prompt) the request would overwrite goes after those of
-        as long a match (before the span's rule): one prompt of another app would otherwise
-        take the only copy of a prefix that its next user then computes cold (on the 2-core
-        CPU edge 2-3 s for 1,136 tokens)."""
+        A slot whose shared blocks (``SlotEntry.shared``: two requests used them, as an app's
+        system prompt) the request would overwrite goes after those of as long a match
+        (before the span's rule), so one prompt of another app does not take the only copy of
+        a prefix its next user would then compute cold."""
         if not free:
             raise ValueError("no free slot")
         matched = [(s, self.match(s, tokens, hashes, limit)) for s in free]
-        busy = [i for i, e in enumerate(self.entries) if e.busy] if self.compact else []
+        busy = [i for i, e in enumerate(self.entries) if e.busy]
         most = max(n for _, n in matched)
         best, best_n, best_key = free[0], 0, None
         for s, n in matched:
             e = self.entries[s]
-            loses = self.keep_shared and e.shared > n
+            loses = e.shared > n
             if busy and n > most - PREFIX_FIRST_MIN_BLOCKS:
                 widen = max(busy[-1], s) - min(busy[0], s) - (busy[-1] - busy[0])
                 key = (0, loses, widen, -n, bool(e.tokens), e.released, s)

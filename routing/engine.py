@@ -120,7 +120,6 @@ class EngineStats:
     devices: tuple[str, ...] = ()  # one per rank, when parallel
     prefill_chunk: int = 0  # prompt tokens per prefill step with nothing decoding (0: unsaid)
     prefill_chunk_decoding: int = 0  # ... while rows decode (0: as prefill_chunk)
-    prefill_chunk_every: float = 1.0  # decode steps per such chunk (a block every N steps)
     step_cost: StepCost | None = None  # its step time fitted on its own steps (routing.step_cost)
 
 

@@ -167,12 +167,11 @@ async def test_slot_choice_removed_events_and_zero_match(graph: Path) -> None:
 
 async def test_free_slot_between_decoding_slots_keeps_its_kv(graph: Path) -> None:
     """Slots 0 and 2 decode in one batched step while slot 1, free, holds kept KV (a dummy
-    row of the gqa step): its next turn still reuses it and matches a cold run. (Slots taken
-    least recently freed first: compactly, z's 2-block match would not be worth a row, and z's
-    next turn would take slot 1.)"""
-    x, y, z, more = _prompts(40, 41, 42, 8, seed=21)
+    row of the gqa step): its next turn still reuses it and matches a cold run. (z's 5-block
+    match in slot 2 is worth the row more than the free slot 1 inside the busy span.)"""
+    x, y, z, more = _prompts(40, 41, 80, 8, seed=21)
     cold = await _engine(graph, prefix_reuse=False, slots=1)
-    warm = await _engine(graph, slots=3, compact_slots=False)
+    warm = await _engine(graph, slots=3)
     try:
         outs = [await _run(warm, p) for p in (x, y, z)]  # slots 0, 1, 2 (empty ones first)
         assert [e.tokens[:1] for e in warm._require_started().cache.entries] == [
@@ -182,7 +181,7 @@ async def test_free_slot_between_decoding_slots_keeps_its_kv(graph: Path) -> Non
         ]
         both = [p + o.tokens + more for p, o in ((x, outs[0]), (z, outs[2]))]
         turns = await asyncio.gather(*(_collect(warm, p) for p in both))
-        assert [t[1] for t in turns] == [32, 32]  # slots 0 and 2, decoding together
+        assert [t[1] for t in turns] == [32, 80]  # slots 0 and 2, decoding together
         follow = y + outs[1].tokens + more
         t = await _run(warm, follow)
         assert t.cached == 32 and t.prefilled == len(follow) - 32
@@ -327,29 +326,24 @@ async def test_a_waiting_request_whose_prefix_a_busy_slot_holds_goes_first(
 
 
 @pytest.mark.parametrize("a_new", [6, 1])
-@pytest.mark.parametrize("catch_up", [True, False])
 async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_prompt(
-    graph: Path, catch_up: bool, a_new: int
+    graph: Path, a_new: int
 ) -> None:
     """A and B, two users of one 160-token app prompt, sent together: B is admitted while A
     still prefills it in 16-token chunks, so its slot holds at most what A wrote by then.
     Catching up, B copies A's whole prompt before its own first chunk (A, older, prefills
     first; from A's busy slot, or from its free one where A's one-token answer is done) and
-    computes only its question, with the same greedy tokens as a cold run; without, it
-    computes the rest of the app prompt again."""
+    computes only its question, with the same greedy tokens as a cold run."""
     system, qa, qb = _prompts(160, 10, 12, seed=23)
     cold = await _engine(graph, prefix_reuse=False, slots=1)
-    warm = await _engine(graph, prefill_chunk=16, prefix_catch_up=catch_up)
+    warm = await _engine(graph, prefill_chunk=16)
     try:
-        assert warm.stats().prefix_catch_up == catch_up
+        assert warm.stats().prefix_catch_up
         scheduler = warm._require_started()
         ta, tb = await asyncio.gather(_run(warm, system + qa, a_new), _run(warm, system + qb))
         # the prompt tokens both computed: A's 170 and what B did not copy
-        if catch_up:
-            assert (tb.cached, scheduler.prefilled_tokens) == (160, 170 + 12)
-            assert scheduler.copied_tokens >= 160 - 16
-        else:
-            assert tb.cached < 160 and scheduler.prefilled_tokens > 170 + 12 + 16
+        assert (tb.cached, scheduler.prefilled_tokens) == (160, 170 + 12)
+        assert scheduler.copied_tokens >= 160 - 16
         assert ta.cached == 0
         assert tb.tokens == (await _run(cold, system + qb)).tokens
         assert ta.tokens == (await _run(cold, system + qa, a_new)).tokens
@@ -359,16 +353,14 @@ async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_p
         await cold.shutdown()
 
 
-@pytest.mark.parametrize("compact", [True, False])
-def test_a_free_slot_inside_the_busy_span_goes_first_unless_a_longer_prefix_is_worth_a_row(
-    compact: bool,
-) -> None:
+def test_a_free_slot_inside_the_busy_span_goes_first_unless_a_longer_prefix_is_worth_a_row() -> (
+    None
+):
     """Slot 2 decodes; slots 0, 1, 3, 4 and 5 keep finished requests' KV (5 freed first).
-    A decode step runs every slot from the lowest busy one to the highest, so compactly a new
-    request takes slot 1 or 3 (one row more), the least recently freed of them, even over a
-    2-block match in slot 5; a 5-block match there is worth the rows. Without ``compact``
-    the least recently freed slot (5) goes first, as before."""
-    cache = SlotCache(slots=6, seed=model_seed("m"), max_kept=200, compact=compact)
+    A decode step runs every slot from the lowest busy one to the highest, so a new request
+    takes slot 1 or 3 (one row more), the least recently freed of them, even over a 2-block
+    match in slot 5; a 5-block match there is worth the rows."""
+    cache = SlotCache(slots=6, seed=model_seed("m"), max_kept=200)
     kept = {s: list(range(100 * s + 3, 100 * s + 43)) for s in (0, 1, 3, 4)}
     kept[5] = list(range(503, 503 + 90))
     for s in range(6):
@@ -381,8 +373,8 @@ def test_a_free_slot_inside_the_busy_span_goes_first_unless_a_longer_prefix_is_w
     def choose(prompt: list[int]) -> tuple[int, int]:
         return cache.choose(free, prompt, cache.hashes(prompt), limit=(len(prompt) - 1) // 16)
 
-    assert choose([7] * 40) == ((1, 0) if compact else (5, 0))
-    assert choose(kept[5][:32] + [7] * 30) == ((1, 0) if compact else (5, 2))
+    assert choose([7] * 40) == (1, 0)
+    assert choose(kept[5][:32] + [7] * 30) == (1, 0)
     assert choose([*kept[5], 7]) == (5, 5)
     cache.release(2, list(range(900, 940)))  # nothing busy: as before, whatever the order
     assert choose([7] * 40) == (5, 0)
@@ -447,13 +439,12 @@ async def test_a_request_reusing_a_freed_slots_prefix_goes_first(
         await cold.shutdown()
 
 
-@pytest.mark.parametrize("keep_shared", [True, False])
-def test_a_slot_keeping_a_prefix_two_requests_used_goes_last(keep_shared: bool) -> None:
+def test_a_slot_keeping_a_prefix_two_requests_used_goes_last() -> None:
     """Slot 0 keeps an app's prompt that a second request reused (shared blocks); slot 1 a
-    one-off chat freed later. A prompt of another app takes slot 1 with ``keep_shared``, and
-    the least recently freed slot 0, losing the app's prompt, without; a request of the app
-    still takes slot 0. A copy from a busy slot shares both slots' blocks."""
-    cache = SlotCache(slots=3, seed=model_seed("m"), max_kept=200, keep_shared=keep_shared)
+    one-off chat freed later. A prompt of another app takes slot 1, not the least recently
+    freed slot 0 (which would lose the app's prompt); a request of the app still takes slot
+    0. A copy from a busy slot shares both slots' blocks."""
+    cache = SlotCache(slots=3, seed=model_seed("m"), max_kept=200)
     app, chat = list(range(3, 3 + 64)), list(range(500, 540))
     for s in (0, 1, 2):
         cache.take(s, 0)
@@ -468,9 +459,7 @@ def test_a_slot_keeping_a_prefix_two_requests_used_goes_last(keep_shared: bool) 
     cache.check_integrity()
     assert (cache.entries[0].shared, cache.entries[1].shared) == (4, 0)
     other = [7] * 40
-    assert cache.choose([0, 1], other, cache.hashes(other), limit=2) == (
-        (1, 0) if keep_shared else (0, 0)
-    )
+    assert cache.choose([0, 1], other, cache.hashes(other), limit=2) == (1, 0)
     assert cache.choose([0, 1], prompt, hashes, limit=4) == (0, 4)
     # a copy out of a busy slot: the source's blocks are shared too, the copy's are
     fresh = list(range(900, 948))

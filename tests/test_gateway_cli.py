@@ -53,13 +53,10 @@ def test_serve_hands_its_edge_flags_to_the_edge_node(tmp_path: Path) -> None:
     from gateway.commands.gateway import _node_argv
 
     parser = build_parser()
-    args = parser.parse_args(
-        ["serve", "--edge-slots", "8", "--edge-prefix-first", "0", "--edge-slot-order", "lru"]
-    )
+    args = parser.parse_args(["serve", "--edge-slots", "8", "--edge-prefix-first", "0"])
     argv = _node_argv("edge", args, tmp_path, 9001, 1)
     assert argv[argv.index("--slots") + 1] == "8"
-    assert argv[argv.index("--slot-order") + 1] == "lru"
-    assert parser.parse_args(argv[3:]).slot_order == "lru"  # the edge node takes what it gets
+    assert parser.parse_args(argv[3:]).slots == 8  # the edge node takes what it gets
     assert argv[argv.index("--prefix-first") + 1] == "0"
     assert "--slots" not in _node_argv("cloud", args, tmp_path, 9002, 1)
     assert parser.parse_args(["serve"]).edge_slots == 4

@@ -17,8 +17,6 @@ from routing.model_store import DEFAULT_MODEL
 VARIANTS = ("fp32", "int8", "int4")  # edge_runtime.export's (not imported: it loads onnx)
 INT8_METHODS = ("blockwise", "per_tensor")  # edge_runtime.quantize's
 INT8_METHOD_ENV = "EDGECLOUD_INT8_METHOD"
-# edge_runtime.slot_cache.SlotCache(compact=..., keep_shared=...)
-SLOT_ORDERS = ("shared", "compact", "lru")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -129,39 +127,12 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
         "'off': 256-token chunks always)",
     )
     s.add_argument(
-        "--space-chunks",
-        action="store_true",
-        help="where one 16-token block of a prompt takes longer than --prefill-stall-ratio "
-        "decode steps, run one only every so many decode steps, so the ratio holds on average "
-        "(default: a block every step)",
-    )
-    s.add_argument(
-        "--slot-order",
-        choices=SLOT_ORDERS,
-        default="shared",
-        help="the free slot a request takes when no slot holds several more of its blocks: "
-        "one that keeps no blocks two requests used (an app's system prompt) first, then the "
-        "one that widens the busy slots' span least, since a decode step runs every slot "
-        "between them (shared, the default), or without the first rule (compact), or the "
-        "least recently freed (lru)",
-    )
-    s.add_argument(
-        "--no-prefix-catch-up",
-        dest="prefix_catch_up",
-        action="store_false",
-        help="copy into a request's slot only the prefix a slot holds at its admission "
-        "(default: also, before each of its prompt chunks, the blocks of its prompt another "
-        "slot holds by then, busy or free, as a second user of an app's prompt admitted while "
-        "the first still prefilled it)",
-    )
-    s.add_argument(
         "--prefix-first",
         type=nonneg_int,
         default=4,
         help="admit a waiting request whose prompt has 4+ more leading blocks held here (kept "
         "in a free slot, or written in a busy one) before those ahead of it, passing each "
-        "at most this many times (default 4; 0: strict arrival order); a request the "
-        "gateway gave its place (x-edgecloud-order-at) is neither passed nor passes",
+        "at most this many times (default 4; 0: strict arrival order)",
     )
     s.add_argument(
         "--no-huge-pages",
@@ -193,10 +164,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         huge_pages=args.huge_pages,
         prefill_stall_ratio=args.prefill_stall_ratio,
         prefix_first=args.prefix_first,
-        compact_slots=args.slot_order in ("compact", "shared"),
-        keep_shared_slots=args.slot_order == "shared",
-        space_chunks=args.space_chunks,
-        prefix_catch_up=args.prefix_catch_up,
     )
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(

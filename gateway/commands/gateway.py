@@ -30,7 +30,6 @@ from gateway.commands.argtypes import (
     positive_int,
     stall_ratio,
 )
-from gateway.commands.edge import SLOT_ORDERS
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
@@ -88,17 +87,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="the edge node's --prefill-stall-ratio (default 1; 'off': full chunks)",
     )
     s.add_argument(
-        "--edge-space-chunks",
-        action="store_true",
-        help="the edge node's --space-chunks (a prompt's blocks spaced between decode steps)",
-    )
-    s.add_argument(
-        "--no-edge-prefix-catch-up",
-        dest="edge_prefix_catch_up",
-        action="store_false",
-        help="the edge node's --no-prefix-catch-up (default: catch up before each chunk)",
-    )
-    s.add_argument(
         "--edge-prefix-first",
         type=nonneg_int,
         default=4,
@@ -109,12 +97,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         type=positive_int,
         default=4,
         help="the edge node's --slots: sequences it runs at once (default 4; more wait)",
-    )
-    s.add_argument(
-        "--edge-slot-order",
-        choices=SLOT_ORDERS,
-        default="shared",
-        help="the edge node's --slot-order (default shared)",
     )
     s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
     s.add_argument(
@@ -247,11 +229,6 @@ def _node_argv(
         argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
         argv += ["--prefix-first", str(args.edge_prefix_first)]
         argv += ["--slots", str(args.edge_slots)]
-        argv += ["--slot-order", args.edge_slot_order]
-        if args.edge_space_chunks:
-            argv += ["--space-chunks"]
-        if not args.edge_prefix_catch_up:
-            argv += ["--no-prefix-catch-up"]
     else:
         argv += ["--device", args.cloud_device]
         if args.cloud_prefill_stall_ratio is not None:

@@ -262,7 +262,6 @@ class NodeService:
             devices=list(s.devices),
             prefill_chunk=s.prefill_chunk,
             prefill_chunk_decoding=s.prefill_chunk_decoding,
-            prefill_chunk_every=s.prefill_chunk_every,
             step_cost=s.step_cost,
             ttl_s=self.config.ttl_s,
         )
