@@ -34,8 +34,9 @@ from edge_runtime.providers import (
     create_session,
     session_options,
 )
-from edge_runtime.scheduler import SlotRequest, SlotScheduler
+from edge_runtime.scheduler import SlotScheduler
 from edge_runtime.slot_cache import SlotCache
+from edge_runtime.slot_request import SlotRequest
 from routing.blocks import BlockEvents, model_seed
 from routing.engine import (
     EngineError,

@@ -22,118 +22,33 @@ Invariants:
 - A stop token id ends a request with STOP and is not emitted; ``completion_tokens`` counts the
   emitted tokens.
 - Tokens reach the consumer in order, none twice, none lost: a request's first token and its
-  final event go out at once; tokens in between go out as soon as ``stream_interval_s`` has
-  passed since the request's previous event, several per event when steps are faster than that
-  (0, the default, = one event per token). Every hand-over wakes the consumer's thread, which
-  on a small CPU competes with ONNX Runtime's threads for the cores.
+  final event go out at once; tokens in between go out once ``stream_interval_s`` has passed
+  since the request's previous event, several per event (0, the default: one per token).
 - Prefix reuse (with a ``SlotCache``): a request that ends (finished or cancelled) leaves its
-  KV in its slot; a new request takes the free slot holding the longest run of its leading
-  blocks (at most ``(prompt - 1) // 16``, so at least one prompt token is computed), starts
-  with ``filled`` = those blocks' tokens and reports them as ``cached_tokens``; without a
-  match it takes an empty slot, else the least recently freed one. When a busy slot holds a
-  longer run (a request of the same app running, its prompt written so far), those blocks are
-  copied into the new request's slot instead, after the lock is released and before anything
-  else runs on the loop thread (no run can write the source's prefix meanwhile: only this
-  thread runs or admits). A decode step's dummy row of a free slot writes at that slot's kept
-  length, never inside its kept KV.
-- Catch-up (with prefix reuse): before a request's prompt chunk runs, the leading blocks of its
-  prompt that another slot (busy, or free and kept) holds beyond its own are copied in the
-  same way (a request of its app admitted while the first still prefilled their shared
-  prompt: prefill goes oldest first, so by its turn the first has written the prompt), and
-  count as cached.
-- Admission order (with prefix reuse): priority, then arrival, except that a waiting request
-  whose prompt has 4+ more leading blocks held on the node (kept in a free slot, or written
-  so far in a busy one, which admission copies) than every request ahead of it of its
-  priority goes first (``routing.admission``): under a queue only one slot is free at a time,
-  and the request at the head would overwrite the kept prefix another request waits for (at
-  concurrency 16 on the embedded default half the shared prompts sent to the edge lost their
-  1,136 cached tokens so, each then prefilled for ~2.5 s). Blocks in a busy slot count as
-  the router's prefix index counts them: the node holds them.
-  Each request it goes ahead of counts one pass; no request is passed more than
-  ``prefix_first`` times (0: strict order), so none starves.
+  KV in its slot; which waiting request is admitted next, into which slot and with which
+  copied prefix, is ``edge_runtime.admission``'s choice. Copies run after the lock is released
+  and before anything else runs on the loop thread. A decode step's dummy row of a free slot
+  writes at that slot's kept length, never inside its kept KV.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from itertools import takewhile
+from dataclasses import dataclass
 
 import numpy as np
 
+from edge_runtime.admission import Admission, Copy
 from edge_runtime.decoder import Decoder
-from edge_runtime.sampler import Sampler
 from edge_runtime.slot_cache import SlotCache
-from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
-from routing.blocks import reusable_blocks
-from routing.engine import FinishReason, GenerationRequest, QueueFull, TokenEvent
+from edge_runtime.slot_request import SlotRequest
+from routing.blocks import BLOCK_SIZE
+from routing.engine import FinishReason, QueueFull
 from routing.prefill_budget import chunk_beside_decode
 
 log = logging.getLogger(__name__)
-
-KV_BLOCK = 16  # tokens per reported KV block (the prefix-block size of routing)
-
-
-@dataclass
-class SlotRequest:
-    """One request as the loop tracks it."""
-
-    request: GenerationRequest
-    emit: Callable[[TokenEvent], None]  # thread-safe; delivers to the request's consumer
-    budget: int  # tokens it may still generate in total
-    sampler: Sampler = field(init=False)
-    stops: frozenset[int] = field(init=False)
-    slot: int = -1
-    filled: int = 0  # positions of this sequence in the slot's KV cache
-    generated: int = 0
-    last_token: int = -1  # sampled, fed at the next decode step
-    pending: list[int] = field(default_factory=list)  # generated, not yet handed over
-    last_emit: float = 0.0  # perf_counter of the previous hand-over
-    hashes: list[int] = field(default_factory=list)  # block hashes of the prompt (prefix reuse)
-    cached: int = 0  # leading prompt tokens whose KV the slot already held (whole blocks)
-    prefill_ms: float = 0.0  # compute time of its own prompt chunks
-    output: list[int] = field(default_factory=list)  # generated tokens (no stop token)
-    passed: int = 0  # times a later request was admitted before it (prefix_first)
-
-    def __post_init__(self) -> None:
-        params = self.request.sampling
-        self.sampler = Sampler(params)
-        self.stops = frozenset() if params.ignore_eos else frozenset(params.stop_token_ids)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_token_ids)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.filled < self.prompt_len
-
-    def written(self) -> list[int]:
-        """The tokens whose KV is in the slot: the prompt, then the generated tokens fed back
-        (the last sampled one is not, until the next decode step)."""
-        return (self.request.prompt_token_ids + self.output)[: self.filled]
-
-    def sort_key(self) -> tuple[int, float]:
-        return (self.request.priority, self.request.arrival_time)
-
-    def event(self, tokens: list[int], reason: FinishReason | None) -> TokenEvent:
-        """An event carrying the pending tokens, then ``tokens`` (pending is emptied)."""
-        if self.pending:
-            tokens, self.pending = self.pending + tokens, []
-        return TokenEvent(
-            request_id=self.request.request_id,
-            token_ids=tokens,
-            completion_tokens=self.generated,
-            prompt_tokens=self.prompt_len,
-            cached_tokens=self.cached,
-            finish_reason=reason,
-            prefill_ms=self.prefill_ms,
-        )
-
 
 class Ewma:
     def __init__(self, alpha: float = 0.2) -> None:
@@ -169,17 +84,15 @@ class SlotScheduler:
         prefix_first: int = 4,
     ) -> None:
         self.decoder = decoder
-        # how often a waiting request may be passed by one with more of its prefix held here
-        self.prefix_first = max(0, prefix_first)
         # a chunk beside decoding rows takes at most this many decode steps (None: full chunks)
         self.stall_ratio = stall_ratio
         self.cache = cache  # prefix reuse of kept slot KV; None: off
+        # the wait queue, which request is admitted next and into which slot
+        self.admission = Admission(cache, prefix_first)
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
         self.stream_interval_s = max(0.0, stream_interval_s)
         self.slots: list[SlotRequest | None] = [None] * decoder.slots
-        self._waiting: list[tuple[tuple[int, float], int, SlotRequest]] = []
-        self._seq = 0
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
         self._stopping = False
@@ -199,7 +112,7 @@ class SlotScheduler:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.copied_tokens = 0  # of those cached, copied from a busy slot
-        self._copies: list[tuple[int, int, int]] = []  # (from slot, to slot, positions) due
+        self._copies: list[Copy] = []  # due before the next run
 
     # --- called from any thread ------------------------------------------------------------
 
@@ -210,19 +123,17 @@ class SlotScheduler:
     def _full(self) -> bool:
         # requests not yet admitted count against the free slots first, then the queue
         free = sum(s is None for s in self.slots)
-        return len(self._waiting) >= free + self.max_waiting
+        return len(self.admission) >= free + self.max_waiting
 
     def submit(self, r: SlotRequest) -> None:
         """Queue ``r``; raises QueueFull when every slot is busy and the queue is full."""
-        if self.cache is not None:  # hashed here, outside the lock
-            r.hashes = self.cache.hashes(r.request.prompt_token_ids)
+        self.admission.hash(r)  # outside the lock
         with self.lock:
             if self._stopping:
                 raise RuntimeError("engine is stopped")
             if self._full():
                 raise QueueFull("all slots busy and the wait queue is full")
-            heapq.heappush(self._waiting, (r.sort_key(), self._seq, r))
-            self._seq += 1
+            self.admission.push(r)
             self._changed = True
             self._wake.notify()
 
@@ -242,22 +153,17 @@ class SlotScheduler:
             if r is not None and r.request.request_id == request_id:
                 self._vacate(r)
                 return r
-        for i, (_, _, r) in enumerate(self._waiting):
-            if r.request.request_id == request_id:
-                self._waiting.pop(i)
-                heapq.heapify(self._waiting)
-                return r
-        return None
+        return self.admission.remove(request_id)
 
     def snapshot(self) -> SchedulerSnapshot:
         with self.lock:
             busy = [r for r in self.slots if r is not None]
             remaining = [r.budget - r.generated for r in busy]
-            per_slot = -(-self.decoder.context // KV_BLOCK)
+            per_slot = -(-self.decoder.context // BLOCK_SIZE)
             return SchedulerSnapshot(
                 running=len(busy),
-                waiting=len(self._waiting),
-                kv_blocks_used=sum(-(-r.filled // KV_BLOCK) for r in busy),
+                waiting=len(self.admission),
+                kv_blocks_used=sum(-(-r.filled // BLOCK_SIZE) for r in busy),
                 kv_blocks_total=per_slot * len(self.slots),
                 prefill_tokens_per_s=self.prefill_tps.value,
                 decode_ms_per_step=self.decode_ms.value,
@@ -292,11 +198,10 @@ class SlotScheduler:
         with self.lock:
             self._stopping = True
             self._changed = True
-            pending = [r for r in self.slots if r is not None] + [w[2] for w in self._waiting]
+            pending = [r for r in self.slots if r is not None] + self.admission.clear()
             self.slots = [None] * len(self.slots)
             if self.cache is not None:
                 self.cache.reset()
-            self._waiting.clear()
             self._wake.notify_all()
         for r in pending:
             r.emit(r.event([], FinishReason.ABORT))
@@ -309,14 +214,14 @@ class SlotScheduler:
     def _run(self) -> None:
         while True:
             with self.lock:
-                while not self._stopping and not self._waiting and not any(self.slots):
+                while not self._stopping and not self.admission and not any(self.slots):
                     self._wake.wait()
                 if self._stopping:
                     return
                 self._changed = False
                 self._admit()
                 first = self._oldest_prefilling()
-                if first is not None and self.cache is not None:
+                if first is not None:
                     self._catch_up(first)
                 copies, self._copies = self._copies, []
                 plan = None if first is not None else self._plan_decode()
@@ -326,8 +231,8 @@ class SlotScheduler:
                 ):
                     size = self._chunk_beside_decode()
             try:
-                for src, dst, n in copies:  # before any run that reads them
-                    self.decoder.copy_prefix(src, dst, n)
+                for c in copies:  # before any run that reads them
+                    self.decoder.copy_prefix(c.source, c.target, c.blocks * BLOCK_SIZE)
                 if first is not None:
                     self._prefill_chunk(first, size)
                     with self.lock:  # the chunk may have finished a prompt, or a cancel came
@@ -356,84 +261,41 @@ class SlotScheduler:
             steady = self._decode_step(decoding, first, rows)
 
     def _admit(self) -> None:
-        """Under the lock: waiting requests into free slots, best first. With prefix reuse a
-        request takes the free slot holding most of its leading blocks (see ``SlotCache``)
-        and starts after them; without, the lowest free slot."""
+        """Under the lock: waiting requests into free slots, as ``self.admission`` chooses."""
         free = [slot for slot, occupant in enumerate(self.slots) if occupant is None]
-        while free and self._waiting:
-            r = self._next_waiting()
-            slot, blocks = free[0], 0
-            if self.cache is not None:
-                prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
-                slot, blocks = self.cache.choose(free, prompt, r.hashes, limit)
-                self.cache.take(slot, blocks)
-                source, more = self.cache.best_source(prompt, r.hashes, limit, exclude=slot)
-                if more > blocks:
-                    self.cache.adopt(slot, source, more)
-                    self._copies.append((source, slot, more * KV_BLOCK))
-                    self.copied_tokens += (more - blocks) * KV_BLOCK
-                    blocks = more
-            free.remove(slot)
+        while free and self.admission:
+            r = self.admission.next_request()
+            place = self.admission.place(r, free)
+            if place.copy is not None:
+                self._copies.append(place.copy)
+                self.copied_tokens += place.copied * BLOCK_SIZE
+            free.remove(place.slot)
             if log.isEnabledFor(logging.DEBUG):  # the queue's order, as `edgecloud -v` shows it
                 log.debug(
                     "admitted %s to slot %d after %.1f ms: %d blocks reused, passed %d times, "
                     "%d waiting",
-                    r.request.request_id, slot, (time.monotonic() - r.request.arrival_time) * 1e3,
-                    blocks, r.passed, len(self._waiting),
+                    r.request.request_id, place.slot,
+                    (time.monotonic() - r.request.arrival_time) * 1e3, place.blocks, r.passed,
+                    len(self.admission),
                 )  # fmt: skip
-            r.slot, r.filled = slot, blocks * KV_BLOCK
+            r.slot, r.filled = place.slot, place.blocks * BLOCK_SIZE
             r.cached = r.filled
-            self.slots[slot] = r
+            self.slots[place.slot] = r
             self.prompt_tokens += r.prompt_len
             self.cached_tokens += r.cached
 
     def _catch_up(self, r: SlotRequest) -> None:
-        """Under the lock: before ``r``'s next chunk, the leading blocks of its prompt another
-        slot holds (busy, or free and kept: nothing takes it before the copy runs) beyond what
-        ``r`` has filled are copied into its slot (queued with the admissions' copies) and
-        count as cached."""
-        assert self.cache is not None
-        prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
-        source, blocks = self.cache.best_source(
-            prompt, r.hashes, limit, exclude=r.slot, free_too=True
-        )
-        gained = blocks * KV_BLOCK - r.filled
-        if gained <= 0:
+        """Under the lock: before ``r``'s next chunk, the blocks of its prompt another slot
+        holds beyond what it has filled are queued to copy, and count as cached."""
+        copy = self.admission.catch_up(r)
+        if copy is None:
             return
-        self.cache.adopt(r.slot, source, blocks)
-        self._copies.append((source, r.slot, blocks * KV_BLOCK))
+        gained = copy.blocks * BLOCK_SIZE - r.filled
+        self._copies.append(copy)
         r.filled += gained
         r.cached += gained
         self.copied_tokens += gained
         self.cached_tokens += gained
-
-    def _next_waiting(self) -> SlotRequest:
-        """Under the lock: take the waiting request to admit next (``routing.admission``:
-        the first in order unless a later one of the same priority has several more leading
-        blocks held on the node)."""
-        if self.cache is None or self.prefix_first == 0 or len(self._waiting) == 1:
-            return heapq.heappop(self._waiting)[2]
-        order = heapq.nsmallest(PREFIX_FIRST_WINDOW, self._waiting)
-        top = order[0][2].request.priority  # never ahead of a request of higher priority
-        same = takewhile(lambda e: e[2].request.priority == top, order)
-        best = prefix_first(((self._reuse(e[2]), e[2].passed) for e in same), self.prefix_first)
-        chosen = order[best]
-        if best == 0:
-            return heapq.heappop(self._waiting)[2]
-        for _, _, r in order[:best]:
-            r.passed += 1
-        self._waiting.remove(chosen)
-        heapq.heapify(self._waiting)
-        return chosen[2]
-
-    def _reuse(self, r: SlotRequest) -> int:
-        """Under the lock: the most leading blocks of ``r`` the node holds, in a free slot
-        (kept) or a busy one (written so far): what ``_admit`` gives it, by taking that free
-        slot or copying from that busy one."""
-        assert self.cache is not None
-        limit = reusable_blocks(r.prompt_len)
-        prompt = r.request.prompt_token_ids
-        return self.cache.best_source(prompt, r.hashes, limit, exclude=-1, free_too=True)[1]
 
     def _vacate(self, r: SlotRequest) -> None:
         """Under the lock: ``r`` leaves its slot; the KV it wrote stays there for reuse."""
