@@ -6,9 +6,8 @@ policies pay for the replay: the rows show how that cost grows with the requests
 (against the same decision with none), on one fleet (an edge node with 4 slots, a cloud node
 with 64) after ``begin`` of N requests of 300 prompt tokens spread by round robin, in this
 process. The peers are the same decision with the literal engine loop
-(``routing.backlog.replay_literal``, one pass over the rows per step) in place of the heap
-replay the gateway runs, without future arrivals (one replay a node), and with the blend's two
-replays run apart (``two_replays``) in place of ``replay_pair``'s fork at the new request's
+(``tests/replay_oracle.replay_literal``, one pass over the rows per step) in place of the heap
+replay the gateway runs, and with the blend's two replays run apart (``two_replays``) in place of ``replay_pair``'s fork at the new request's
 first token.
 
     python bench/decision_cost.py --in-flight 0 16 64 256
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import routing.latency
+import routing.latency.estimate
 from bench._common import RESULTS, machine, recorded_command, table
 from routing import backlog
 from routing.backlog import Arrivals, EngineShape, Replayed, Work
@@ -34,6 +33,7 @@ from routing.fleet.store import FleetView
 from routing.policy_config import PolicyConfig
 from routing.profile import RequestProfile
 from routing.router import Router
+from tests.replay_oracle import replay_literal
 
 
 def _fleet(now: float) -> FleetView:
@@ -48,17 +48,15 @@ def _fleet(now: float) -> FleetView:
                      prefix_blocks={})  # fmt: skip
 
 
-def cost_us(policy: str, in_flight: int, rounds: int, arrivals: bool = True) -> float:
-    """``arrivals``: the latency model's future arrivals as shipped (on, two replays a node
-    when blended), else off (one replay)."""
+def cost_us(policy: str, in_flight: int, rounds: int) -> float:
+    """Microseconds one ``policy`` decision takes with ``in_flight`` requests in hand."""
     prof = RequestProfile(
         model="m", model_identity="m", route="chat", prompt_token_ids=list(range(300)),
         block_hashes=[], max_tokens=64, expected_output_tokens=64.0, stream=True,
         client_region="local",
     )  # fmt: skip
     view = _fleet(time.time())
-    knobs = {} if arrivals else {"latency": {"future_arrivals": False}}
-    filler = Router(PolicyConfig.model_validate({"policy": "round_robin", **knobs}))
+    filler = Router(PolicyConfig(policy="round_robin"))
     for _ in range(in_flight):
         filler.begin(filler.decide(prof, view), profile=prof)
     t0 = time.perf_counter()
@@ -82,11 +80,12 @@ def _apart(
 
 def _with(run: Callable[..., Replayed], in_flight: int, rounds: int) -> float:
     """The latency decision's cost with ``run`` as the gateway's replay, whole runs each."""
-    routing.latency.replay, routing.latency.replay_pair = run, _apart(run)
+    est = routing.latency.estimate
+    est.replay, est.replay_pair = run, _apart(run)
     try:
         return cost_us("latency", in_flight, rounds)
     finally:
-        routing.latency.replay, routing.latency.replay_pair = backlog.replay, backlog.replay_pair
+        est.replay, est.replay_pair = backlog.replay, backlog.replay_pair
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,15 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in args.in_flight:
         lat, thr = cost_us("latency", n, args.rounds), cost_us("threshold", n, args.rounds)
-        no_arrivals = cost_us("latency", n, args.rounds, arrivals=False)
-        literal = _with(backlog.replay_literal, n, args.rounds)
+        literal = _with(replay_literal, n, args.rounds)
         two_replays = _with(backlog.replay, n, args.rounds)
         rows.append({"in_flight": n, "latency_us": round(lat, 1), "threshold_us": round(thr, 1),
                      "latency_literal_loop_us": round(literal, 1),
-                     "latency_no_arrivals_us": round(no_arrivals, 1),
                      "latency_two_replays_us": round(two_replays, 1),
                      "speedup": round(literal / lat, 2)})  # fmt: skip
-    cols = ["in_flight", "latency_us", "latency_no_arrivals_us", "latency_two_replays_us",
+    cols = ["in_flight", "latency_us", "latency_two_replays_us",
             "threshold_us",
             "latency_literal_loop_us", "speedup"]  # fmt: skip
     print(table(rows, cols))

@@ -125,137 +125,20 @@ class Sample:
 
 # Policy files for --variants (the default policy is the gateway's own).
 VARIANTS = {
-    # the edge orders its queue itself (a prefix reuser passing ahead) and the replay assumes
-    # arrival order (the default before 2026-12-06, twenty-first session)
-    "node_order": "latency:\n  gateway_order: false\n",
-    # a waiting request passed while its wait stays within twice its predicted TTFT (the
-    # default: one and a half times)
-    "pass_room2": "latency:\n  pass_room: 2.0\n",
-    # the prefix index's credit on the edge stands though every slot went to a prompt without
-    # it (the default before 2026-12-05, twenty-first session)
-    "slot_credit": "latency:\n  slot_eviction: false\n",
-    # no future arrivals in the replay (the default before 2026-12-04, eighth session)
-    "no_arrivals": "latency:\n  future_arrivals: false\n",
-    # the output-length statistics without the whole-prompt key (first block and coarser)
+    # output lengths without the whole prompt's own statistic (its app's and coarser)
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
-    # without the last message's and the prompt length's statistics (the default before
-    # 2026-12-04, tenth session): an app's requests under one cap pooled
+    # an app's requests under one cap pooled (no last-message or prompt-length statistics)
     "app_output_keys": "expected_output:\n  last_message: false\n  length_bucket: false\n",
-    # answers cut at their cap counted toward their last message's statistic (the default
-    # until late in the tenth session, 2026-12-04)
-    "last_cut": "expected_output:\n  last_message_cut: true\n",
-    # the last message's answers kept apart by the prompt's length (within a power of two)
-    "last_length": "expected_output:\n  last_message_length: true\n",
-    # a prompt cut at a cap and asked under a larger one: its app's answers that ran past the cut
-    "past_cut": "expected_output:\n  past_cut: true\n",
-    # a prefix hit costs only its new tokens (no fitted cost of the cached ones)
-    "no_cached_cost": "latency:\n  cached_prefill_cost: false\n",
-    # answer lengths averaged as they are, not in log space (the arithmetic mean)
-    "arith_mean": "expected_output:\n  average: arithmetic\n",
-    # answer lengths at their harmonic mean (relative errors balanced between short and long)
-    "harmonic": "expected_output:\n  average: harmonic\n",
-    # both: the node held at what it has in hand, answer lengths at their harmonic mean
-    "hold_harmonic": "expected_output:\n  average: harmonic\n"
-    "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
-    "  arrival_weight: 1.0\n",
-    # a stream in flight as far along as its prediction says, not as its relayed tokens
-    "no_progress": "latency:\n  stream_progress: false\n",
-    # a request late against its prediction taken to be half way (not as good as done)
-    "late_half": "latency:\n  overrun_left: 0.5\n",
-    # what a busy node's accounts of its waits held beyond the replay's, by requests in hand,
-    # added on every node (the default: only on accelerators)
-    "busy_wait": "latency:\n  busy_wait: on\n",
-    # a cloud node on a CPU assumed a GPU's speed until measured (the default before
-    # 2026-12-04, eleventh session)
-    "cloud_gpu_prior": "latency:\n  cloud_cpu:\n    prefill_tokens_per_s: 6000\n"
-    "    decode_ms_per_token: 20\n    batch_slope: 0.03\n    prefill_chunk: 1024\n"
-    "    mixed_steps: true\n",
-    # each request in hand computes what the prefix index credited it at dispatch, however
-    # many before it share its prompt (the default in the sixteenth and seventeenth sessions)
-    "no_in_hand_prefix": "latency:\n  in_hand_prefix: false\n",
-    # learned passes on every node, CPUs too (the default: on nodes not on a CPU), without
-    # busy_wait
-    "prefill_pass": "latency:\n  prefill_pass: true\n  busy_wait: false\n",
-    # neither learned passes nor busy waits, on any node (the default before 2026-12-04)
-    "no_pass_wait": "latency:\n  prefill_pass: false\n  busy_wait: false\n",
-    # decode costs learned against the batch the prediction expected, not the one seen
-    "predicted_batch": "latency:\n  measured_decode_batch: false\n",
-    # what requests take beyond the engine and the RTT (the gateway's share, a node's admission)
-    "overhead": "latency:\n  request_overhead: true\n",
-    # without it (the default before 2026-12-05, twelfth session)
-    "no_overhead": "latency:\n  request_overhead: false\n",
-    # the replay of a node that reports its fitted step cost runs its steps with it
-    "step_cost": "latency:\n  node_step_cost: true\n",
-    # the requests expected after the decision in its replay (not only those in hand)
-    "future_arrivals": "latency:\n  future_arrivals: true\n  arrival_population: recent_mean\n"
-    "  arrival_work: mean\n  arrival_weight: 1.0\n",
-    # future arrivals keeping the node at what it holds at the decision, newcomers with the
-    # median work of recent sends (a closed loop replaces each request that finishes)
-    "hold": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
-    "  arrival_work: median\n"
-    "  arrival_weight: 1.0\n",
-    # holding the node at what it has in hand, newcomers with the mean work
-    "hold_mean": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
-    "  arrival_work: mean\n  arrival_weight: 1.0\n",
-    # all three: the node held at what it has in hand, harmonic answer lengths, learned passes
-    "pass_hold_harmonic": "expected_output:\n  average: harmonic\n"
-    "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
-    "  prefill_pass: true\n"
-    "  arrival_weight: 1.0\n",
-    # holding the node at what it has in hand up to its slots, harmonic answer lengths
-    "slots_harmonic": "expected_output:\n  average: harmonic\n"
-    "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n  arrival_work: median\n"
-    "  arrival_weight: 1.0\n",
-    # learned passes, and the waits a node's accounts hold beyond the replay's, by load, on
-    # every node
-    "pass_wait": "latency:\n  prefill_pass: true\n  busy_wait: true\n",
-    # pass_wait with the node held at what it has in hand (newcomers' passes between its steps)
-    "pass_wait_hold": "latency:\n  prefill_pass: true\n  busy_wait: true\n"
-    "  future_arrivals: true\n  arrival_population: in_hand\n  arrival_work: median\n"
-    "  arrival_weight: 1.0\n",
-    # holding the node at what it has in hand up to its slots (answer lengths as shipped)
-    "slots": "latency:\n  future_arrivals: true\n  arrival_population: in_slots\n"
-    "  arrival_work: median\n"
-    "  arrival_weight: 1.0\n",
-    # holding the node at what it has in hand, newcomers as decode rows only
-    "hold_rows": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
-    "  arrival_work: rows\n"
-    "  arrival_weight: 1.0\n",
-    # the gateway's requests in flight now times the node's share of their time lately,
-    # newcomers with the median work (a closed loop refills the gateway, not each node)
-    "share": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
-    "  arrival_work: median\n"
-    "  arrival_weight: 1.0\n",
-    # the node held at what it has in hand or at its recent mean population, the larger (at
-    # concurrency 4 an edge with nothing in hand decoded 2.0x slower than predicted, one with
-    # three 1.26x: a node emptier than usual fills again)
-    "in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
-    # with the edge's blocks spaced between decode steps too (``SERVE_VARIANTS``)
-    "space_in_hand_or_mean": "latency:\n  arrival_population: in_hand_or_mean\n",
-    # three quarters of the arrivals' weight (the default: half)
-    "arrivals_075": "latency:\n  arrival_weight: 0.75\n",
-    # the node held at what it has in hand, the decode half way (geometrically) between the
-    # replays without and with the arrivals
-    "hold_blend": "latency:\n  future_arrivals: true\n  arrival_population: in_hand\n"
-    "  arrival_work: median\n  arrival_weight: 0.5\n",
-    # the same with the gateway's share
-    "share_blend": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
-    "  arrival_work: median\n  arrival_weight: 0.5\n",
-    # the same with the mean work
-    "share_mean": "latency:\n  future_arrivals: true\n  arrival_population: gateway_share\n"
-    "  arrival_work: mean\n  arrival_weight: 1.0\n",
-    # the same with the recent mean population
-    "median_arrivals": "latency:\n  future_arrivals: true\n  arrival_population: recent_mean\n"
-    "  arrival_work: median\n  arrival_weight: 1.0\n",
-    # the delay its prefill adds to the requests decoding on a node counted beside its own
+    # learned forward passes on every node, CPUs too (the default: accelerators only)
+    "prefill_pass": "latency:\n  prefill_pass: 'on'\n",
+    # learned busy waits on every node, CPUs too (the default: accelerators only)
+    "busy_wait": "latency:\n  busy_wait: 'on'\n",
+    # both, on every node
+    "pass_wait": "latency:\n  prefill_pass: 'on'\n  busy_wait: 'on'\n",
+    # neither, on any node
+    "no_pass_wait": "latency:\n  prefill_pass: 'off'\n  busy_wait: 'off'\n",
+    # the delay a request's prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
-    # the two that erred less as shadows over twelve rounds (seeds 50, 70, 80): the default
-    # since the sixteenth session; previous_default: the knobs before
-    "late_half_no_in_hand": "latency:\n  overrun_left: 0.5\n  in_hand_prefix: false\n",
-    "previous_default": "latency:\n  overrun_left: 0.0\n  in_hand_prefix: true\n",
-    # requests in hand sharing a prefix computing it once: the default again since the
-    # eighteenth session (kept so the results that name it can be rerun)
-    "in_hand_prefix": "latency:\n  in_hand_prefix: true\n",
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {
@@ -270,7 +153,6 @@ SERVE_VARIANTS = {
     # the edge runs a prompt's 16-token block only every so many decode steps where one takes
     # longer than the ratio allows (the default: a block every step)
     "space_chunks": ["--edge-space-chunks"],
-    "space_in_hand_or_mean": ["--edge-space-chunks"],  # and its policy (``VARIANTS``)
     # a quarter of a decode step's time
     "stall_quarter": ["--edge-prefill-stall-ratio", "0.25", "--cloud-prefill-stall-ratio", "0.25"],
     # the edge runs 8 sequences at once (the default: 4): at concurrency 16 it held 8-13, so
@@ -525,33 +407,37 @@ def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
         ]
         if sel:
             ttft, e2e = rel_errors(sel, "ttft"), rel_errors(sel, "e2e")
+            took = [s.measured_e2e_ms for s in sel if s.status == 200]
             rows.append(
                 {
                     "variant": v,
                     "concurrency": c,
                     "tier": tier,
                     "requests": len(sel),
+                    # what users waited first: mean and p99 end-to-end of the replies
+                    "mean_e2e_ms": round(statistics.fmean(took), 1) if took else float("nan"),
+                    "p99_e2e_ms": round(quantile(took, 0.99), 1),
                     "ttft_median_err": round(quantile(ttft, 0.5), 3),
                     "ttft_p90_err": round(quantile(ttft, 0.9), 3),
                     "e2e_median_err": round(quantile(e2e, 0.5), 3),
                     "e2e_p90_err": round(quantile(e2e, 0.9), 3),
-                    "mean_e2e_ms": round(statistics.fmean(s.measured_e2e_ms for s in sel), 1),
                     "not_200": sum(s.status != 200 for s in sel),
                 }
             )
     return rows
 
 
-COLUMNS = [
+COLUMNS = [  # users' latency first, then the prediction's error
     "variant",
     "concurrency",
     "tier",
     "requests",
+    "mean_e2e_ms",
+    "p99_e2e_ms",
     "ttft_median_err",
     "ttft_p90_err",
     "e2e_median_err",
     "e2e_p90_err",
-    "mean_e2e_ms",
     "not_200",
 ]
 # issue 14's goal: median and p90 relative error of predicted TTFT and end-to-end time

@@ -28,8 +28,6 @@ Invariants:
   O(log rows): decoding requests share one step counter and wait in a heap by finishing step.
 - ``stalled_others_ms`` sums, over the new request's prefill chunks, each chunk's time times
   the requests decoding while it ran: the delay its prefill adds to the others.
-- With ``position`` the new request waits at that place among ``ahead`` (a node that takes
-  the gateway's order, ``routing.passes``), not behind all of it.
 - With :class:`Arrivals` the node keeps the population it usually has: once the new request
   has its first token, whenever fewer than ``population`` requests are left (the new one
   included), one more with the usual work joins the queue, behind the new request and never
@@ -265,11 +263,9 @@ class _Loop:
         ahead: Sequence[Work],
         new: Work,
         max_loops: int,
-        position: int | None = None,
     ) -> _Loop:
         kept, target = _requests(shape, ahead, new)
-        at = _kept_before(ahead, position)
-        return cls(deque((*kept[:at], target, *kept[at:])), deque(), [], target, max_loops)
+        return cls(deque((*kept, target)), deque(), [], target, max_loops)
 
     def fork(self) -> _Loop:
         """An independent copy (requests not yet decoding are copied: chunks change them, and
@@ -288,26 +284,16 @@ class _Loop:
         )
 
 
-def _kept_before(ahead: Sequence[Work], position: int | None) -> int:
-    """How many of the replay's requests in hand (those with work left) come before the new
-    one, which waits at ``position`` among ``ahead`` (None: after all of it)."""
-    if position is None:
-        position = len(ahead)
-    return sum(1 for w in ahead[: max(0, position)] if w.prefill_tokens > 0 or w.decode_steps > 0)
-
-
 def replay(
     shape: EngineShape,
     ahead: Sequence[Work],
     new: Work,
     max_loops: int = 4096,
     arrivals: Arrivals | None = None,
-    position: int | None = None,
 ) -> Replayed:
-    """Run the engine forward over ``ahead`` (in arrival order) with ``new`` at
-    ``position`` among it (None: last), then the ``arrivals`` that keep the node's
-    population."""
-    loop = _Loop.start(shape, ahead, new, max_loops, position)
+    """Run the engine forward over ``ahead`` (in arrival order) with ``new`` last, then the
+    ``arrivals`` that keep the node's population."""
+    loop = _Loop.start(shape, ahead, new, max_loops)
     r = _advance(shape, loop, arrivals, pause_at_first=False)
     assert r is not None  # only a pausing run stops short
     return r
@@ -319,12 +305,11 @@ def replay_pair(
     new: Work,
     arrivals: Arrivals,
     max_loops: int = 4096,
-    position: int | None = None,
 ) -> tuple[Replayed, Replayed]:
     """``replay`` without ``arrivals`` and with them, equal to two calls: arrivals join only
     once the new request has its first token, so both run the same loops until then; those
     run once, and the rest forks."""
-    loop = _Loop.start(shape, ahead, new, max_loops, position)
+    loop = _Loop.start(shape, ahead, new, max_loops)
     shared = _advance(shape, loop, None, pause_at_first=True)
     if shared is not None:  # done by its first token (no decode, or out of loops)
         return shared, shared
@@ -478,107 +463,3 @@ def _req(w: Work, new: bool = False) -> _Req:
     hand whose prefill is under way has paid its fixed cost)."""
     prefill = max(1.0, w.prefill_tokens) if new else max(0.0, w.prefill_tokens)
     return _Req(prefill, max(0.0, w.decode_steps), new, w.started and not new, max(0.0, w.context))
-
-
-def replay_literal(
-    shape: EngineShape,
-    ahead: Sequence[Work],
-    new: Work,
-    max_loops: int = 4096,
-    arrivals: Arrivals | None = None,
-    position: int | None = None,
-) -> Replayed:
-    """The same engine loop run literally, one pass over the rows for every step: the naive
-    twin of :func:`replay`, kept as its oracle (tests) and its peer (``bench/decision_cost.py``).
-    Work with nothing left is dropped before it takes a slot, as :func:`replay` does."""
-    waiting, target = _requests(shape, ahead, new)
-    waiting.insert(_kept_before(ahead, position), target)
-    waiting.reverse()  # pop() takes the oldest
-    running: list[_Req] = []
-    slots = max(1, shape.slots)
-    t = 0.0
-    queue_ms = first = -1.0
-    row_steps = steps = stall = ctx_steps = 0.0
-
-    def result(last: float) -> Replayed:
-        if steps <= 0:
-            return Replayed(queue_ms, first, last, 1.0, stall, reused_tokens=target.reused)
-        return Replayed(
-            queue_ms, first, last, row_steps / steps, stall, ctx_steps / steps, target.reused
-        )
-
-    def decode(rows: list[_Req], k: float) -> None:
-        """``k`` steps of ``rows``: each attends to its context, one token more each step."""
-        nonlocal t, row_steps, steps, ctx_steps
-        ctx = sum(k * r.ctx + k * (k - 1.0) / 2.0 for r in rows)
-        t += k * shape.decode_step_ms(len(rows)) + shape.decode_ms_per_context_token * ctx
-        for r in rows:
-            r.steps -= k
-            r.ctx += k
-        if target in rows:
-            row_steps += k * len(rows)
-            ctx_steps += ctx
-            steps += k
-
-    for _ in range(max_loops):
-        if arrivals is not None and first >= 0:
-            for _ in range(arrivals.population - len(waiting) - len(running)):
-                waiting.insert(0, _req(arrivals.work))
-        while waiting and len(running) < slots:
-            r = waiting.pop()
-            _take_slot(r, shape.catch_up)
-            if r.new:
-                queue_ms = t
-            running.append(r)
-        pre = next((r for r in running if r.prefill > 0), None)
-        if pre is not None and shape.mixed_steps:
-            rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
-            prompts = (r for r in running if r.prefill > 0)
-            ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
-            t += ms + (shape.chunk_beside_ms if rows else shape.step_fixed_ms)
-            if own > 0:
-                stall += (own + shape.chunk_beside_ms) * len(rows)
-            if rows:
-                decode(rows, 1.0)
-                if target in rows and target.steps <= 0:
-                    return result(t)
-            if target in finished:
-                first = t
-                if target.steps <= 0:
-                    return result(first)
-            running = [r for r in running if r.prefill > 0 or r.steps > 0]
-            continue
-        if pre is not None:
-            rows_n = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
-            ms = _run_chunk(pre, shape, shape.chunk(rows_n)) + shape.step_fixed_ms
-            t += ms
-            if pre.new:
-                stall += ms * rows_n
-            if pre.prefill <= 0 and pre.new:
-                first = t
-                if target.steps <= 0:
-                    return result(first)
-        decoding = [r for r in running if r.prefill <= 0 and r.steps > 0 and r is not pre]
-        if pre is not None and pre.prefill <= 0 and pre.steps > 0:
-            decoding.append(pre)  # its first token came out of the prefill; it decodes now
-        if not decoding:
-            running = [r for r in running if r.prefill > 0 or r.steps > 0]
-            if pre is None and not waiting:
-                break
-            continue
-        # With nothing left to prefill, identical steps repeat until the next finish: jump.
-        k = 1.0
-        if not any(r.prefill > 0 for r in running) and pre is None:
-            k = max(1.0, min(r.steps for r in decoding))
-        decode(decoding, k)
-        if first >= 0 and target.steps <= 0:
-            return result(t)
-        running = [r for r in running if r.prefill > 0 or r.steps > 0]
-    # Out of loops (a pathological backlog): finish the target alone from here.
-    if first < 0:
-        first = t + target.prefill * shape.prefill_ms_per_token + shape.prefill_fixed_ms
-    rows_n = len(running) or 1
-    last = first + target.steps * shape.decode_step_ms(rows_n, rows_n * target.ctx)
-    return Replayed(
-        max(queue_ms, 0.0), first, last, float(rows_n), stall, reused_tokens=target.reused
-    )

@@ -76,7 +76,6 @@ class Candidate:
             "in_hand": e.in_hand,
             "load": round(e.load, 3),
             "stalled_others_ms": round(e.stalled_others_ms, 2),
-            "placed_ahead": e.placed_ahead,
         }
 
 
@@ -213,11 +212,6 @@ def _describe(c: Candidate) -> str:
         + (
             f"; {e.reused_tokens:.0f} tokens of prefill taken from a request in hand"
             if e.reused_tokens > 0
-            else ""
-        )
-        + (
-            f"; placed ahead of {e.placed_ahead} waiting request(s) with room for it"
-            if e.placed_ahead
             else ""
         )
     )

@@ -59,9 +59,8 @@ class PolicyConfig(BaseModel):
         default=0.0,
         ge=0,
         description="what `latency` adds to a node's prediction per ms its prefill would hold "
-        "up the requests decoding there (summed over them); 0: each request for itself. "
-        "Pays in simulated fleets of separate machines; no gain measured where the tiers "
-        "share one CPU",
+        "up the requests decoding there; raise it where tiers are separate machines and "
+        "long prompts slow other users' answers",
     )
     default_region: str = Field(default="local", description="clients of unknown location")
     gateway_region: str | None = Field(default=None, description="where the gateway runs")
@@ -69,12 +68,9 @@ class PolicyConfig(BaseModel):
     latency: LatencyKnobs = Field(default_factory=LatencyKnobs)
     shadow_latency: dict[str, LatencyKnobs] = Field(
         default_factory=dict,
-        description="named latency models run beside the one that routes, each the `latency` "
-        "knobs with the changes given under its name: each predicts every candidate and learns "
-        "from the same replies, but routes nothing; replies carry their predictions for the "
-        "node that answered (x-edgecloud-shadow-predicted-ms) and /metrics their running "
-        "errors, so a change to the knobs is measured on the same requests as the knobs in "
-        "use (bench/prediction_error.py --shadows)",
+        description="named latency models that predict beside the routing one (the `latency` "
+        "settings with their changes) but route nothing; use one to measure a change to "
+        "`latency` on live traffic (/metrics, x-edgecloud-shadow-predicted-ms)",
     )
     threshold: ThresholdKnobs = Field(default_factory=ThresholdKnobs)
     circuit: CircuitKnobs = Field(default_factory=CircuitKnobs)

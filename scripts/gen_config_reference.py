@@ -59,9 +59,6 @@ def _type_name(annotation: Any) -> str:
 MEANINGS = {
     "OutputKnobs.default_tokens": "expected output tokens of a request with no history",
     "OutputKnobs.alpha": "EWMA weight of a new output length, per (key, route)",
-    "LatencyKnobs.self_report_weight": "weight of a node's own reported rates vs measured",
-    "LatencyKnobs.warmup_samples": "observations before measured rates are trusted",
-    "LatencyKnobs.error_alpha": "EWMA weight of prediction errors (reported in /admin/nodes)",
     "CircuitKnobs.half_open_probes": "trial requests let through a half-open breaker",
     "RegionKnobs.rtt_overrides": "measured RTTs: [{a, b, ms}], used as is",
     "RegionKnobs.measurement_alpha": "EWMA weight of a measured RTT sample",
@@ -88,7 +85,6 @@ MEANINGS = {
     "OpenAINodeConfig.device": "shown in /admin/nodes",
     "OpenAINodeConfig.ttl_s": "how long its advertised state stays fresh",
     "PolicyConfig.policy": "the routing policy (latency: predicted fastest node)",
-    "KindDefaults.prefill_tokens_per_s": "prompt tokens per second, until measured",
     "RttOverride.a": "a region",
     "RttOverride.b": "the other region",
     "RttOverride.ms": "their RTT (ms)",

@@ -16,9 +16,9 @@ from routing.backlog import (
     SharedPrefix,
     Work,
     replay,
-    replay_literal,
     replay_pair,
 )
+from tests.replay_oracle import replay_literal
 
 SHAPE = EngineShape(
     slots=2, chunk_tokens=100, prefill_ms_per_token=1.0, decode_step_ms_b1=10.0, batch_slope=0.5
@@ -96,7 +96,6 @@ def _sharing(new: Work, ahead: Sequence[Work], source: int | None) -> Work:
     slope=st.sampled_from([0.0, 0.4]),
     mixed=st.booleans(),
     per_context=st.sampled_from([0.0, 0.01]),
-    position=st.sampled_from([None, 0, 1, 3]),
 )
 def test_replay_equals_the_literal_loop(
     ahead: Sequence[Work],
@@ -110,7 +109,6 @@ def test_replay_equals_the_literal_loop(
     slope: float,
     mixed: bool,
     per_context: float,
-    position: int | None,
 ):
     shape = EngineShape(
         slots,
@@ -125,8 +123,8 @@ def test_replay_equals_the_literal_loop(
         cached_token_ms=cached_ms,
     )
     new = _sharing(new, ahead, new_source)
-    got = replay(shape, ahead, new, position=position)
-    want = replay_literal(shape, ahead, new, position=position)
+    got = replay(shape, ahead, new)
+    want = replay_literal(shape, ahead, new)
     assert got.queue_ms == pytest.approx(want.queue_ms)
     assert got.first_token_ms == pytest.approx(want.first_token_ms)
     assert got.last_token_ms == pytest.approx(want.last_token_ms)
@@ -244,22 +242,6 @@ def test_arrivals_keep_the_population_and_slow_the_decode():
         Arrivals(2, Work(0, 3))
 
 
-def test_a_request_placed_ahead_waits_only_for_those_before_it():
-    """A node that takes the gateway's order admits the new request at its place: placed
-    ahead of two long prompts that wait for the one slot, it waits only for the request in
-    the slot, and a place past the end is the end."""
-    shape = EngineShape(slots=1, chunk_tokens=100, prefill_ms_per_token=1.0,
-                        decode_step_ms_b1=10.0, batch_slope=0.5)  # fmt: skip
-    ahead = [Work(0, 5), Work(300, 2), Work(300, 2)]
-    last = replay(shape, ahead, Work(20, 2))
-    placed = replay(shape, ahead, Work(20, 2), position=1)
-    assert placed.queue_ms == 50.0  # the slot's five decode steps
-    assert placed.first_token_ms == 70.0
-    assert last.queue_ms > placed.queue_ms + 600.0  # behind both prompts and their answers
-    assert replay(shape, ahead, Work(20, 2), position=9) == last
-    assert replay_literal(shape, ahead, Work(20, 2), position=1) == placed
-
-
 def test_arrivals_come_after_the_new_requests_first_token():
     """Requests sent after the decision join once the new request's prompt is done: on a
     mixed-step node none shares the step that computes its prompt, so its first token comes
@@ -316,9 +298,9 @@ def test_replay_pair_equals_the_two_replays_it_forks(
     half is exactly what its own replay gives, the loop budget included."""
     shape = _arrival_shape(slots)
     arr = Arrivals(population, later)
-    without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops, position=1)
-    assert without == replay(shape, ahead, new, max_loops=max_loops, position=1)
-    assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr, position=1)
+    without, held = replay_pair(shape, ahead, new, arr, max_loops=max_loops)
+    assert without == replay(shape, ahead, new, max_loops=max_loops)
+    assert held == replay(shape, ahead, new, max_loops=max_loops, arrivals=arr)
 
 
 def test_a_shared_prefix_is_reused_only_after_its_first_computer_prefilled_it():

@@ -24,9 +24,8 @@ expected_output:
   default_tokens: 64
   alpha: 0.3
 latency:
-  rate_alpha: 0.1
-  self_report_weight: 0.5
-  edge: {prefill_tokens_per_s: 300, decode_ms_per_token: 25, batch_slope: 0.5}
+  prefill_pass: "on"
+  busy_wait: false
 threshold:
   prompt_tokens: 256
 circuit:
@@ -49,8 +48,8 @@ def test_full_file_parses_into_every_section():
     assert cfg.policy == "threshold" and cfg.objective == "e2e"
     assert cfg.home_region == "eu-central"
     assert cfg.expected_output.default_tokens == 64
-    assert cfg.latency.rate_alpha == 0.1 and cfg.latency.edge.prefill_tokens_per_s == 300
-    assert cfg.latency.cloud.prefill_tokens_per_s == 6000  # untouched sections keep defaults
+    assert (cfg.latency.prefill_pass, cfg.latency.busy_wait) == ("on", "off")
+    assert cfg.circuit.open_s == 5 and cfg.circuit.half_open_probes == 1  # unset: the default
     assert cfg.threshold.prompt_tokens == 256
     assert cfg.circuit.failure_threshold == 3
     assert cfg.regions.table["office"] == (48.86, 2.35)
@@ -67,7 +66,7 @@ def test_empty_file_is_all_defaults():
     [
         ("policy: fastest\n", "policy"),
         ("polcy: latency\n", "polcy"),  # a typo is an error, not a silent default
-        ("latency: {rate_alpha: 1.5}\n", "rate_alpha"),
+        ("latency: {prefill_pass: sometimes}\n", "prefill_pass"),
         ("threshold: {prompt_tokens: -1}\n", "prompt_tokens"),
         ("- a list\n", "mapping"),
         ("policy: [unclosed\n", "YAML"),

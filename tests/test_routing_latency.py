@@ -6,7 +6,18 @@ import pytest
 
 from routing.backlog import Work
 from routing.fleet.state import NodeKind, NodeState
-from routing.latency import LatencyKnobs, LatencyModel, Observation
+from routing.latency import LatencyKnobs, LatencyModel, Observation, priors, rates
+
+
+@pytest.fixture
+def consts(monkeypatch: pytest.MonkeyPatch):
+    """Set the rate book's constants (``routing.latency.priors``) for one test, by name."""
+
+    def set_(**values: float) -> None:
+        for name, value in values.items():
+            monkeypatch.setattr(rates, name.upper(), value)
+
+    return set_
 
 
 def node(node_id: str = "e1", kind: NodeKind = NodeKind.EDGE, **kw) -> NodeState:
@@ -85,8 +96,6 @@ def test_prefix_cache_credit_and_one_token_minimum():
     e = est(m, node(), prompt=33, cached=32)
     assert (e.cached_tokens, e.uncached_tokens) == (32, 1)
     assert est(m, node(), prompt=100, cached=70).cached_tokens == 64
-    half = LatencyModel(LatencyKnobs(prefix_credit=0.5))
-    assert est(half, node(), prompt=100, cached=64).cached_tokens == 32
 
 
 def test_batch_slows_decode_and_a_full_node_queues():
@@ -128,7 +137,7 @@ def test_no_kv_room_means_waiting_for_a_finish():
 
 
 def test_defaults_when_nothing_is_known_then_measurements_take_over():
-    m = LatencyModel(LatencyKnobs(rate_alpha=0.5))
+    m = LatencyModel()
     blank = node("o", NodeKind.OPENAI, prefill_tokens_per_s=0.0, decode_ms_per_token=0.0)
     assert m.prefill_tokens_per_s(blank) == 3000.0
     assert m.decode_ms_per_token_b1(blank) == 25.0
@@ -139,8 +148,9 @@ def test_defaults_when_nothing_is_known_then_measurements_take_over():
     assert m.mean_output_tokens("o") == 21
 
 
-def test_measured_rates_blend_with_self_reports_and_move_predictions():
-    m = LatencyModel(LatencyKnobs(rate_alpha=1.0, self_report_weight=0.3, warmup_samples=2))
+def test_measured_rates_blend_with_self_reports_and_move_predictions(consts):
+    consts(rate_alpha=1.0, self_report_weight=0.3, warmup_samples=2)
+    m = LatencyModel()
     n = node()  # reports 500 tok/s prefill, 20 ms/token decode
     before = est(m, n, prompt=400, out=50)
 
@@ -175,8 +185,9 @@ def test_measured_rates_blend_with_self_reports_and_move_predictions():
     assert m.prefill_tokens_per_s(n_fast) == pytest.approx(0.7 * 100 + 0.3 * 2000)
 
 
-def test_decode_measurements_are_normalized_by_batch():
-    m = LatencyModel(LatencyKnobs(rate_alpha=1.0, self_report_weight=0.0))
+def test_decode_measurements_are_normalized_by_batch(consts):
+    consts(rate_alpha=1.0, self_report_weight=0.0)
+    m = LatencyModel()
     n = node(running=2)
     e = est(m, n)  # runs at batch 3: factor 1 + 0.6 * 2 = 2.2
     assert e.batch == 3
@@ -290,14 +301,15 @@ def test_the_cost_of_attending_to_a_cached_prefix_is_fitted():
     assert (fixed, per_token, per_cached) == pytest.approx((100.0, 2.0, 0.05), rel=1e-6)
     hit = est(m, n, prompt=1040, out=1, cached=1024)
     assert hit.ttft_ms == pytest.approx(5.0 + 100.0 + 2.0 * 16 + 0.05 * 1024)
-    assert hit.prefill_work_tokens == pytest.approx(16 + 0.05 * 1024 / 2.0)
+    assert hit.basis.prefill_work_tokens == pytest.approx(16 + 0.05 * 1024 / 2.0)
 
 
-def test_an_unmeasured_replica_borrows_its_peers_rates():
+def test_an_unmeasured_replica_borrows_its_peers_rates(consts):
     """Two replicas of one deployment: the one that served everything measured 4 ms/token and
     800 tok/s; its twin, never used and reporting nothing, is predicted at those rates, not at
     the kind's defaults (which would make it look slower, so it would never be tried)."""
-    m = LatencyModel(LatencyKnobs(rate_alpha=1.0, self_report_weight=0.0, warmup_samples=1))
+    consts(rate_alpha=1.0, self_report_weight=0.0, warmup_samples=1)
+    m = LatencyModel()
     busy = node("c0", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=0.0)
     twin = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=0.0)
     other = node("c2", NodeKind.CLOUD, device="cuda", prefill_tokens_per_s=0.0,
@@ -315,7 +327,7 @@ def test_an_unmeasured_replica_borrows_its_peers_rates():
     assert m.prefill_tokens_per_s(node("c3", NodeKind.CLOUD, prefill_tokens_per_s=300.0)) == 300.0
     m.forget("c0")
     # nothing left to borrow: the defaults of a cloud node on a CPU (a GPU's, 6000, above)
-    assert m.prefill_tokens_per_s(twin) == m.knobs.cloud_cpu.prefill_tokens_per_s == 250.0
+    assert m.prefill_tokens_per_s(twin) == priors.CLOUD_CPU.prefill_tokens_per_s == 250.0
     assert m.decode_ms_per_token_b1(twin) == pytest.approx(60.0)
 
 
@@ -326,7 +338,7 @@ def test_the_chunks_a_node_reports_are_the_chunks_replayed():
     reported = node(prefill_chunk=256, prefill_chunk_decoding=32, decode_ms_per_token=10.0)
     shape = m.shape(reported)
     assert (shape.chunk_tokens, shape.chunk_tokens_decoding) == (256, 32)
-    assert m.shape(node()).chunk(1) == LatencyKnobs().edge.prefill_chunk  # unsaid: the default
+    assert m.shape(node()).chunk(1) == priors.EDGE.prefill_chunk  # unsaid: the default
     ahead = [Work(0.0, 50.0)]  # one request decoding, far from its end
     small = m.estimate(reported, prompt_tokens=256, cached_tokens=0, expected_output_tokens=1,
                        rtt_ms=0.0, ahead=ahead)  # fmt: skip
@@ -355,17 +367,18 @@ def test_the_nodes_account_of_the_wait_teaches_prefill_whatever_ran():
     assert per_token == pytest.approx(2.0) and fixed == pytest.approx(0.0, abs=1e-6)
 
 
-def test_the_cost_of_reading_the_context_in_decode_is_fitted():
+def test_the_cost_of_reading_the_context_in_decode_is_fitted(consts):
     """A decode step reads every row's KV: 14 ms a step plus 0.008 ms per token of context
     (the edge node's figures on this machine). Requests of one batch size at different prompt
     lengths teach the per-token context cost; a long prompt is then predicted to decode slower
     than a short one, and the intercept is the step of no context."""
-    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    consts(self_report_weight=0.0)
+    m = LatencyModel()
     n = node(decode_ms_per_token=0.0)
     for prompt in (30, 250, 500, 1000, 1800, 60, 700, 1500):
         e = est(m, n, prompt=prompt, out=33)
-        assert e.mean_batch == 1.0
-        per_token = 14.0 + 0.008 * e.mean_context
+        assert e.basis.mean_batch == 1.0
+        per_token = 14.0 + 0.008 * e.basis.mean_context
         m.observe(
             Observation(
                 node_id="e1", kind=NodeKind.EDGE, prompt_tokens=prompt, cached_tokens=0,
@@ -381,11 +394,12 @@ def test_the_cost_of_reading_the_context_in_decode_is_fitted():
     assert long.decode_ms_per_token == pytest.approx(14.0 + 0.008 * (1900 + 15.5), rel=1e-6)
 
 
-def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used():
+def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used(consts):
     """Prompts whose lengths do not pin the intercept (the long ones slow, the short ones all
     at one length) can fit a fixed cost above what the cheapest prompt took in all; such a fit
     is no fit, and the prefill rate answers."""
-    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    consts(self_report_weight=0.0)
+    m = LatencyModel()
     n = node()
     for uncached, ms in ((100, 60.0), (100, 5000.0), (160, 900.0), (160, 950.0), (40, 30.0)):
         m.observe(
@@ -403,12 +417,13 @@ def test_a_fit_whose_fixed_cost_exceeds_a_whole_prompt_is_not_used():
     assert 0.0 <= fixed == fit.fixed_at(per_token) <= fit.min_y == 30.0
 
 
-def test_short_prompts_alone_still_say_what_a_prompt_costs_at_least():
+def test_short_prompts_alone_still_say_what_a_prompt_costs_at_least(consts):
     """A GPU node that only gets short prompts (20-40 new tokens, 25 ms each from the gateway:
     HTTP, tokenizing, the engine's loop) while it reports 5,000 prompt tokens a second: their
     lengths never spread enough to fit a line, yet their mean pins its fixed cost, which the
     rate alone would miss (6 ms predicted for 30 tokens)."""
-    m = LatencyModel(LatencyKnobs(self_report_weight=1.0))
+    consts(self_report_weight=1.0)
+    m = LatencyModel()
     n = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=5000.0, decode_ms_per_token=1.0)
     for uncached in (20, 30, 40, 25, 35, 30):
         m.observe(
@@ -424,13 +439,14 @@ def test_short_prompts_alone_still_say_what_a_prompt_costs_at_least():
     assert est(m, n, prompt=30, out=1).prefill_ms == pytest.approx(25.0, rel=0.01)
 
 
-def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used():
+def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used(consts):
     """Prompts that either hit a 1,136-token shared prefix with a few new tokens or miss it
     with about 1,100 (their two lengths sum to about the same): the plane through them is
     ill-posed, here -1.6 s plus 3.6 ms a new token and 1.5 a cached one (a 20-token prompt
     after the prefix predicted at 1.8 s, a long cold one at 2.4 s as measured, yet clamped to
     a fixed cost of 0). Such a fit is no fit; the prefill rate answers."""
-    m = LatencyModel(LatencyKnobs(self_report_weight=0.0))
+    consts(self_report_weight=0.0)
+    m = LatencyModel()
     n = node()
     samples = [(20, 1136, 150.0), (1100, 0, 2400.0), (30, 1120, 230.0), (1050, 16, 2300.0),
                (25, 1136, 300.0), (40, 1104, 160.0)]  # fmt: skip
@@ -473,29 +489,30 @@ def test_a_prompt_alone_on_a_mixed_step_node_pays_a_pass_and_its_tokens():
     m = LatencyModel(LatencyKnobs(prefill_pass=True))
     cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
     e = est(m, cloud, prompt=1168, cached=1152)
-    assert e.pass_ms == pytest.approx(59.0)
+    assert e.basis.pass_ms == pytest.approx(59.0)
     assert e.prefill_ms == pytest.approx(59.0 + 16.0) == e.own_prefill_ms
     # a cold prompt past one 1,024-token chunk: two passes
     cold = est(m, cloud, prompt=1168)
-    assert cold.pass_ms == pytest.approx(2 * 59.0)
+    assert cold.basis.pass_ms == pytest.approx(2 * 59.0)
     assert cold.prefill_ms == pytest.approx(2 * 59.0 + 1168.0)
     # beside a request decoding: no pass of its own
     busy = est(m, cloud, prompt=1168, cached=1152, ahead=[Work(0.0, 20.0, context=1200.0)])
-    assert busy.pass_ms == 0.0 and busy.own_prefill_ms == pytest.approx(16.0)
+    assert busy.basis.pass_ms == 0.0 and busy.own_prefill_ms == pytest.approx(16.0)
 
 
-def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost():
+def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost(consts):
     """The node's account of a prompt that ran alone holds a pass: learning takes it off, so
     the per-token rate is the tokens' own (2 ms) and not the pass spread over a few tokens."""
-    m = LatencyModel(LatencyKnobs(self_report_weight=0.0, prefill_pass=True))
+    consts(self_report_weight=0.0)
+    m = LatencyModel(LatencyKnobs(prefill_pass=True))
     cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=100.0)
     for uncached in (40, 60, 80, 100, 120, 140):
         e = est(m, cloud, prompt=uncached)
-        assert e.pass_ms > 0
+        assert e.basis.pass_ms > 0
         m.observe(
             Observation(
                 node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=uncached, cached_tokens=0,
-                completion_tokens=1, ttft_ms=5.0 + e.pass_ms + 2.0 * uncached, e2e_ms=1000.0,
+                completion_tokens=1, ttft_ms=5.0 + e.basis.pass_ms + 2.0 * uncached, e2e_ms=1000.0,
                 net_rtt_ms=5.0, node_queue_ms=0.0, estimate=e,
             )
         )  # fmt: skip
@@ -504,15 +521,16 @@ def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost():
 
 
 @pytest.mark.parametrize("beside", [0.0, 14.0])
-def test_the_pass_of_a_prompt_is_learned_from_the_nodes_account(beside: float):
+def test_the_pass_of_a_prompt_is_learned_from_the_nodes_account(beside: float, consts):
     """A GPU node's decode steps run as CUDA graphs (1.3 ms a row) while a prompt alone runs
     an eager pass (12 ms here): the one-row step says nothing of it. The node's account of
     the prompts that ran alone, beyond their tokens' cost, is the pass the next one pays; of
     those that ran beside decode rows, what a chunk adds to the rows' step: nothing on a CPU
     (the rows' step is a pass already), an eager step on that GPU (14 ms)."""
-    m = LatencyModel(LatencyKnobs(self_report_weight=0.0, prefill_pass=True))
+    consts(self_report_weight=0.0)
+    m = LatencyModel(LatencyKnobs(prefill_pass=True))
     gpu = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=8000.0, decode_ms_per_token=1.3)
-    assert est(m, gpu, prompt=40).pass_ms == pytest.approx(1.3 - 0.125)  # before: the step
+    assert est(m, gpu, prompt=40).basis.pass_ms == pytest.approx(1.3 - 0.125)  # before: the step
     rows = [Work(0.0, 20.0, context=200.0)]
     for i, uncached in enumerate([40, 60, 80, 100, 120, 140, 50, 90] * 6):
         # each alone (a pass and its tokens), then one beside decode rows (its tokens and what
@@ -533,7 +551,7 @@ def test_the_pass_of_a_prompt_is_learned_from_the_nodes_account(beside: float):
     assert m.alone_pass_ms("c1", 1.0) == pytest.approx(12.0, rel=0.05)
     assert m.beside_pass_ms("c1") == pytest.approx(beside, abs=1.0)
     e = est(m, gpu, prompt=70)
-    assert e.pass_ms == pytest.approx(12.0, rel=0.05) and e.passes == 1
+    assert e.basis.pass_ms == pytest.approx(12.0, rel=0.05) and e.basis.passes == 1
     assert e.own_prefill_ms == pytest.approx(12.0 + 0.125 * 70, rel=0.05)
     busy = est(m, gpu, prompt=70, ahead=rows)
     assert busy.own_prefill_ms == pytest.approx(beside + 0.125 * 70, abs=1.5)
@@ -547,7 +565,7 @@ def test_passes_and_busy_waits_apply_by_default_where_a_node_is_not_on_a_cpu():
     m = LatencyModel()
     for device, passes in (("cpu", 0), ("CPU", 0), ("cuda", 1), ("cuda:0", 1)):
         n = node("c1", NodeKind.CLOUD, device=device, decode_ms_per_token=2.0)
-        assert est(m, n, prompt=40).passes == passes, device
+        assert est(m, n, prompt=40).basis.passes == passes, device
     k = LatencyKnobs(prefill_pass=True, busy_wait=False)
     assert (k.prefill_pass, k.busy_wait) == ("on", "off")
     assert k.enabled(k.prefill_pass, node(device="cpu"))
@@ -574,21 +592,21 @@ def test_a_wait_the_replay_does_not_see_is_learned_by_load():
             )
         )  # fmt: skip
     after = est(m, n, prompt=40, ahead=two)
-    assert after.extra_wait_ms == pytest.approx(18.0, abs=0.5)
+    assert after.basis.extra_wait_ms == pytest.approx(18.0, abs=0.5)
     assert after.ttft_ms == pytest.approx(before.ttft_ms + 18.0, abs=0.5)
-    assert est(m, n, prompt=40).extra_wait_ms == 0.0  # idle
-    assert est(m, n, prompt=40, ahead=two * 4).extra_wait_ms == 0.0  # 8 in hand: not seen
+    assert est(m, n, prompt=40).basis.extra_wait_ms == 0.0  # idle
+    assert est(m, n, prompt=40, ahead=two * 4).basis.extra_wait_ms == 0.0  # 8 in hand: not seen
     off = LatencyModel()
     off.rates = m.rates
-    assert est(off, n, prompt=40, ahead=two).extra_wait_ms == 0.0
+    assert est(off, n, prompt=40, ahead=two).basis.extra_wait_ms == 0.0
 
 
 def test_what_requests_take_beyond_the_engine_is_learned_and_added():
     """The gateway's share of a request's time to first token (its TTFT less the RTT less
     the node's own: 6 ms here) and an idle node's wait before its engine starts it (4 ms) are
     learned per node, taken off what prefill learns, and added to the next prediction (the
-    node's wait only while the node is idle), with ``request_overhead``."""
-    m = LatencyModel(LatencyKnobs(request_overhead=True))
+    node's wait only while the node is idle)."""
+    m = LatencyModel()
     n = node("e1", NodeKind.EDGE, prefill_tokens_per_s=1000.0, decode_ms_per_token=10.0)
     for _ in range(30):
         e = est(m, n, prompt=100, out=1)
@@ -619,32 +637,26 @@ def test_what_requests_take_beyond_the_engine_is_learned_and_added():
         )
     )  # fmt: skip
     assert m.overhead_ms("e1", idle=True) == pytest.approx(10.0, rel=0.01)
-    off = LatencyModel(LatencyKnobs(request_overhead=False))  # off: nothing beyond the engine
-    off.rates = m.rates
-    assert est(off, n, prompt=100, out=1).overhead_ms == 0.0
 
 
-def test_decode_is_learned_against_the_rows_seen_not_the_rows_predicted():
+def test_decode_is_learned_against_the_rows_seen_not_the_rows_predicted(consts):
     """A request predicted to decode alone that then decoded beside three others (requests
     sent after it) took 2x its one-row time a token: with the batch the gateway saw, the
     one-row rate stays put; with the predicted one it would double."""
-    knobs = LatencyKnobs(self_report_weight=0.0)
-    seen, predicted = (
-        LatencyModel(knobs),
-        LatencyModel(knobs.model_copy(update={"measured_decode_batch": False})),
-    )
+    consts(self_report_weight=0.0)
+    seen, predicted = LatencyModel(), LatencyModel()
     n = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=0.0)
     for m in (seen, predicted):
         for _ in range(20):
             e = est(m, n, prompt=10, out=11)
-            assert e.mean_batch == pytest.approx(1.0)
+            assert e.basis.mean_batch == pytest.approx(1.0)
             slope = m.batch_slope(n)
             per_token = 50.0 * (1.0 + slope * 3)  # 4 rows, 50 ms a token alone
             m.observe(
                 Observation(
                     node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=10, cached_tokens=0,
                     completion_tokens=11, ttft_ms=20.0, e2e_ms=20.0 + 10 * per_token,
-                    net_rtt_ms=0.0, estimate=e, decode_batch=4.0,
+                    net_rtt_ms=0.0, estimate=e, decode_batch=4.0 if m is seen else None,
                 )
             )  # fmt: skip
     assert seen.decode_ms_per_token_b1(n) == pytest.approx(50.0, rel=0.05)

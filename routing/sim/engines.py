@@ -31,21 +31,19 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice, takewhile
+from itertools import islice
 
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
-from routing.blocks import reusable_blocks
-from routing.fleet.state import StepCost as FittedStepCost
+from routing.blocks import BLOCK_SIZE, reusable_blocks
+from routing.fleet.state import StepCost
 from routing.prefill_budget import (
     BlockPacer,
     chunk_beside_decode,
     short_chunk_extra_ms,
     steps_per_chunk,
 )
-from routing.sim.profiles import StepCost
+from routing.sim.profiles import ProfileCost
 from routing.step_cost import StepCostFit
-
-BLOCK = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -68,9 +66,6 @@ class SimRequest:
     refs: list[int] = field(default_factory=list)  # cloud: hashed blocks referenced
     preempted: int = 0
     passed: int = 0  # edge: times a later request was admitted before it (prefix_first)
-    # its place in the queue the gateway gave (simulated seconds; None: its arrival), which an
-    # edge queues it by and lets nothing pass (``routing.passes``)
-    order_s: float | None = None
     # compute of its own prompt chunks, as the node reports it (the cloud: its token share of
     # each step that ran them, beyond the decode rows' time)
     prefill_ms: float = 0.0
@@ -87,7 +82,7 @@ EventSink = Callable[[list[int], list[int]], None]  # stored, removed
 class _Node:
     """What both engines share: a wait queue, a clock, counters and the reported EWMAs."""
 
-    def __init__(self, node_id: str, cost: StepCost, slots: int, on_blocks: EventSink) -> None:
+    def __init__(self, node_id: str, cost: ProfileCost, slots: int, on_blocks: EventSink) -> None:
         self.id = node_id
         self.cost = cost
         self.slots = slots
@@ -137,7 +132,7 @@ class _Node:
         """Decode steps per chunk beside decoding rows, as the node reports it (1: each step)."""
         return 1.0
 
-    def fitted_step_cost(self) -> FittedStepCost | None:
+    def fitted_step_cost(self) -> StepCost | None:
         """The step cost the node fits on its own steps and reports (None: it fits none)."""
         return None
 
@@ -160,7 +155,7 @@ class EdgeSim(_Node):
     def __init__(
         self,
         node_id: str,
-        cost: StepCost,
+        cost: ProfileCost,
         slots: int,
         chunk_tokens: int,
         on_blocks: EventSink,
@@ -245,37 +240,16 @@ class EdgeSim(_Node):
             n += 1
         return n
 
-    def enqueue(self, r: SimRequest) -> None:
-        """``r`` reaches the node: behind every waiting request, or, at the place the gateway
-        gave it, behind the waiting ones placed before it (as the edge scheduler's queue)."""
-        if r.order_s is None:
-            self.waiting.append(r)
-            return
-        i = len(self.waiting)
-        while i > 0:
-            ahead = self.waiting[i - 1].order_s
-            if ahead is None or ahead <= r.order_s:  # unplaced ones that came first stay ahead
-                break
-            i -= 1
-        self.waiting.insert(i, r)
-
     def _next_waiting(self) -> SimRequest:
         """Take the waiting request to admit next, as ``edge_runtime.scheduler`` does."""
-        if (
-            not self.prefix_cache
-            or self.prefix_first == 0
-            or len(self.waiting) == 1
-            or self.waiting[0].order_s is not None  # the gateway placed it: nothing passes it
-        ):
+        if not self.prefix_cache or self.prefix_first == 0 or len(self.waiting) == 1:
             return self.waiting.popleft()
         reuse = (  # kept in a free slot or written so far in a busy one (admission copies it)
             (
                 max(self._leading(kept, r.blocks, reusable_blocks(r.prompt)) for kept in self.kept),
                 r.passed,
             )
-            for r in takewhile(
-                lambda r: r.order_s is None, islice(self.waiting, PREFIX_FIRST_WINDOW)
-            )
+            for r in islice(self.waiting, PREFIX_FIRST_WINDOW)
         )
         best = prefix_first(reuse, self.prefix_first)
         if best == 0:
@@ -320,7 +294,7 @@ class EdgeSim(_Node):
                 best_n = self._copy_longest(r.blocks, best, best_n, limit, stored, False)
             self.occupant[best] = r
             r.slot = best
-            r.cached = r.filled = best_n * BLOCK
+            r.cached = r.filled = best_n * BLOCK_SIZE
             self.order.append(r)
         if removed or stored:
             self.on_blocks(stored, removed)
@@ -392,7 +366,7 @@ class EdgeSim(_Node):
 
     def _grow(self, r: SimRequest) -> None:
         kept = self.kept[r.slot]
-        n = min(r.filled // BLOCK, len(r.blocks))
+        n = min(r.filled // BLOCK_SIZE, len(r.blocks))
         if n > len(kept):
             stored: list[int] = []
             self._keep(r.blocks[len(kept) : n], stored)
@@ -429,11 +403,11 @@ class EdgeSim(_Node):
         catch-up)."""
         stored: list[int] = []
         have = self._copy_longest(
-            r.blocks, r.slot, r.filled // BLOCK, reusable_blocks(r.prompt), stored, True
+            r.blocks, r.slot, r.filled // BLOCK_SIZE, reusable_blocks(r.prompt), stored, True
         )
-        if have * BLOCK > r.filled:
-            r.cached += have * BLOCK - r.filled
-            r.filled = have * BLOCK
+        if have * BLOCK_SIZE > r.filled:
+            r.cached += have * BLOCK_SIZE - r.filled
+            r.filled = have * BLOCK_SIZE
         if stored:
             self.on_blocks(stored, [])
 
@@ -591,7 +565,7 @@ class CloudSim(_Node):
     def __init__(
         self,
         node_id: str,
-        cost: StepCost,
+        cost: ProfileCost,
         slots: int,
         max_tokens_per_step: int,
         kv_blocks: int,
@@ -624,7 +598,7 @@ class CloudSim(_Node):
         per_token = 1000.0 / self.prefill_tps if self.prefill_tps > 0 else 0.0
         return chunk_beside_decode(self.budget, self.stall_ratio, self.decode_ms, per_token)
 
-    def fitted_step_cost(self) -> FittedStepCost | None:
+    def fitted_step_cost(self) -> StepCost | None:
         return self.step_fit.latest
 
     def reported_chunks(self) -> tuple[int, int]:
@@ -642,26 +616,26 @@ class CloudSim(_Node):
         if not self.waiting or len(self.order) >= self.slots:
             return False
         r = self.waiting[0]
-        return math.ceil(r.prompt / BLOCK) <= self.pool.available() + r.cached // BLOCK
+        return math.ceil(r.prompt / BLOCK_SIZE) <= self.pool.available() + r.cached // BLOCK_SIZE
 
     def wants_step_on_arrival(self) -> bool:
         return self.waiting_admissible()
 
     def _blocks_needed(self, r: SimRequest) -> int:
-        return math.ceil((r.prompt + 1) / BLOCK) - len(r.refs) - r.held
+        return math.ceil((r.prompt + 1) / BLOCK_SIZE) - len(r.refs) - r.held
 
     def _try_admit(self, r: SimRequest, reserve: int = 0) -> bool:
         limit = reusable_blocks(r.prompt)
         hit = self.pool.match(r.blocks, limit) if self.prefix_cache else []
-        need = math.ceil((r.prompt + 1) / BLOCK) - len(hit)
+        need = math.ceil((r.prompt + 1) / BLOCK_SIZE) - len(hit)
         if need + reserve > self.pool.available() or not self.pool.alloc(need):
             self.pool.unmatch(hit)
             return False
         r.refs = hit
         r.held = need
         if r.preempted == 0 or r.cached == 0:
-            r.cached = len(hit) * BLOCK
-        r.filled = len(hit) * BLOCK
+            r.cached = len(hit) * BLOCK_SIZE
+        r.filled = len(hit) * BLOCK_SIZE
         return True
 
     def _preempt_newest(self) -> None:
@@ -676,7 +650,7 @@ class CloudSim(_Node):
         n = 0
         for r in rows:
             ctx = r.prompt + r.generated
-            n += max(0, math.ceil((ctx + k) / BLOCK) - len(r.refs) - r.held)
+            n += max(0, math.ceil((ctx + k) / BLOCK_SIZE) - len(r.refs) - r.held)
         return n
 
     def step(self, t: float) -> float | None:
@@ -748,7 +722,7 @@ class CloudSim(_Node):
         self.step_fit.add(len(rows), pre_tokens, int(context), step_ms, t + k * step_ms / 1000.0)
         for r in rows:
             r.generated += k
-            need = math.ceil((r.prompt + r.generated) / BLOCK) - len(r.refs) - r.held
+            need = math.ceil((r.prompt + r.generated) / BLOCK_SIZE) - len(r.refs) - r.held
             if need > 0:
                 self.pool.alloc(need)
                 r.held += need

@@ -87,8 +87,8 @@ class NodeProfile(BaseModel):
         self.decode = sorted(self.decode, key=lambda p: (p.context, p.batch))
         return self
 
-    def cost_model(self) -> StepCost:
-        return StepCost(self)
+    def cost_model(self) -> ProfileCost:
+        return ProfileCost(self)
 
 
 def load_profile(path: str | os.PathLike[str]) -> NodeProfile:
@@ -100,8 +100,8 @@ def save_profile(profile: NodeProfile, path: str | os.PathLike[str]) -> None:
     Path(path).write_text(json.dumps(profile.model_dump(), indent=2) + "\n")
 
 
-class StepCost:
-    """Fast evaluation of a profile's costs (plain floats and lists; no pydantic on the hot path)."""
+class ProfileCost:
+    """Fast evaluation of a measured profile's step costs (plain floats and lists; no pydantic on the hot path)."""
 
     def __init__(self, p: NodeProfile) -> None:
         self.overhead_ms = p.overhead_ms

@@ -37,10 +37,11 @@ from routing.blocks import BLOCK_SIZE
 from routing.fleet.memory_store import PrefixIndex
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
+from routing.ledger import DispatchLedger
 from routing.policies import NoRoute
 from routing.policy_config import PolicyConfig
 from routing.profile import RequestProfile
-from routing.router import DispatchLedger, Measured, Router, Ticket
+from routing.router import Measured, Router, Ticket
 from routing.sim.engines import CloudSim, EdgeSim, SimRequest
 from routing.sim.fleet import FleetSpec
 from routing.sim.trace import TraceRequest
@@ -271,7 +272,6 @@ class Simulator:
             prefix_cache=n.id in self.prefix_nodes,
             prefix_catch_up=n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.catch_up,
             prefix_in_slots=n.id in self.prefix_nodes and isinstance(n, EdgeSim),
-            gateway_order=isinstance(n, EdgeSim),  # as the live edge: always
             timestamp=0.0,
         )
 
@@ -411,7 +411,6 @@ class Simulator:
                 f.predicted_ttft_ms = decision.estimate.ttft_ms
                 f.predicted_e2e_ms = decision.estimate.e2e_ms
                 r = SimRequest(i, tr.prompt_tokens, tr.output_tokens, blocks, tr.arrival_s)
-                r.order_s = router.place(ticket)  # the edge's queue takes the gateway's order
                 r.payload = f
                 self._push(t + f.net_s + node.request_overhead_s, _NODE_IN, r)  # type: ignore[attr-defined]
             elif kind == _NODE_IN:

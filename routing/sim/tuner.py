@@ -1,8 +1,8 @@
 """Search the routing policy's knobs on the simulator with Optuna (TPE, seeded).
 
-The search space is the ``latency`` policy's knobs (what it minimizes, how much it trusts the
-prefix index and the nodes' self-reports, how fast it learns, what it assumes before it has
-measured: output lengths, per-tier batch slopes and rates); with ``policies`` naming others,
+The search space is the ``latency`` policy's knobs (what it minimizes, how much it weighs the
+delay its prefill adds to others, its two switches, what it assumes of output lengths before
+it has measured them); with ``policies`` naming others,
 the policy itself is searched too, with ``threshold.prompt_tokens`` and
 ``edge_first_max_load`` when those are in. Trial 0 is always the base config, so the best is
 never worse than where the search started.
@@ -62,22 +62,11 @@ def suggest(
             "interference_weight",
             trial.suggest_float("interference_weight", 0.0, 4.0),
         )
-        put(
-            "latency.future_arrivals",
-            trial.suggest_categorical("latency.future_arrivals", [True, False]),
-        )
-        put("latency.prefix_credit", trial.suggest_float("latency.prefix_credit", 0.0, 1.0))
-        put(
-            "latency.service_output_tokens",
-            trial.suggest_float("latency.service_output_tokens", 8.0, 512.0, log=True),
-        )
-        put(
-            "latency.self_report_weight",
-            trial.suggest_float("latency.self_report_weight", 0.0, 1.0),
-        )
-        put("latency.rate_alpha", trial.suggest_float("latency.rate_alpha", 0.02, 0.6, log=True))
-        put("latency.edge.batch_slope", trial.suggest_float("latency.edge.batch_slope", 0.0, 2.0))
-        put("latency.cloud.batch_slope", trial.suggest_float("latency.cloud.batch_slope", 0.0, 0.5))
+        for switch in ("prefill_pass", "busy_wait"):
+            put(
+                f"latency.{switch}",
+                trial.suggest_categorical(f"latency.{switch}", ["off", "on", "accelerators"]),
+            )
         put(
             "expected_output.default_tokens",
             trial.suggest_float("expected_output.default_tokens", 8.0, 512.0, log=True),
@@ -161,12 +150,9 @@ def tune(
         start.update(
             {
                 "objective": b.objective,
-                "latency.prefix_credit": b.latency.prefix_credit,
-                "latency.service_output_tokens": b.latency.service_output_tokens,
-                "latency.self_report_weight": b.latency.self_report_weight,
-                "latency.rate_alpha": b.latency.rate_alpha,
-                "latency.edge.batch_slope": b.latency.edge.batch_slope,
-                "latency.cloud.batch_slope": min(0.5, b.latency.cloud.batch_slope),
+                "interference_weight": min(4.0, b.interference_weight),
+                "latency.prefill_pass": b.latency.prefill_pass,
+                "latency.busy_wait": b.latency.busy_wait,
                 "expected_output.default_tokens": b.expected_output.default_tokens,
                 "expected_output.alpha": b.expected_output.alpha,
             }
