@@ -56,46 +56,18 @@ class OutputKnobs(BaseModel):
         "is the same (a question asked in many chats, or with other histories) are predicted by "
         "each other's answers",
     )
-    last_message_cut: bool = Field(
-        default=False,
-        description="an answer cut at its cap counts toward its last message's statistic "
-        "(off: only answers that ended on their own do: a question cut at 16 tokens on its own "
-        "says little of how long it runs at the end of a chat, where it ended at 5-16)",
-    )
-    last_message_length: bool = Field(
-        default=False,
-        description="before the last message's statistic, that of the same last message at "
-        "the end of a prompt of like length (within a power of two): a question asked alone "
-        "and the same question ending a chat answer at other lengths (off: one statistic)",
-    )
-    past_cut: bool = Field(
-        default=False,
-        description="a prompt whose answers were cut at a cap and that comes under a larger one "
-        "is predicted by its app's answers under that cap that ran past the cut (past the "
-        "power of two at or below it), at least the cut (off: the app's statistic, at least "
-        "the cut: a question cut at 16 and asked with 32 was predicted 16 and ran to 32 in 23 "
-        "of 41)",
-    )
     length_bucket: bool = Field(
         default=True,
         description="next, requests of one app and cap with prompts of like length (within a "
         "power of two) are predicted by each other's answers: a document to summarize and a "
         "one-line question under one app answer at other lengths",
     )
-    average: Literal["geometric", "harmonic", "arithmetic"] = Field(
-        default="geometric",
-        description="how a statistic averages answer lengths, which stop anywhere from a few "
-        "tokens to their cap: the geometric mean (of least squared log error), the harmonic "
-        "mean (whose relative error is balanced: 7 and 16 give 9.7, 39% off either way, where "
-        "the geometric 10.6 is 51% over the 7) or the arithmetic mean",
-    )
 
 
 class OutputLengthEstimator:
-    """EWMA of completion tokens (of their logarithms or reciprocals, ``average``) per (API key,
-    route, whole prompt, node kind), per (API key, route, whole prompt), per (API key, route,
-    max_tokens, first prompt block) and its last message (first with the prompt length's power
-    of two, ``last_message_length``), and its prompt length's power of two,
+    """EWMA of the logarithm of completion tokens (their geometric mean) per (API key, route,
+    whole prompt, node kind), per (API key, route, whole prompt), per (API key, route,
+    max_tokens, first prompt block) and its last message, and its prompt length's power of two,
     per (API key, route, max_tokens, first prompt block), per (API key, route, max_tokens) and
     per (API key, route), LRU-bounded; a default until learned.
 
@@ -108,8 +80,7 @@ class OutputLengthEstimator:
     keeps answers that ended on their own (fewer tokens than their ``max_tokens``) apart from
     answers cut at their cap, which only say the natural length is at least that cap: a prompt
     that stopped at 7 tokens under a cap of 16 is predicted at 7 under a cap of 32, and one cut
-    at 16 is predicted at 16 or more (``past_cut``: as its app's answers that ran past 16),
-    until the prompt ends on its own again there (the same
+    at 16 is predicted at 16 or more, until the prompt ends on its own again there (the same
     prompt's greedy answer can change with the numerics of its run: the edge answered one
     question at 16 tokens cold and at 7 with its prefix reused, and a bound kept for good
     predicted 16 for every later 7). Otherwise apps send one ``max_tokens`` per feature (a
@@ -130,37 +101,27 @@ class OutputLengthEstimator:
         self._stats: OrderedDict[tuple[str, str, int, int], tuple[float, int]] = OrderedDict()
 
     def configure(self, knobs: OutputKnobs) -> None:
-        if knobs.average != self.knobs.average:
-            self._stats.clear()  # its averages are in another space
         self.knobs = knobs
         self._trim()
 
-    def _to_stat(self, tokens: float) -> float:
-        if self.knobs.average == "geometric":
-            return math.log(max(1.0, tokens))
-        if self.knobs.average == "harmonic":
-            return 1.0 / max(1.0, tokens)
-        return tokens
+    @staticmethod
+    def _to_stat(tokens: float) -> float:
+        return math.log(max(1.0, tokens))
 
-    def _from_stat(self, value: float) -> float:
+    @staticmethod
+    def _from_stat(value: float) -> float:
         # rounded: a length seen once (or always the same) comes back as that whole number
-        if self.knobs.average == "geometric":
-            return round(math.exp(value), 6)
-        if self.knobs.average == "harmonic":
-            return round(1.0 / value, 6)
-        return value
+        return round(math.exp(value), 6)
 
     def _used(
         self, prompt: int | None, last: int | None, prompt_tokens: int | None
-    ) -> tuple[int | None, int | None, int | None, int | None]:
-        """The whole prompt's key, the last message's, the length its statistic is kept by and
-        the length of the app's, where the knobs use them."""
+    ) -> tuple[int | None, int | None, int | None]:
+        """The whole prompt's key, the last message's and the prompt's length, where the knobs
+        use them."""
         k = self.knobs
-        last = last if k.last_message else None
         return (
             prompt if k.whole_prompt else None,
-            last,
-            prompt_tokens if last is not None and k.last_message_length else None,
+            last if k.last_message else None,
             prompt_tokens if k.length_bucket else None,
         )
 
@@ -188,21 +149,16 @@ class OutputLengthEstimator:
         kind: str | None = None,
         last: int | None = None,
         prompt_tokens: int | None = None,
-        last_tokens: int | None = None,
     ) -> tuple[int, list[tuple[str, str, int, int]]]:
         """The statistics a request belongs to, most specific first, and how many of them
         (first) are the whole prompt's. ``last`` names its last message, ``prompt_tokens``
-        its length for the app's statistic by length and ``last_tokens`` for the last
-        message's (None: not used)."""
+        its length for the app's statistic by length (None: not used)."""
         key, any_ = api_key or "", cls._ANY
         cap = max_tokens if max_tokens is not None and 0 < max_tokens <= MAX_TOKENS else any_
         out = [] if prompt is None else cls._prompt_keys(key, route, prompt, kind)
         whole = len(out)
         if cap != any_ and prefix is not None:
             if last is not None:
-                if last_tokens is not None and last_tokens > 0:
-                    bits = last_tokens.bit_length()
-                    out.append((key, f"{route}#last{bits}", cap, hash((prefix, last))))
                 out.append((key, f"{route}#last", cap, hash((prefix, last))))
             if prompt_tokens is not None and prompt_tokens > 0:
                 out.append((key, f"{route}#len{prompt_tokens.bit_length()}", cap, prefix))
@@ -229,9 +185,9 @@ class OutputLengthEstimator:
         length, and at least the longest cap they were cut at); the first of the two levels
         that has seen the prompt decides, then the coarser statistics."""
         value = self.knobs.default_tokens
-        prompt, last, last_tokens, prompt_tokens = self._used(prompt, last, prompt_tokens)
+        prompt, last, prompt_tokens = self._used(prompt, last, prompt_tokens)
         whole, keys = self._keys(
-            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens, last_tokens
+            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens
         )
         cuts = (
             [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
@@ -251,34 +207,10 @@ class OutputLengthEstimator:
                 if stat is not None and stat[1] >= self.knobs.min_samples:
                     value = self._from_stat(stat[0])
                     break
-        if not known and at_least > 0 and self.knobs.past_cut:
-            past = self._past(api_key or "", route, max_tokens, prefix, at_least)
-            value = past if past is not None else value
         value = max(value, at_least)
         if max_tokens is not None and max_tokens < value:  # int vs float: exact, never overflows
             value = float(max_tokens)
         return max(1.0, value)
-
-    @classmethod
-    def _past_key(
-        cls, key: str, route: str, cap: int, prefix: int, threshold: int
-    ) -> tuple[str, str, int, int]:
-        """The statistic of an app's answers under ``cap`` longer than ``threshold`` (a power
-        of two)."""
-        return (key, f"{route}#past{threshold}", cap, prefix)
-
-    def _past(
-        self, key: str, route: str, max_tokens: int | None, prefix: int | None, cut: float
-    ) -> float | None:
-        """The app's answers under ``max_tokens`` that ran past ``cut`` (the power of two at
-        or below it), where seen ``min_samples`` times and the cap is above the cut."""
-        if prefix is None or max_tokens is None or not cut < max_tokens <= MAX_TOKENS:
-            return None
-        threshold = 1 << (int(cut).bit_length() - 1)
-        stat = self._stats.get(self._past_key(key, route, max_tokens, prefix, threshold))
-        if stat is None or stat[1] < self.knobs.min_samples:
-            return None
-        return self._from_stat(stat[0])
 
     def observe(
         self,
@@ -294,15 +226,15 @@ class OutputLengthEstimator:
     ) -> None:
         """Learn one answer of ``completion_tokens`` given by a node of ``kind``."""
         x = float(completion_tokens)
-        prompt, last, last_tokens, prompt_tokens = self._used(prompt, last, prompt_tokens)
+        prompt, last, prompt_tokens = self._used(prompt, last, prompt_tokens)
         whole, keys = self._keys(
-            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens, last_tokens
+            api_key, route, max_tokens, prefix, prompt, kind, last, prompt_tokens
         )
         cuts = (
             [] if prompt is None else self._prompt_keys(api_key or "", route, prompt, kind, "-cut")
         )
         cut_off = max_tokens is not None and completion_tokens >= max_tokens
-        if cut_off and not self.knobs.last_message_cut:  # a bound, not a length of its question
+        if cut_off:  # a bound, not a length of its question
             keys = [k for k in keys if "#last" not in k[1]]
         if cuts and cut_off:
             keys = keys[whole:]  # cut at its cap: not its own length, only a bound on it
@@ -312,16 +244,6 @@ class OutputLengthEstimator:
         else:
             for cut in cuts:  # it ended on its own: an earlier cut bounds it no more
                 self._stats.pop(cut, None)
-        if (
-            self.knobs.past_cut
-            and prefix is not None
-            and max_tokens is not None
-            and 0 < max_tokens <= MAX_TOKENS
-        ):  # each power of two it ran past (cut at its cap or not: it ran at least that far)
-            keys = keys + [
-                self._past_key(api_key or "", route, max_tokens, prefix, 1 << b)
-                for b in range(max(0, completion_tokens - 1).bit_length())
-            ]
         v = self._to_stat(x)
         for k in keys:
             prev = self._stats.pop(k, None)

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.ewma import Ewma
+
 EARTH_RADIUS_KM = 6371.0
+FIBER_KM_PER_MS = 200.0  # light in fibre, one way
+ROUTE_FACTOR = 1.5  # real network paths over the great circle
+BASE_MS = 2.0  # fixed cost added to every great-circle estimate
+MEASUREMENT_ALPHA = 0.2  # EWMA weight of a measured RTT sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +81,6 @@ class RegionKnobs(BaseModel):
     rtt_overrides: list[RttOverride] = Field(default_factory=list)
     intra_region_ms: float = Field(default=2.0, gt=0, description="RTT within one region")
     unknown_rtt_ms: float = Field(default=80.0, gt=0, description="RTT to an unknown region")
-    fiber_km_per_ms: float = Field(default=200.0, gt=0, description="light in fibre, one way")
-    route_factor: float = Field(default=1.5, ge=1.0, description="real paths / great circle")
-    base_ms: float = Field(default=2.0, ge=0, description="fixed cost added to every estimate")
-    measurement_alpha: float = Field(default=0.2, gt=0, le=1)
 
 
 def great_circle_km(a: Region, b: Region) -> float:
@@ -100,9 +102,8 @@ class RegionTable:
     """
 
     def __init__(self, knobs: RegionKnobs | None = None) -> None:
-        self._measured: dict[tuple[str, str], float] = {}
-        self._ratio = 1.0  # EWMA of measured / estimated over every measurement
-        self._ratio_samples = 0
+        self._measured: dict[tuple[str, str], Ewma] = {}
+        self._ratio = Ewma(MEASUREMENT_ALPHA)  # measured / estimated over every measurement
         self.configure(knobs or RegionKnobs())
 
     def configure(self, knobs: RegionKnobs) -> None:
@@ -126,8 +127,8 @@ class RegionTable:
         ra, rb = self.regions.get(a), self.regions.get(b)
         if ra is None or rb is None:
             return k.unknown_rtt_ms
-        km = great_circle_km(ra, rb) * k.route_factor
-        return max(k.intra_region_ms, 2.0 * km / k.fiber_km_per_ms + k.base_ms)
+        km = great_circle_km(ra, rb) * ROUTE_FACTOR
+        return max(k.intra_region_ms, 2.0 * km / FIBER_KM_PER_MS + BASE_MS)
 
     def rtt_ms(self, a: str, b: str) -> float:
         """Best RTT estimate between two regions, in ms (see the module's precedence rule)."""
@@ -138,11 +139,11 @@ class RegionTable:
         if key in self._overrides:
             value = self._overrides[key]
         elif key in self._measured:
-            value = self._measured[key]
+            value = self._measured[key].value
         else:
             est = self.estimate_ms(a, b)
             known = a == b or (a in self.regions and b in self.regions)
-            value = est * self._ratio if known else est
+            value = est * self.correction if known else est
         self._cache[key] = value
         return value
 
@@ -150,25 +151,18 @@ class RegionTable:
         """Fold one measured RTT between two regions into the pair's EWMA and the global ratio."""
         if not (measured_ms > 0 and math.isfinite(measured_ms)):
             return
-        alpha = self.knobs.measurement_alpha
-        key = _pair(a, b)
-        prev = self._measured.get(key)
-        self._measured[key] = measured_ms if prev is None else prev + alpha * (measured_ms - prev)
+        self._measured.setdefault(_pair(a, b), Ewma(MEASUREMENT_ALPHA)).add(measured_ms)
         if a != b and a in self.regions and b in self.regions:
-            ratio = min(3.0, max(1 / 3, measured_ms / self.estimate_ms(a, b)))
-            self._ratio_samples += 1
-            self._ratio = (
-                ratio if self._ratio_samples == 1 else self._ratio + alpha * (ratio - self._ratio)
-            )
+            self._ratio.add(min(3.0, max(1 / 3, measured_ms / self.estimate_ms(a, b))))
         self._cache.clear()
 
     @property
     def correction(self) -> float:
         """The global measured/estimated ratio applied to unmeasured pairs (1.0 until measured)."""
-        return self._ratio
+        return self._ratio.value if self._ratio.n else 1.0
 
     def measured(self) -> Mapping[tuple[str, str], float]:
-        return dict(self._measured)
+        return {pair: e.value for pair, e in self._measured.items()}
 
     def nearest(self, lat: float, lon: float, among: Iterable[str] | None = None) -> str | None:
         """The region closest to a point (``None`` if the table is empty)."""

@@ -61,7 +61,6 @@ MEANINGS = {
     "OutputKnobs.alpha": "EWMA weight of a new output length, per (key, route)",
     "CircuitKnobs.half_open_probes": "trial requests let through a half-open breaker",
     "RegionKnobs.rtt_overrides": "measured RTTs: [{a, b, ms}], used as is",
-    "RegionKnobs.measurement_alpha": "EWMA weight of a measured RTT sample",
     "ApiKeyEntry.key_hash": "hash_key(key, salt): hmac-sha256:<hex>",
     "ApiKeyEntry.rpm": "requests per minute (none: auth.default_rpm)",
     "ApiKeyEntry.tpm": "tokens per minute (none: auth.default_tpm)",

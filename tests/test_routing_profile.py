@@ -271,34 +271,21 @@ def test_a_prompts_own_length_is_kept_per_node_kind(formatter: PromptFormatter):
     assert dict(again.expected_output_by_kind) == {"edge": 5.0}  # only where it differs
 
 
-def test_answer_lengths_are_averaged_in_log_space_or_as_reciprocals():
+def test_answer_lengths_are_averaged_in_log_space():
     """Answers of one kind stop anywhere from a few tokens to their cap; predicted at their
-    geometric mean, a short answer is not predicted at twice its length by the long ones; at
-    their harmonic mean, a short and a long answer are as far off, relatively; the arithmetic
-    mean is a knob away."""
+    geometric mean, a short answer is not predicted at twice its length by the long ones."""
     geo = OutputLengthEstimator(OutputKnobs(alpha=0.5))
-    mean = OutputLengthEstimator(OutputKnobs(alpha=0.5, average="arithmetic"))
-    harm = OutputLengthEstimator(OutputKnobs(alpha=0.5, average="harmonic"))
-    for est in (geo, mean, harm):
-        for n in (6, 16, 6, 16):
-            est.observe("a", "chat", n, max_tokens=32)
-    # EWMAs with alpha 0.5 over 6, 16, 6, 16: of the logs 11.08 tokens, of the reciprocals
-    # 9.85, of the lengths 12.25
-    logs, recips = math.log(6), 1 / 6
+    for n in (6, 16, 6, 16):
+        geo.observe("a", "chat", n, max_tokens=32)
+    # an EWMA with alpha 0.5 over the logs of 6, 16, 6, 16: 11.08 tokens
+    logs = math.log(6)
     for n in (16, 6, 16):
         logs += 0.5 * (math.log(n) - logs)
-        recips += 0.5 * (1 / n - recips)
     assert geo.expected("a", "chat", max_tokens=32) == pytest.approx(math.exp(logs))
-    assert mean.expected("a", "chat", max_tokens=32) == 12.25  # 6, 11, 8.5, 12.25
     assert math.exp(logs) == pytest.approx(11.076, abs=1e-3)
-    assert harm.expected("a", "chat", max_tokens=32) == pytest.approx(1 / recips, abs=1e-5)
-    assert 1 / recips == pytest.approx(9.846, abs=1e-3)
-    one = OutputLengthEstimator(OutputKnobs(average="harmonic"))
+    one = OutputLengthEstimator()
     one.observe("a", "chat", 7, max_tokens=32)
     assert one.expected("a", "chat", max_tokens=32) == 7  # one length comes back whole
-    # switching the knob starts the averages over (they are kept in the other space)
-    geo.configure(OutputKnobs(alpha=0.5, average="arithmetic"))
-    assert geo.expected("a", "chat", max_tokens=32) == 32.0  # the default (128) under the cap
 
 
 def test_one_apps_answers_are_told_apart_by_last_message_and_prompt_length(
@@ -367,65 +354,28 @@ def test_an_answer_cut_at_its_cap_does_not_speak_for_its_question_elsewhere(
     formatter: PromptFormatter,
 ):
     """A question cut at its cap on its own (16 of 16) says only that it runs at least that
-    long there: its last message's statistic keeps answers that ended on their own, unless
-    ``last_message_cut`` says to count the cut ones too."""
+    long there: its last message's statistic keeps only answers that ended on their own."""
     system = "You are a helpful assistant. " * 8
-    for counted, want in ((False, 5.0), (True, 16.0)):
-        est = OutputLengthEstimator(
-            OutputKnobs(default_tokens=100, alpha=1.0, last_message_cut=counted)
-        )
-        alone = _chat(formatter, est, system, 16, "Tell me more.")
-        other = _chat(formatter, est, system, 16, "Hi, chat 3.", "Hello.", "Go on.")
-        _learn(est, alone, 16, 16)
-        _learn(est, other, 5, 16)
-        in_chat = _chat(formatter, est, system, 16, "Hi, chat 9.", "Hello.", "Tell me more.")
-        assert in_chat.last_message_key == alone.last_message_key
-        assert in_chat.expected_output_tokens == want  # counted: the cut 16; else the app's 5
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0))
+    alone = _chat(formatter, est, system, 16, "Tell me more.")
+    other = _chat(formatter, est, system, 16, "Hi, chat 3.", "Hello.", "Go on.")
+    _learn(est, alone, 16, 16)
+    _learn(est, other, 5, 16)
+    in_chat = _chat(formatter, est, system, 16, "Hi, chat 9.", "Hello.", "Tell me more.")
+    assert in_chat.last_message_key == alone.last_message_key
+    assert in_chat.expected_output_tokens == 5.0  # the app's 5, not the cut 16
 
 
-def test_a_question_ending_a_chat_is_told_apart_from_it_asked_alone(formatter: PromptFormatter):
-    """With ``last_message_length`` a question's answers at the end of a chat (a longer prompt)
-    and asked alone are two statistics; each still falls back to the question's pooled one."""
-    system = "You are a helpful assistant. " * 4
-    history = ("Tell me about the printers on floor two, chat 3. " * 6, "They jam a lot. " * 8)
-    for apart, want_alone, want_in_chat in ((True, 12.0, 5.0), (False, 5.0, 5.0)):
-        est = OutputLengthEstimator(
-            OutputKnobs(default_tokens=100, alpha=1.0, last_message_length=apart)
-        )
-        alone = _chat(formatter, est, system, 32, "Why?")
-        chat = _chat(formatter, est, system, 32, *history, "Why?")
-        assert alone.prompt_tokens.bit_length() != chat.prompt_tokens.bit_length()
-        _learn(est, alone, 12, 32)
-        _learn(est, chat, 5, 32)
-        other_chat = _chat(formatter, est, system, 32, history[0], "They break. " * 8, "Why?")
-        assert other_chat.prompt_tokens.bit_length() == chat.prompt_tokens.bit_length()
-        assert other_chat.prompt_key != chat.prompt_key
-        assert other_chat.expected_output_tokens == want_in_chat
-        # a short chat: the alone bucket
-        short_chat = _chat(formatter, est, system, 32, "Hi.", "Hello.", "Why?")
-        assert short_chat.prompt_tokens.bit_length() == alone.prompt_tokens.bit_length()
-        assert short_chat.expected_output_tokens == want_alone
-    # a bucket never seen falls back to the question's pooled statistic (the latest, 5)
-    est = OutputLengthEstimator(
-        OutputKnobs(default_tokens=100, alpha=1.0, last_message_length=True)
-    )
-    _learn(est, _chat(formatter, est, system, 32, "Why?"), 5, 32)
-    assert _chat(formatter, est, system, 32, *history, "Why?").expected_output_tokens == 5
-
-
-def test_a_prompt_cut_at_its_cap_is_predicted_under_a_larger_one_by_answers_that_ran_past_it(
+def test_a_prompt_cut_at_its_cap_is_bounded_by_the_cut_under_a_larger_one(
     formatter: PromptFormatter,
 ):
-    """A question cut at 16 asked again under 32: with ``past_cut`` its app's answers under 32
-    that ran past 16 predict it (not one that ended at 8); off, the cut bounds it from below."""
+    """A question cut at 16 asked again under 32 is predicted at least the cut."""
     system = "You are a helpful assistant. " * 8
-    for past, want in ((True, 24.0), (False, 16.0)):
-        est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0, past_cut=past))
-        for question, cap, n in (("Describe the sea.", 32, 24), ("Is it on?", 32, 8),
-                                 ("Tell me a story.", 16, 16)):  # fmt: skip
-            _learn(est, _chat(formatter, est, system, cap, question), n, cap)
-        story = _chat(formatter, est, system, 32, "Tell me a story.")
-        assert story.expected_output_tokens == want
-        # under its old cap it is that cap; a question never cut is not lifted
-        assert _chat(formatter, est, system, 16, "Tell me a story.").expected_output_tokens == 16
-        assert _chat(formatter, est, system, 32, "Is it on?").expected_output_tokens == 8.0
+    est = OutputLengthEstimator(OutputKnobs(default_tokens=100, alpha=1.0))
+    for question, cap, n in (("Describe the sea.", 32, 24), ("Is it on?", 32, 8),
+                             ("Tell me a story.", 16, 16)):  # fmt: skip
+        _learn(est, _chat(formatter, est, system, cap, question), n, cap)
+    assert _chat(formatter, est, system, 32, "Tell me a story.").expected_output_tokens == 16.0
+    # under its old cap it is that cap; a question never cut is not lifted
+    assert _chat(formatter, est, system, 16, "Tell me a story.").expected_output_tokens == 16
+    assert _chat(formatter, est, system, 32, "Is it on?").expected_output_tokens == 8.0

@@ -40,21 +40,21 @@ def test_config_regions_and_overrides():
 
 
 def test_measurements_correct_the_pair_and_everything_unmeasured():
-    t = RegionTable(RegionKnobs(measurement_alpha=0.5))
+    t = RegionTable()
     est_us = t.rtt_ms("eu-west", "us-east")
     est_ap = t.rtt_ms("eu-west", "ap-northeast")
     t.observe("us-east", "eu-west", 2 * est_us)
     assert t.rtt_ms("eu-west", "us-east") == pytest.approx(2 * est_us)
     assert t.correction == pytest.approx(2.0)
     assert t.rtt_ms("eu-west", "ap-northeast") == pytest.approx(2 * est_ap)
-    t.observe("eu-west", "us-east", est_us)  # EWMA with alpha 0.5
-    assert t.rtt_ms("eu-west", "us-east") == pytest.approx(1.5 * est_us)
-    assert t.correction == pytest.approx(1.5)
+    t.observe("eu-west", "us-east", est_us)  # EWMA with alpha 0.2
+    assert t.rtt_ms("eu-west", "us-east") == pytest.approx(1.8 * est_us)
+    assert t.correction == pytest.approx(1.8)
     # Reconfiguring (hot reload) keeps what was measured.
-    t.configure(RegionKnobs(measurement_alpha=0.5))
-    assert t.rtt_ms("eu-west", "us-east") == pytest.approx(1.5 * est_us)
+    t.configure(RegionKnobs(unknown_rtt_ms=90.0))
+    assert t.rtt_ms("eu-west", "us-east") == pytest.approx(1.8 * est_us)
     t.observe("eu-west", "us-east", float("nan"))  # ignored
-    assert t.rtt_ms("eu-west", "us-east") == pytest.approx(1.5 * est_us)
+    assert t.rtt_ms("eu-west", "us-east") == pytest.approx(1.8 * est_us)
 
 
 def test_nearest_region():
