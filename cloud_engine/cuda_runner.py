@@ -44,8 +44,8 @@ from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps
 from cloud_engine.model.llama import LlamaForCausalLM
-from cloud_engine.runner import Feed, Launched
-from cloud_engine.sampler import make_generator, sample_batch, to_device
+from cloud_engine.runner import Feed, Launched, generated_before
+from cloud_engine.sampler import banned_stops, make_generator, sample_batch, to_device
 from cloud_engine.scheduler import ScheduledBatch
 from cloud_engine.sequence import Sequence
 from cloud_engine.step_inputs import StepInputs, build_step_inputs, pack_aligned
@@ -190,16 +190,19 @@ class CudaRunner:
             logits, greedy = self._eager(inp, rows, fed), None
         if not inp.sample_items:
             return self._to_host(self._arange[:0].long())
-        seqs = [batch.items[i].seq for i in inp.sample_items]
+        items = [batch.items[i] for i in inp.sample_items]
+        seqs = [it.seq for it in items]
         params = [q.sampling for q in seqs]
-        if greedy is not None and all(p.greedy for p in params):
+        banned = banned_stops(params, [generated_before(it) for it in items])
+        if greedy is not None and banned is None and all(p.greedy for p in params):
             return self._to_host(greedy[: len(seqs)], self._download_stream)
         gens = []
         for q in seqs:
             if q.generator is None and not q.sampling.greedy:
                 q.generator = make_generator(q.sampling, self.device)
             gens.append(q.generator)
-        return self._to_host(sample_batch(logits[: len(seqs)], params, gens))  # type: ignore[arg-type]
+        tokens = sample_batch(logits[: len(seqs)], params, gens, banned)  # type: ignore[arg-type]
+        return self._to_host(tokens)
 
     def _to_host(self, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Launched:
         """Start the copy of ``tokens`` into the next of two host buffers, each with its event

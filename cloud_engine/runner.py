@@ -22,8 +22,8 @@ import torch
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.model.llama import LlamaForCausalLM
-from cloud_engine.sampler import make_generator, sample_batch
-from cloud_engine.scheduler import ScheduledBatch
+from cloud_engine.sampler import banned_stops, make_generator, sample_batch
+from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq
 from cloud_engine.sequence import Sequence
 from cloud_engine.step_inputs import build_step_inputs, padded_block_tables
 
@@ -97,14 +97,22 @@ class TorchRunner:
             return _no_tokens(dev)
         last = hidden[0, torch.from_numpy(inp.sample_idx).to(dev)]
         logits = self.model.lm_head(last)
-        seqs = [batch.items[i].seq for i in inp.sample_items]
+        items = [batch.items[i] for i in inp.sample_items]
+        seqs = [it.seq for it in items]
         gens = []
         for s in seqs:
             if s.generator is None and not s.sampling.greedy:
                 s.generator = make_generator(s.sampling, dev)
             gens.append(s.generator)
-        tokens = sample_batch(logits, [s.sampling for s in seqs], gens)  # type: ignore[arg-type]
+        params = [s.sampling for s in seqs]
+        banned = banned_stops(params, [generated_before(it) for it in items])
+        tokens = sample_batch(logits, params, gens, banned)  # type: ignore[arg-type]
         return Launched(tokens, tokens.cpu(), None)
+
+
+def generated_before(item: ScheduledSeq) -> int:
+    """Tokens its sequence had generated before the one this sampling item samples."""
+    return item.start + item.num_new - item.seq.num_prompt
 
 
 def _no_tokens(device: torch.device) -> Launched:

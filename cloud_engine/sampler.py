@@ -5,6 +5,9 @@ their logits do); a seeded row uses the reference ``cloud_engine.model.sampling.
 its own generator, so it reproduces the dense reference's draws; unseeded rows share one
 vectorized draw (exponential race over the filtered probabilities).
 
+Before ``min_tokens`` tokens were generated, a row's stop token ids are never sampled: their
+logits are taken as -inf (``banned``, from :func:`banned_stops`), as vLLM does.
+
 Per-request isolation: :func:`prepare` checks a request's parameters
 (``routing.sampling_limits.check_sampling``) and makes its generator; the engine core calls it
 when the request arrives, so parameters a sampler would fail on fail that request alone and
@@ -40,12 +43,28 @@ def _filtered_probs_batch(
     return torch.softmax(x, dim=-1)
 
 
+def banned_stops(
+    params: Sequence[SamplingParams], generated: Sequence[int]
+) -> list[tuple[int, ...]] | None:
+    """Per row, the stop token ids it may not sample with ``generated`` tokens already out
+    (``SamplingParams.banned_stops``); None when no row bans any."""
+    bans = [p.banned_stops(g) for p, g in zip(params, generated, strict=True)]
+    return bans if any(bans) else None
+
+
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    banned: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """One token id per row of ``logits`` ``[S, V]``, as an int64 tensor on the same device."""
+    """One token id per row of ``logits`` ``[S, V]``, as an int64 tensor on the same device;
+    ``banned[i]``: token ids row ``i`` may not be (see :func:`banned_stops`)."""
+    if banned is not None:
+        rows = [i for i, ids in enumerate(banned) for t in ids if 0 <= t < logits.shape[-1]]
+        cols = [t for ids in banned for t in ids if 0 <= t < logits.shape[-1]]
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
     greedy = [p.greedy for p in params]
     out = torch.argmax(logits, dim=-1)
     if all(greedy):

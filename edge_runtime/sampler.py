@@ -8,6 +8,11 @@ Invariants:
 - With a seed, a request's token sequence depends only on its logits and the seed; the
   generator is seeded with the seed's 64-bit pattern (``seed mod 2**64``, as torch does on the
   cloud tier; see ``routing.sampling_limits``), so a negative seed is as good as any.
+- Before ``min_tokens`` tokens were generated, the request's stop token ids are never sampled
+  (their logits are taken as -inf, as vLLM does), so no stop token ends it early. A sampler
+  counts its calls as the tokens generated: it is called once per generated token, in order,
+  except for rows the loop takes the argmax of itself, which it does only while ``greedy``
+  holds (and ``greedy`` is False while stop tokens are banned).
 - A ``Sampler`` is made when its request is submitted (``edge_runtime.scheduler.SlotRequest``),
   on the submitting thread: parameters it could not sample with raise ``InvalidSampling``
   (an ``EngineError``) there, for that request alone, never later in the generation loop,
@@ -25,15 +30,27 @@ _FIRST_NUCLEUS = 256  # candidates examined first; widened until they hold top_p
 
 
 class Sampler:
+    """One request's token choice from its logits rows, one call per generated token."""
+
     def __init__(self, params: SamplingParams) -> None:
         check_sampling(params)  # raises InvalidSampling: this request fails alone, at once
         self.params = params
-        self.greedy = params.greedy  # then a token is argmax(logits), whoever computes it
         self.rng = np.random.default_rng(None if params.seed is None else seed_u64(params.seed))
+        self.generated = 0  # calls so far: the tokens generated before the next one
+
+    @property
+    def greedy(self) -> bool:
+        """True while a token is plain argmax(logits), whoever computes it."""
+        return self.params.greedy and not self.params.banned_stops(self.generated)
 
     def __call__(self, logits: np.ndarray) -> int:
         """One token id from a ``[vocab]`` logits row."""
-        if self.greedy:
+        banned = self.params.banned_stops(self.generated)
+        self.generated += 1
+        if banned:
+            logits = logits.copy()
+            logits[[t for t in banned if 0 <= t < logits.size]] = -np.inf
+        if self.params.greedy:
             return int(np.argmax(logits))
         p = self.params
         x = logits.astype(np.float64) / max(p.temperature, 1e-5)

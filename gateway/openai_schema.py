@@ -23,6 +23,8 @@ Invariants:
   ``code: "unsupported_parameter"``, never silently ignored. ``parallel_tool_calls``,
   ``metadata``, ``user`` and other hints that change nothing without tools or storage are
   accepted.
+- Extensions, as in vLLM: ``top_k``, ``ignore_eos`` (the end-of-sequence token does not end
+  the completion) and ``min_tokens`` (no stop before that many tokens; at most the budget).
 - Unknown fields (none of the above: newer SDKs' additions) are accepted and ignored, as
   OpenAI-compatible servers commonly do, so newer SDKs keep working.
 """
@@ -127,6 +129,9 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
     user: Text | None = None
+    # extensions, as in vLLM: run past the end-of-sequence token; no stop before min_tokens
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
 
     @field_validator("stop")
     @classmethod
@@ -168,6 +173,18 @@ class _SamplingFields(_Body):
     def _no_logit_bias(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v:
             raise unsupported("logit_bias", "logits are not biased (send null or {})")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_within_max(cls, v: int, info: ValidationInfo) -> int:
+        """min_tokens at most the completion's token budget (declared before it)."""
+        for name in ("max_completion_tokens", "max_tokens"):
+            budget = info.data.get(name)
+            if budget is not None:
+                if v > budget:
+                    raise ValueError(f"min_tokens ({v}) must not exceed {name} ({budget})")
+                break
         return v
 
     @property

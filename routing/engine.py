@@ -29,11 +29,19 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # stop token ids do not end the request (it runs to max_tokens)
+    min_tokens: int = 0  # stop token ids cannot be sampled before this many tokens were generated
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    def banned_stops(self, generated: int) -> tuple[int, ...]:
+        """The stop token ids the next token may not be, ``generated`` tokens in: all of them
+        before ``min_tokens`` (unless ``ignore_eos``: then none ends the request anyway)."""
+        if generated < self.min_tokens and not self.ignore_eos:
+            return self.stop_token_ids
+        return ()
 
 
 @dataclass(slots=True)

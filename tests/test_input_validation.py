@@ -165,6 +165,33 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
     (CHAT, _surrogate_part, "application/json", 400, "messages.0.content.0.text", None),
     (COMPLETIONS, _surrogate_prompt, "application/json", 400, "prompt", None),
     (CHAT, _surrogate_stop, "application/json", 400, "stop", None),
+    # ignore_eos and min_tokens (extensions, as in vLLM)
+    (
+        COMPLETIONS,
+        lambda m: _completion(m, min_tokens=-1),
+        "application/json",
+        400,
+        "min_tokens",
+        None,
+    ),
+    (CHAT, lambda m: _chat(m, min_tokens=3), "application/json", 400, "min_tokens", None),
+    (
+        CHAT,
+        lambda m: _chat(m, max_completion_tokens=1, max_tokens=5, min_tokens=2),
+        "application/json",
+        400,
+        "min_tokens",
+        None,
+    ),
+    (CHAT, lambda m: _chat(m, min_tokens=1.5), "application/json", 400, "min_tokens", None),
+    (
+        COMPLETIONS,
+        lambda m: _completion(m, ignore_eos="yes"),
+        "application/json",
+        400,
+        "ignore_eos",
+        None,
+    ),
     # token ids: OverflowError in block hashing; the vocabulary
     (
         COMPLETIONS,
@@ -417,6 +444,7 @@ GOOD: list[tuple[str, Any, str | None]] = [
     (CHAT, lambda m: _chat(m, temperature=1.0, seed=2**63 - 1), "APPLICATION/JSON"),
     (COMPLETIONS, lambda m: _completion(m, prompt=[1, VOCAB - 1], best_of=1), "application/json"),
     (COMPLETIONS, lambda m: _completion(m, max_completion_tokens=3), "application/json"),
+    (CHAT, lambda m: _chat(m, ignore_eos=True, min_tokens=2), "application/json"),
     (COMPLETIONS, lambda m: _raw(_completion(m), extra=_nested(60)), "application/json"),
     (CHAT, lambda m: _chat(m, content="caf\u00e9 \U0001f600 ok"), "application/json"),
 ]

@@ -77,7 +77,8 @@ def stream_tokens(
 ) -> Iterator[tuple[int, FinishReason | None]]:
     """Yield ``(token_id, finish_reason)``; the last pair has a finish reason.
 
-    Stops on ``params.stop_token_ids`` (unless ``ignore_eos``), ``max_tokens``, or the context.
+    Stops on ``params.stop_token_ids`` (unless ``ignore_eos``; never sampled before
+    ``min_tokens``), ``max_tokens``, or the context.
     Stop strings are the caller's (see ``gateway.node.textstream``).
     """
     if not prompt_ids:
@@ -95,6 +96,10 @@ def stream_tokens(
     for n in range(budget):
         logits = model(ids, pos, cache)[0, -1]
         cache.advance(ids.shape[1])
+        banned = [t for t in params.banned_stops(n) if 0 <= t < logits.shape[-1]]
+        if banned:
+            logits = logits.clone()
+            logits[banned] = float("-inf")
         tok = sample(logits, params, gen)
         if tok in stops:
             yield tok, FinishReason.STOP

@@ -8,9 +8,9 @@ the completion token ids already streamed (``gateway.token_ids``) to another nod
 
 Invariants:
 - The continuation asks for what was left: ``max_tokens`` less the tokens already sent (none
-  given: the node fills its context, as the first node would have), with the request's own
-  sampling fields and stop strings; a greedy request continues with exactly the tokens an
-  unbroken run gives.
+  given: the node fills its context, as the first node would have), ``min_tokens`` less them
+  too, with the request's own sampling fields, ``ignore_eos`` and stop strings; a greedy
+  request continues with exactly the tokens an unbroken run gives.
 - The client's stream keeps its shape: the continuation's events are rewritten in the
   client's format (chat chunks for a chat request) with the first node's ``id``,
   ``created`` and ``model``; its role chunk and empty chunks are dropped.
@@ -29,7 +29,7 @@ from gateway.front import fastjson
 from gateway.sse import sse_event
 
 # sampling fields carried to the continuation (both routes accept them)
-_CARRIED = ("temperature", "top_p", "top_k", "seed", "stop", "user")
+_CARRIED = ("temperature", "top_p", "top_k", "seed", "stop", "user", "ignore_eos")
 
 
 @dataclass(slots=True)
@@ -94,6 +94,9 @@ def continuation_body(
     for k in _CARRIED:
         if body.get(k) is not None:
             out[k] = body[k]
+    min_left = (body.get("min_tokens") or 0) - len(sent_ids)
+    if min_left > 0:  # no stop before the request's min_tokens, counting what was sent
+        out["min_tokens"] = min_left
     return out
 
 

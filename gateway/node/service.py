@@ -155,6 +155,8 @@ class NodeService:
             top_k=req.top_k,
             seed=req.seed,
             stop_token_ids=self.formatter.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
         )
         try:
             check_sampling(sampling)
@@ -183,7 +185,9 @@ class NodeService:
         ``Delta.clean``; see :mod:`gateway.token_ids`). Leaving this iterator early releases
         the engine request at once.
         """
-        streamer = TextStreamer(self.formatter.tokenizer, prep.stop)
+        streamer = TextStreamer(
+            self.formatter.tokenizer, prep.stop, min_tokens=prep.gen.sampling.min_tokens
+        )
         stops = set(prep.gen.sampling.stop_token_ids)
         agen = self.engine.generate(prep.gen)
         finished = False

@@ -5,6 +5,8 @@ Invariants:
   string itself excluded), so no UTF-8 character is ever split between chunks.
 - Text that might be the start of a stop string is held back until it is known not to be one;
   it is released by ``flush`` when generation ends for another reason.
+- No stop string ends the text before ``min_tokens`` tokens were pushed: one that is complete
+  sooner is emitted as text (the engines likewise ban stop token ids until then).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ class TextStreamer:
     tokenizer: Tokenizer
     stop: Sequence[str] = ()
     skip_special_tokens: bool = True
+    min_tokens: int = 0
     _decoder: DecodeStream = field(init=False)
+    _tokens: int = field(init=False, default=0)  # token ids pushed so far
     _pending: str = field(init=False, default="")
     stopped: bool = field(init=False, default=False)
     text: str = field(init=False, default="")  # everything emitted so far
@@ -41,24 +45,31 @@ class TextStreamer:
         """Feed new token ids; return the text now safe to emit ('' if none)."""
         if self.stopped:
             return ""
+        out = ""
         for tid in token_ids:
             piece = self._decoder.step(self.tokenizer, tid)
+            self._tokens += 1
             if piece:
                 self._pending += piece
-        return self._release()
+            if self._tokens < self.min_tokens:  # no stop string may end here
+                out += self._release(match=False)
+        return out + self._release(match=self._tokens >= self.min_tokens)
 
-    def _release(self) -> str:
+    def _release(self, match: bool = True) -> str:
+        """Emit what is known not to be (part of) a stop string; with ``match``, end at the
+        first stop string in the pending text."""
         if not self.stop:
             out, self._pending = self._pending, ""
             self.text += out
             return out
-        cut = min((i for s in self.stop if (i := self._pending.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            out = self._pending[:cut]
-            self._pending = ""
-            self.stopped = True
-            self.text += out
-            return out
+        if match:
+            cut = min((i for s in self.stop if (i := self._pending.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                out = self._pending[:cut]
+                self._pending = ""
+                self.stopped = True
+                self.text += out
+                return out
         # hold back the longest suffix that is a proper prefix of some stop string
         hold = 0
         for s in self.stop:
