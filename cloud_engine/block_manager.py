@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from routing.blocks import BlockEvents
+from routing.blocks import BLOCK_SIZE, BlockEvents
 
 
 class IntegrityError(AssertionError):
@@ -36,7 +36,7 @@ class BlockManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         on_events: Callable[[BlockEvents], None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks

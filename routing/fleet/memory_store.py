@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.ewma import Ewma
 from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetStore, FleetView
@@ -120,8 +121,8 @@ class OpenAINodeTracker:
         self.in_flight = 0
         self.completed = 0
         self.failed = 0
-        self._prefill_tps: float | None = None
-        self._decode_ms: float | None = None
+        self._prefill_tps = Ewma(self.alpha)
+        self._decode_ms = Ewma(self.alpha)
 
     @property
     def id(self) -> str:
@@ -129,9 +130,6 @@ class OpenAINodeTracker:
 
     def started(self) -> None:
         self.in_flight += 1
-
-    def _ewma(self, prev: float | None, x: float) -> float:
-        return x if prev is None else prev + self.alpha * (x - prev)
 
     def finished(
         self,
@@ -148,7 +146,7 @@ class OpenAINodeTracker:
             return
         self.completed += 1
         if ttft_ms is not None and ttft_ms > 0 and prompt_tokens > 0:
-            self._prefill_tps = self._ewma(self._prefill_tps, 1000.0 * prompt_tokens / ttft_ms)
+            self._prefill_tps.add(1000.0 * prompt_tokens / ttft_ms)
         if (
             ttft_ms is not None
             and e2e_ms is not None
@@ -156,7 +154,7 @@ class OpenAINodeTracker:
             and e2e_ms > ttft_ms
         ):
             per_token = (e2e_ms - ttft_ms) / (completion_tokens - 1)
-            self._decode_ms = self._ewma(self._decode_ms, per_token)
+            self._decode_ms.add(per_token)
 
     def state(self) -> NodeState:
         c = self.config
@@ -172,8 +170,8 @@ class OpenAINodeTracker:
             max_batch=slots,
             running=min(self.in_flight, slots),
             waiting=max(0, self.in_flight - slots),
-            prefill_tokens_per_s=self._prefill_tps or c.prefill_tokens_per_s,
-            decode_ms_per_token=self._decode_ms or c.decode_ms_per_token,
+            prefill_tokens_per_s=self._prefill_tps.value or c.prefill_tokens_per_s,
+            decode_ms_per_token=self._decode_ms.value or c.decode_ms_per_token,
             timestamp=self.clock(),
             ttl_s=c.ttl_s,
         )

@@ -139,11 +139,9 @@ class PrefillFit:
     squares over exponentially forgotten samples: new tokens cost ``b`` each, and each cached
     token they attend to (and the engine walks: block tables, KV gathers) ``c``.
 
-    A fit whose fixed cost exceeds the cheapest prompt's whole time, or falls below minus that
-    time, is an extrapolation of samples that do not pin it (prompts that all hit a prefix, or
-    all miss; cached and uncached lengths that move together, whose plane gave -8.8 s plus 10 ms
-    a new token on six such samples): it is not used. Nor is a plane that charges a cached token more than a
-    new one (attending to a token's KV costs less than computing it).
+    A fit whose fixed cost lies beyond the cheapest prompt's whole time, either side, is an
+    extrapolation of samples that do not pin it, and is not used; nor is a plane that charges a
+    cached token more than a new one (attending to a token's KV costs less than computing it).
     ``solve`` answers once the uncached lengths spread over ``min_samples``; the cached
     term joins only once the cached lengths spread too (``c = 0`` until then, and whenever the
     fit would make it negative), so a node that never hits a prefix is fitted as a line.
@@ -158,13 +156,12 @@ class PrefillFit:
         self.min_y = min(self.min_y, y)
         self.moments.add(uncached, cached, y)
 
-    def solve(self, cached_term: bool = True) -> tuple[float, float, float] | None:
-        """``(a, b, c)`` or None while the samples do not pin the per-token cost down
-        (``cached_term=False``: the line over the uncached lengths, ``c = 0``)."""
+    def solve(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)`` or None while the samples do not pin the per-token cost down."""
         s = self.moments.centered() if self.moments.n >= self.min_samples else None
         if s is None or s.vx < self.min_spread**2:
             return None
-        plane = s.plane() if cached_term and s.vz >= self.min_spread**2 else None
+        plane = s.plane() if s.vz >= self.min_spread**2 else None
         if plane is not None and 0 <= plane[2] <= plane[1] and self._pinned(plane[0]):
             return plane
         b = s.cxy / s.vx  # no usable cached term: the line over the uncached lengths
