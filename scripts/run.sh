@@ -4,5 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source .venv/bin/activate
-edgecloud edge export smollm2-135m-instruct --variant int8  # once, cached: progress on stderr
+# once, cached: progress on stderr; the graph's folder labelled, not bare, on stdout
+graph="$(edgecloud edge export smollm2-135m-instruct --variant int8)"
+echo "edge graph: $graph"
 exec edgecloud serve "$@"

@@ -65,4 +65,5 @@ if [[ ! -f "$(stamp "$EXTRAS")" ]] || ! command -v edgecloud >/dev/null 2>&1; th
 fi
 
 echo "getting the default model (about a minute the first time; then a check)..."
-edgecloud models pull smollm2-135m-instruct
+model="$(edgecloud models pull smollm2-135m-instruct)"  # progress on stderr
+echo "model: $model"
