@@ -132,6 +132,7 @@ class EdgeEngine:
         self.provider: ProviderChoice | None = None
         self.kv_bytes = 0  # KV cache memory, known once started (slots x context x per token)
         self.huge_pages = CollapseReport(note="off" if not self.config.huge_pages else "unstarted")
+        self.weights = self.meta.variant if self.meta else ""  # what stats() reports
         self._scheduler: SlotScheduler | None = None
         self._handoff: Handoff | None = None  # token events to the consumers' loops
         self._start_lock = asyncio.Lock()
@@ -140,19 +141,29 @@ class EdgeEngine:
     def from_model(
         cls,
         model: str | os.PathLike[str],
-        variant: str = "int8",
+        variant: str = "auto",
         attention: str = "gqa",
         config: EdgeEngineConfig | None = None,
         **kwargs: object,
     ) -> EdgeEngine:
-        """Export ``model`` (a store name or HF folder) if not cached, then build the engine.
+        """Export ``model`` (a store name or HF folder) if not cached, then build the engine;
+        ``variant`` "auto" is the quality gate's pick for this CPU (``edge_runtime.quality_gate``).
 
-        Blocking: the first export of a model takes about a minute (torch is imported then).
+        Blocking: the first export of a model takes about a minute (torch is imported then), the
+        first quality gate on a CPU a few minutes more.
         """
         from edge_runtime.export import ensure_export
 
+        verdict = ""
+        if variant == "auto":
+            from edge_runtime.quality_gate import choose_variant
+
+            gate = choose_variant(model, threads=(config or EdgeEngineConfig()).threads)
+            variant, verdict = gate.chosen, f"quality gate: {gate.summary()}"
         graph = ensure_export(model, variant, attention)
-        return cls(graph.folder, config, **kwargs)  # type: ignore[arg-type]
+        engine = cls(graph.folder, config, **kwargs)  # type: ignore[arg-type]
+        engine.weights = verdict or variant
+        return engine
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -292,6 +303,7 @@ class EdgeEngine:
                 prefix_cache=cfg.prefix_reuse,
                 prefix_catch_up=cfg.prefix_reuse,
                 prefix_in_slots=cfg.prefix_reuse,
+                weights=self.weights,
                 prefill_chunk=cfg.prefill_chunk,
                 prefill_chunk_decoding=cfg.prefill_chunk,
             )
@@ -309,6 +321,7 @@ class EdgeEngine:
             prefix_cache=cfg.prefix_reuse,
             prefix_catch_up=cfg.prefix_reuse,
             prefix_in_slots=cfg.prefix_reuse,
+            weights=self.weights,
             prefill_chunk=snap.prefill_chunk,
             prefill_chunk_decoding=snap.prefill_chunk_decoding,
         )

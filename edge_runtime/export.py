@@ -9,9 +9,8 @@ Invariants:
   checked against the JSON); a new identity means a new folder, i.e. a fresh export. A folder
   written by an older export format (``META_FORMAT``) is rebuilt in place.
 - Quantized variants are made from the fp32 graph of the same attention flavour (exported
-  first if missing), never from torch directly. An ``int8`` folder made by another method
-  than the one asked for (by default this CPU's, ``edge_runtime.quantize.int8_method``) is
-  rebuilt in place.
+  first if missing), never from torch directly. A folder made by another quantization than
+  ``QUANTIZATION`` names (an older per-tensor ``int8``) is rebuilt in place.
 - Concurrent callers serialize on a file lock; the second one finds the first one's result.
 """
 
@@ -27,8 +26,6 @@ from pathlib import Path
 from filelock import FileLock
 
 from edge_runtime.graph_info import GRAPH_FILE, META_FORMAT, ExportMeta
-from edge_runtime.quantize import Int8Method
-from edge_runtime.quantize import int8_method as default_int8_method
 from routing.model_store import ModelInfo, home_dir, resolve
 from routing.progress import step
 from routing.prompt import TOKENIZER_FILES
@@ -38,6 +35,7 @@ log = logging.getLogger(__name__)
 VARIANTS = ("fp32", "int8", "int4")
 ATTENTIONS = ("gqa", "concat")
 DATA_FILE = GRAPH_FILE + ".data"
+QUANTIZATION = {"fp32": "", "int8": "blockwise", "int4": ""}  # how each variant is made
 
 
 @dataclass(frozen=True)
@@ -59,16 +57,14 @@ def export_folder(info: ModelInfo, variant: str, attention: str, root: Path | No
     return (root or onnx_root()) / info.identity / name
 
 
-def _valid(
-    folder: Path, info: ModelInfo, variant: str, attention: str, quantization: str
-) -> ExportMeta | None:
+def _valid(folder: Path, info: ModelInfo, variant: str, attention: str) -> ExportMeta | None:
     meta = ExportMeta.read(folder)
     if meta is None or not (folder / meta.graph_file).is_file() or meta.format != META_FORMAT:
         return None
     if (meta.model_identity, meta.variant, meta.attention) != (info.identity, variant, attention):
         return None
     made = meta.quantization or ("per_tensor" if variant == "int8" else "")
-    return meta if made == quantization else None
+    return meta if made == QUANTIZATION[variant] else None
 
 
 def tool_versions() -> dict[str, str]:
@@ -90,26 +86,22 @@ def ensure_export(
     *,
     root: Path | None = None,
     force: bool = False,
-    int8_method: Int8Method | None = None,
 ) -> ExportedGraph:
     """The cached export of ``model`` in ``variant``, exporting (and quantizing) if needed.
 
     The fp32 torch export of the default model takes about a minute and ~1.2 GB of memory.
     ``force`` rebuilds this variant (not the fp32 graph it is quantized from).
-    ``int8_method`` (``int8`` only; None: this CPU's, see ``edge_runtime.quantize``).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     if attention not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, not {attention!r}")
-    # how int8 is made; asked of the CPU (and $EDGECLOUD_INT8_METHOD) for int8 only
-    method = (int8_method or default_int8_method()) if variant == "int8" else None
-    quantization = method or ""
+    quantization = QUANTIZATION[variant]
     info = resolve(model)
     folder = export_folder(info, variant, attention, root)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
-        meta = None if force else _valid(folder, info, variant, attention, quantization)
+        meta = None if force else _valid(folder, info, variant, attention)
         if meta is not None:
             return ExportedGraph(folder, meta)
         source = None
@@ -126,9 +118,8 @@ def ensure_export(
             else:
                 from edge_runtime.quantize import quantize
 
-                how = f" ({quantization})" if quantization else ""
-                with step(f"quantizing {info.name} to {variant}{how}"):
-                    quantize(variant, source, tmp / GRAPH_FILE, method)
+                with step(f"quantizing {info.name} to {variant}"):
+                    quantize(variant, source, tmp / GRAPH_FILE)
             meta = _write_meta(
                 info, tmp, variant, attention, time.perf_counter() - t0, quantization
             )

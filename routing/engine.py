@@ -123,6 +123,8 @@ class EngineStats:
     # its prefix cache is the KV its slots keep, one prompt each (the edge): a request that
     # takes a free slot overwrites what that slot kept beyond their common leading blocks
     prefix_in_slots: bool = False
+    # its weights and how they were chosen (the edge: its variant and the quality gate's verdict)
+    weights: str = ""
     tp: int = 1  # tensor-parallel ranks (cloud)
     pp: int = 1  # pipeline stages (cloud)
     devices: tuple[str, ...] = ()  # one per rank, when parallel

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 from pathlib import Path
 
@@ -22,15 +21,6 @@ from edge_runtime import export as export_mod
 from edge_runtime.decoder import Decoder
 from edge_runtime.export import ensure_export, export_folder
 from edge_runtime.graph_info import META_FILE, ExportMeta, read_graph_info
-from edge_runtime.quantize import (
-    INT8_METHOD_ENV,
-    INT8_METHODS,
-    Int8Method,
-    Int8MethodError,
-    cpu_flags,
-    int8_method,
-)
-from gateway.cli import EXIT_USAGE, describe_error
 from routing.model_store import resolve
 
 
@@ -188,19 +178,11 @@ def test_bad_variant_rejected(tiny_model_path: Path, tmp_path: Path) -> None:
         ensure_export(tiny_model_path, "int3", root=tmp_path)
 
 
-@pytest.mark.parametrize(
-    ("variant", "method", "op"),
-    [
-        ("int8", "per_tensor", "MatMulInteger"),
-        ("int8", "blockwise", "MatMulNBits"),
-        ("int4", None, "MatMulNBits"),
-    ],
-)
-def test_quantized_variants(
-    tiny_model_path: Path, onnx_root: Path, variant: str, method: Int8Method | None, op: str
-) -> None:
-    graph = ensure_export(tiny_model_path, variant, root=onnx_root, int8_method=method)
-    assert graph.meta.variant == variant and graph.meta.quantization == (method or "")
+@pytest.mark.parametrize(("variant", "op"), [("int8", "MatMulNBits"), ("int4", "MatMulNBits")])
+def test_quantized_variants(tiny_model_path: Path, onnx_root: Path, variant: str, op: str) -> None:
+    graph = ensure_export(tiny_model_path, variant, root=onnx_root)
+    assert graph.meta.variant == variant
+    assert graph.meta.quantization == export_mod.QUANTIZATION[variant]
     model = onnx.load(str(graph.graph_path), load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
     # every MatMul with a weight is quantized, the LM head included (it is untied)
@@ -220,33 +202,24 @@ def test_quantized_variants(
     assert logits.shape == (49152,) and np.isfinite(logits).all()
 
 
-def test_int8_folder_made_by_another_method_is_rebuilt(
-    tiny_model_path: Path, tmp_path: Path
-) -> None:
-    first = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="per_tensor")
-    again = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="per_tensor")
+def test_int8_folder_of_an_older_method_is_rebuilt(tiny_model_path: Path, tmp_path: Path) -> None:
+    first = ensure_export(tiny_model_path, "int8", root=tmp_path)
+    again = ensure_export(tiny_model_path, "int8", root=tmp_path)
     assert again.meta.created_unix == first.meta.created_unix  # reused
-    other = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="blockwise")
-    assert other.folder == first.folder and other.meta.quantization == "blockwise"
-    ops = {n.op_type for n in onnx.load(str(other.graph_path), load_external_data=False).graph.node}
-    assert "MatMulNBits" in ops and "MatMulInteger" not in ops
-    # a folder written before the field existed is a per_tensor one
+    # a folder of the per-tensor method (or written before the field existed) is rebuilt
     data = json.loads((first.folder / META_FILE).read_text())
     del data["quantization"]
     (first.folder / META_FILE).write_text(json.dumps(data))
-    assert ExportMeta.read(first.folder).quantization == ""  # type: ignore[union-attr]
-    rebuilt = ensure_export(tiny_model_path, "int8", root=tmp_path, int8_method="blockwise")
+    rebuilt = ensure_export(tiny_model_path, "int8", root=tmp_path)
     assert rebuilt.meta.quantization == "blockwise"
+    assert rebuilt.meta.created_unix > first.meta.created_unix
 
 
-@pytest.mark.parametrize(("method", "invariant"), [("blockwise", True), ("per_tensor", False)])
-def test_int8_logits_and_prompt_chunking(
-    tiny_model_path: Path, onnx_root: Path, method: Int8Method, invariant: bool
-) -> None:
-    """A prompt prefilled in one chunk or in two gives the same last logits with ``blockwise``
-    int8 (each token's activations quantized on their own), not with ``per_tensor`` (one scale
-    over the chunk): under the latter a greedy answer depends on how the engine chunked it."""
-    graph = ensure_export(tiny_model_path, "int8", root=onnx_root, int8_method=method)
+def test_int8_logits_and_prompt_chunking(tiny_model_path: Path, onnx_root: Path) -> None:
+    """A prompt prefilled in one chunk or in two gives the same last logits with int8 (each
+    token's activations quantized on their own): a greedy answer does not depend on how the
+    engine chunked it."""
+    graph = ensure_export(tiny_model_path, "int8", root=onnx_root)
     info = read_graph_info(graph.graph_path)
     whole = Decoder(_session(graph.graph_path), info, 1, 256)
     split = Decoder(_session(graph.graph_path), info, 1, 256)
@@ -254,33 +227,7 @@ def test_int8_logits_and_prompt_chunking(
     ref = whole.prefill(0, ids, 0).copy()
     split.prefill(0, ids[:37], 0)
     got = split.prefill(0, ids[37:], 37)
-    diff = float(np.abs(got - ref).max())
-    assert (diff == 0.0) is invariant, diff
-
-
-def test_int8_method_by_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(INT8_METHOD_ENV, raising=False)
-    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert int8_method(frozenset({"avx2", "avx512_vnni"})) == "blockwise"
-    assert int8_method(frozenset({"avx2", "avx_vnni"})) == "blockwise"
-    assert int8_method(frozenset({"avx2", "fma"})) == "per_tensor"
-    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert int8_method(frozenset({"asimddp"})) == "per_tensor"
-    monkeypatch.setenv(INT8_METHOD_ENV, "blockwise")
-    assert int8_method(frozenset()) == "blockwise"
-    monkeypatch.setenv(INT8_METHOD_ENV, "int7")
-    with pytest.raises(Int8MethodError, match=INT8_METHOD_ENV):
-        int8_method(frozenset())
-    assert describe_error(Int8MethodError("x")) == ("x", EXIT_USAGE)  # the CLI: a usage error
-    # the CLI names the methods without importing onnx: the same names
-    from gateway.commands import edge
-
-    assert (edge.INT8_METHODS, edge.INT8_METHOD_ENV) == (INT8_METHODS, INT8_METHOD_ENV)
-    assert edge.VARIANTS == export_mod.VARIANTS
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_vnni\n\nprocessor\t: 1\n")
-    assert cpu_flags(info) == {"fpu", "avx2", "avx512_vnni"}
-    assert cpu_flags(tmp_path / "missing") == frozenset()
+    assert float(np.abs(got - ref).max()) == 0.0
 
 
 def test_cli_export_prints_folder(

@@ -14,8 +14,12 @@ from gateway.commands.node_args import EDGE_FLAGS, add_engine_flags, add_node_ar
 from routing.model_store import DEFAULT_MODEL
 
 VARIANTS = ("fp32", "int8", "int4")  # edge_runtime.export's (not imported: it loads onnx)
-INT8_METHODS = ("blockwise", "per_tensor")  # edge_runtime.quantize's
-INT8_METHOD_ENV = "EDGECLOUD_INT8_METHOD"
+# "auto": the quality gate's pick for this CPU (edge_runtime.quality_gate)
+VARIANT_CHOICES = ("auto", *VARIANTS)
+VARIANT_HELP = (
+    "weights: fp32, int8 or int4 (8- or 4-bit blocks); default auto: the fastest that answers "
+    "as well as fp32 on this CPU (the quality gate)"
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,24 +46,7 @@ def add_export(esub: argparse._SubParsersAction) -> None:
         ),
     )
     e.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"default: {DEFAULT_MODEL}")
-    e.add_argument(
-        "--variant",
-        "-p",
-        choices=VARIANTS,
-        default="int8",
-        help="weights: fp32, int8 (8-bit) or int4 (4-bit blocks); default int8",
-    )
-    e.add_argument(
-        "--int8-method",
-        choices=INT8_METHODS,
-        default=None,
-        help=(
-            "how int8 is made: blockwise (each token's activations quantized on their own: the "
-            "same answer whatever the batch or chunking; needs x86 VNNI to be fast) or "
-            "per_tensor (one scale per activation tensor; fast on every CPU); default: "
-            f"${INT8_METHOD_ENV}, else blockwise where the CPU has VNNI"
-        ),
-    )
+    e.add_argument("--variant", "-p", choices=VARIANT_CHOICES, default="auto", help=VARIANT_HELP)
     e.add_argument(
         "--attention",
         choices=("gqa", "concat"),
@@ -75,17 +62,15 @@ def add_export(esub: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from edge_runtime.export import ensure_export
+    from edge_runtime.quality_gate import choose_variant
     from gateway.cli import describe_error
     from routing.model_store import ModelNotFound
 
     try:
-        graph = ensure_export(
-            args.model,
-            args.variant,
-            args.attention,
-            force=args.force,
-            int8_method=args.int8_method,
-        )
+        variant = args.variant
+        if variant == "auto":
+            variant = choose_variant(args.model).chosen
+        graph = ensure_export(args.model, variant, args.attention, force=args.force)
     except ModelNotFound as e:  # one line naming what is stored and what can be pulled
         message = describe_error(e)
         print(f"edgecloud edge export: error: {message[0] if message else e}", file=sys.stderr)
@@ -97,9 +82,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def add_serve(esub: argparse._SubParsersAction) -> None:
     s = esub.add_parser("serve", help="serve a model with the ONNX Runtime edge engine")
     add_node_arguments(s, default_port=8001)
-    s.add_argument(
-        "--variant", "-p", choices=VARIANTS, default="int8", help="which export to serve"
-    )
+    s.add_argument("--variant", "-p", choices=VARIANT_CHOICES, default="auto", help=VARIANT_HELP)
     add_engine_flags(s, EDGE_FLAGS)
     s.set_defaults(func=cmd_serve)
 

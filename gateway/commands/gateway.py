@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from gateway.commands.argtypes import port
+from gateway.commands.edge import VARIANT_CHOICES
 from gateway.commands.node_args import (
     CLOUD_FLAGS,
     EDGE_FLAGS,
@@ -87,9 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     s.add_argument(
         "--edge-variant",
-        default="int8",
-        choices=["fp32", "int8", "int4"],
-        help="the edge node's ONNX weights",
+        default="auto",
+        choices=VARIANT_CHOICES,
+        help="the edge node's weights (default auto: the quality gate's pick for this CPU)",
     )
     add_serve_flags(s, EDGE_FLAGS, CLOUD_FLAGS)
     s.add_argument(

@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from routing.model_store import DEFAULT_MODEL, list_models, models_dir
+from routing.model_store import DEFAULT_MODEL, ModelInfo, list_models, models_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +73,20 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = [("NAME", "SIZE MB", "IDENTITY", "PATH")]
     rows += [(m.name, f"{m.size_bytes / 1e6:.0f}", m.identity, str(m.path)) for m in models]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    for r in rows:
+    for r, m in zip(rows, [None, *models], strict=True):
         print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+        if m is not None:
+            print(f"  edge weights on this CPU: {_edge_verdict(m)}")
     return 0
+
+
+def _edge_verdict(info: ModelInfo) -> str:
+    """The quality gate's verdict for ``info`` on this CPU, or how to get one."""
+    try:
+        from edge_runtime.quality_gate import read_gate
+    except ImportError:  # a gateway-only install: no edge runtime
+        return "no edge runtime installed"
+    gate = read_gate(info)
+    if gate is None:
+        return f"not measured yet (edgecloud edge export {info.name})"
+    return gate.summary()

@@ -261,6 +261,7 @@ class NodeService:
             prefix_cache=s.prefix_cache,
             prefix_catch_up=s.prefix_catch_up,
             prefix_in_slots=s.prefix_in_slots,
+            weights=s.weights,
             tp=s.tp,
             pp=s.pp,
             devices=list(s.devices),

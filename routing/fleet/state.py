@@ -73,6 +73,7 @@ class NodeState(BaseModel):
     prefix_catch_up: bool = False
     # its prefix cache is what its slots keep (routing.engine.EngineStats.prefix_in_slots)
     prefix_in_slots: bool = False
+    weights: str = ""  # its weights and how they were chosen (routing.engine.EngineStats.weights)
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
