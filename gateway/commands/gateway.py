@@ -243,6 +243,11 @@ def run_serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)
     check_port_free("127.0.0.1", edge_port, "--edge-port")
     check_port_free("127.0.0.1", cloud_port, "--cloud-port")
+    if args.edge_variant == "auto":  # measured here, on a quiet machine; the edge node reads it
+        from edge_runtime.quality_gate import choose_variant
+
+        gate = choose_variant(info.path, threads=args.edge_threads)
+        print(f"edge weights: {gate.summary()}", file=sys.stderr)
     servers: list[DrainingServer] = []
 
     def node_died(ended: ChildExit) -> None:  # the supervisor's watcher thread
