@@ -142,37 +142,17 @@ VARIANTS = {
 }
 # Node variants for --variants: flags of ``edgecloud serve`` (the default policy).
 SERVE_VARIANTS = {
-    # the edge prefills in full 256-token chunks even while answers decode (the old loop)
-    "full_chunks": ["--edge-prefill-stall-ratio", "off"],
-    # the edge admits strictly in arrival order: a request reusing a free slot's kept prefix
-    # waits behind one that overwrites it (the default before 2026-12-04, ninth session)
-    "arrival_order": ["--edge-prefix-first", "0"],
-    # both nodes give a prompt's chunk half a decode step's time while answers decode (the
-    # default: one), so what requests sent later do to an answer's rate is bounded tighter
-    "stall_half": ["--edge-prefill-stall-ratio", "0.5", "--cloud-prefill-stall-ratio", "0.5"],
-    # the edge runs a prompt's 16-token block only every so many decode steps where one takes
-    # longer than the ratio allows (the default: a block every step)
-    "space_chunks": ["--edge-space-chunks"],
-    # a quarter of a decode step's time
-    "stall_quarter": ["--edge-prefill-stall-ratio", "0.25", "--cloud-prefill-stall-ratio", "0.25"],
-    # the edge runs 8 sequences at once (the default: 4): at concurrency 16 it held 8-13, so
-    # most waited, and the edge admits a prefix match ahead of the queue, which the replay
-    # does not (its shared prompts' TTFT off by 3-4x either way)
+    # both nodes prefill in full chunks even while answers decode
+    "full_chunks": ["--prefill-stall-ratio", "off"],
+    # a prompt's chunk gets half / a quarter of a decode step's time while answers decode
+    "stall_half": ["--prefill-stall-ratio", "0.5"],
+    "stall_quarter": ["--prefill-stall-ratio", "0.25"],
+    # the edge decodes 8 answers at once (default 4)
     "edge_slots8": ["--edge-slots", "8"],
-    # the edge's free slot the least recently freed (the default before 2026-12-05: compact,
-    # the one that widens the decoding slots' span least)
-    "slot_lru": ["--edge-slot-order", "lru"],
-    # the edge's slot order before 2026-12-05 (seventeenth session): compact, without keeping
-    # a free slot whose blocks two requests used (an app's system prompt) for last (shared)
-    "slot_compact": ["--edge-slot-order", "compact"],
-    # the edge copies a prefix into a request's slot only at its admission (the default before
-    # the eighteenth session), not also before each chunk
-    "no_catch_up": ["--no-edge-prefix-catch-up"],
-    # the CPU cloud node runs up to 8 or 64 sequences at once (the default on one thread: 4;
-    # 64 was the CPU default before 2026-12-03)
+    # the CPU cloud node runs up to 8 or 64 sequences at once (default on one thread: 4)
     "cloud_rows8": ["--cloud-max-running", "8"],
     "cloud_rows64": ["--cloud-max-running", "64"],
-    # the cloud node on the CPU where the machine also has a GPU (a CPU-only box's fleet)
+    # the cloud node on the CPU where the machine also has a GPU
     "cloud_cpu": ["--cloud-device", "cpu"],
 }
 
@@ -613,6 +593,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--log", type=Path, default=None, help="write serve's output here")
     ap.add_argument(
+        "--edge-variant",
+        default="auto",
+        choices=("auto", "fp32", "int8", "int4"),
+        help="serve's --edge-variant in every arm (default auto: the quality gate's pick)",
+    )
+    ap.add_argument(
         "--out",
         type=Path,
         default=RAW / "prediction_error.json",
@@ -674,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
                 shadow_policy(variant, args.shadows) if args.shadows else VARIANTS[variant]
             )
             extra = ["--policy-file", str(policy)]
-        extra += SERVE_VARIANTS.get(variant, [])
+        extra += [*SERVE_VARIANTS.get(variant, []), "--edge-variant", args.edge_variant]
         # every variant gets a fresh fleet (nothing learned or cached carries over), the same mix
         with embedded_default(extra, log_path=args.log) as base:
             all_streamed = args.streamed == "all"
