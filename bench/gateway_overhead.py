@@ -5,8 +5,10 @@ same load sent to it (a) directly, (b) through our gateway (one uvicorn worker w
 httptools, in-process fleet store polling the upstream's ``/load``, routing fully on: the prompt
 is rendered, tokenized and block-hashed, the fleet read, a decision made) and (c) through the
 LiteLLM proxy (installed by this script in its own virtualenv under ``.cache/``, one worker).
-Also our gateway with a bare aiohttp ``ClientSession`` as its upstream client instead of its own
-HTTP/1.1 client (``gateway-aiohttp``; ``--no-aiohttp`` skips it). Loads: concurrency 1, 16 and 64, non-streaming and streaming (64 chunks). Reported per scenario:
+Also our gateway sending to its nodes through httpx's transport instead of its own HTTP/1.1
+client (``gateway-httpx``, the other transport of ``gateway.front.node_client``; ``--no-httpx``
+skips it): the comparison that keeps ``gateway/front/http1.py``. Loads: concurrency 1, 16 and
+64, non-streaming and streaming (64 chunks). Reported per scenario:
 p50/p99 latency, the p50/p99 added over direct, requests/s, and the CPU time the server under
 test spent per request. Every request carries one API key (LiteLLM needs a master key; our
 gateway is given the same key, so both authenticate).
@@ -22,7 +24,7 @@ shares core 1 with the upstream, except for the direct runs (load on core 0). A 
 stopped receiving load is waited for until idle before the next run.
 
     python bench/gateway_overhead.py [--duration 8] [--repeat 3] [--concurrency 1,16,64]
-        [--no-litellm] [--no-long] [--compare-loop] [--loadgen wrk|python]
+        [--no-litellm] [--no-httpx] [--no-long] [--compare-loop] [--loadgen wrk|python]
     python bench/gateway_overhead.py _render     # rewrite the markdown from the JSON
 
 Results: bench/results/gateway_overhead.{json,md}.
@@ -435,6 +437,7 @@ def gateway_cli(argv: list[str]) -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--inline-tokenize", action="store_true")
     ap.add_argument("--loop", default="uvloop", choices=["uvloop", "asyncio"])
+    ap.add_argument("--transport", default="h1", choices=["h1", "httpx"])
     a = ap.parse_args(argv)
     import uvicorn
 
@@ -451,6 +454,10 @@ def gateway_cli(argv: list[str]) -> None:
         import gateway.front.request_path as path_module
 
         path_module._OFFLOAD_CHARS = 1 << 62
+    if a.transport == "httpx":  # for comparison only: every node POST through httpx
+        import gateway.front.node_client as client_module
+
+        client_module.default_transport = lambda fallback, *_: fallback
     uvicorn.run(
         create_gateway_app(config),
         host="127.0.0.1",
@@ -728,17 +735,15 @@ def start_gateway(
     name: str,
     loop: str,
     *extra: str,
-    upstream_client: str = "h1",
+    transport: str = "h1",
 ) -> Target:
     """Our gateway in its own process; its tokenizer cache in a fresh home (fetched from the
-    upstream on the first request, as in production). ``upstream_client``: ``h1`` (the
-    gateway's own HTTP/1.1 client, as it ships) or ``aiohttp`` (a bare aiohttp
-    ``ClientSession``, for comparison)."""
+    upstream on the first request, as in production). ``transport``: ``h1`` (the gateway's
+    own HTTP/1.1 client, as it ships) or ``httpx`` (httpx's transport, for comparison)."""
     port = free_port()
     env = {**os.environ, "EDGECLOUD_HOME": str(tmp / f"{name}-home")}
-    env["EDGECLOUD_UPSTREAM_CLIENT"] = upstream_client
     cmd = [sys.executable, str(Path(__file__).resolve()), "_gateway", "--upstream", up_url]
-    cmd += ["--loop", loop]
+    cmd += ["--loop", loop, "--transport", transport]
     proc = Proc(name, [*cmd, "--port", str(port), *extra], cores.server, tmp, env=env)
     target = Target(name, f"http://127.0.0.1:{port}", proc, proc.p.pid)
     try:
@@ -796,9 +801,9 @@ def main(argv: list[str] | None = None) -> None:
         "--name", default="gateway_overhead", help="results file name (partial runs: another)"
     )
     ap.add_argument(
-        "--no-aiohttp",
+        "--no-httpx",
         action="store_true",
-        help="skip the gateway whose upstream client is a bare aiohttp ClientSession",
+        help="skip the gateway that sends to its nodes through httpx's transport",
     )
     ap.add_argument("--long-tokens", type=int, default=5000)
     ap.add_argument("--long-conc", type=int, default=1, help="clients sending long prompts")
@@ -851,16 +856,11 @@ def main(argv: list[str] | None = None) -> None:
                         "profile_ms_per_long_prompt": profile_cost_ms(text),
                         "offloaded": long_prompt_scenario(t, args, cores, load, text),
                     }
-            if not args.no_aiohttp:
-                print("through our gateway with a bare aiohttp ClientSession to the upstream")
+            if not args.no_httpx:
+                print("through our gateway sending to the upstream through httpx's transport")
                 with started(
                     start_gateway(
-                        up_url,
-                        cores,
-                        tmp,
-                        "gateway-aiohttp",
-                        args.gateway_loop,
-                        upstream_client="aiohttp",
+                        up_url, cores, tmp, "gateway-httpx", args.gateway_loop, transport="httpx"
                     )
                 ) as t:
                     rows += measure(t, concs, args, cores, load)
@@ -913,7 +913,7 @@ def main(argv: list[str] | None = None) -> None:
 def render(p: dict) -> str:
     cols = ["mode", "c", "target", "p50_ms", "p99_ms", "added_p50_ms", "added_p99_ms"]
     cols += ["rps", "cpu_us_per_req", "errors"]
-    order = ["direct", "gateway", "gateway-aiohttp", "gateway-asyncio", "gateway-uvloop"]
+    order = ["direct", "gateway", "gateway-httpx", "gateway-asyncio", "gateway-uvloop"]
     order.append("litellm")
     rows = sorted(
         (r for r in p["rows"] if "p50_ms" in r),

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import http.cookiejar
 import json
-import os
 import random
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -28,19 +25,9 @@ from typing import Any, cast
 import httpx
 
 from gateway.front import fastjson
+from gateway.front.node_client import NodeClient
 from gateway.front.upstream import StreamedUpstream, Upstream  # the node response's interface
 from gateway.node_headers import HEADERS_AT_FIRST_TOKEN
-
-try:  # the gateway's own HTTP/1.1 client for plain-HTTP nodes (needs httptools)
-    from gateway.front.http1 import H1Pool, H1Response
-except ImportError:  # pragma: no cover - every request then goes through httpx
-    H1Pool = H1Response = None  # type: ignore[assignment,misc]
-
-try:  # the aiohttp transport is 3.5x faster under concurrency (see the measured notes)
-    import aiohttp
-    from httpx_aiohttp import AiohttpTransport
-except ImportError:  # pragma: no cover - optional speed-up
-    AiohttpTransport = None  # type: ignore[assignment,misc]
 
 RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 HOP_HEADERS = {
@@ -53,128 +40,6 @@ HOP_HEADERS = {
     "server",
     HEADERS_AT_FIRST_TOKEN,  # between a node and the gateway only
 }
-
-
-def make_client(
-    connect_timeout_s: float = 2.0,
-    read_timeout_s: float = 600.0,
-    max_connections: int = 2048,
-    headers: dict[str, str] | None = None,
-) -> httpx.AsyncClient:
-    """One pooled keep-alive client shared by every node.
-
-    Upstream cookies are never kept: the client is shared by every caller of the gateway, so a
-    cookie one node set for one caller must not travel with the next caller's request.
-    ``headers`` go with every request to a node (the node token), on every path: the client's
-    own requests and :func:`send_upstream`'s fast paths alike.
-    """
-    limits = httpx.Limits(
-        max_connections=max_connections,
-        max_keepalive_connections=max_connections // 4,
-        keepalive_expiry=30.0,
-    )
-    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
-    transport = None
-    if AiohttpTransport is not None:
-        ssl_context = httpx.create_ssl_context()
-
-        def session() -> aiohttp.ClientSession:  # made on first use, inside the running loop
-            connector = aiohttp.TCPConnector(
-                limit=max_connections, keepalive_timeout=limits.keepalive_expiry, ssl=ssl_context
-            )
-            return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
-
-        transport = AiohttpTransport(limits=limits, client=session)
-    client = httpx.AsyncClient(
-        transport=transport, limits=limits, timeout=timeout, cookies=_NoCookies(), headers=headers
-    )
-    if headers:
-        _HEADERS[client] = dict(headers)
-    if transport is not None:
-        _FAST[client] = (transport, timeout.as_dict())
-    if os.environ.get("EDGECLOUD_UPSTREAM_CLIENT") == "aiohttp" and AiohttpTransport is not None:
-        from gateway.front.aiohttp_upstream import AiohttpSender
-
-        _SENDERS[client] = AiohttpSender(connect_timeout_s, read_timeout_s, max_connections)
-    elif H1Pool is not None:
-        _POOLS[client] = H1Pool(
-            connect_timeout_s, read_timeout_s, max_connections, limits.keepalive_expiry or 30.0
-        )
-    return client
-
-
-async def close_client(client: httpx.AsyncClient) -> None:
-    """Close a client from :func:`make_client` and its plain-HTTP connection pool."""
-    pool = _POOLS.pop(client, None)
-    if pool is not None:
-        await pool.aclose()
-    sender = _SENDERS.pop(client, None)
-    if sender is not None:
-        await sender.aclose()
-    await client.aclose()
-
-
-class _NoCookies(http.cookiejar.CookieJar):
-    """A cookie jar that keeps nothing (see :func:`make_client`)."""
-
-    def set_cookie(self, cookie: http.cookiejar.Cookie) -> None:
-        pass
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        pass
-
-
-# Clients made by make_client: their transport and timeouts, for the hot path in send_upstream.
-_FAST: weakref.WeakKeyDictionary[
-    httpx.AsyncClient, tuple[httpx.AsyncBaseTransport, dict[str, float | None]]
-] = weakref.WeakKeyDictionary()
-# Clients made by make_client: their own HTTP/1.1 pool, for plain-HTTP nodes.
-_POOLS: weakref.WeakKeyDictionary[httpx.AsyncClient, H1Pool] = weakref.WeakKeyDictionary()
-# Clients made by make_client with EDGECLOUD_UPSTREAM_CLIENT=aiohttp: a bare aiohttp session.
-_SENDERS: weakref.WeakKeyDictionary[httpx.AsyncClient, Any] = weakref.WeakKeyDictionary()
-_URLS: dict[str, httpx.URL] = {}
-# Clients made by make_client with headers for every node request (send_upstream adds them).
-_HEADERS: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, str]] = weakref.WeakKeyDictionary()
-
-
-def _url(url: str) -> httpx.URL:
-    u = _URLS.get(url)
-    if u is None:
-        if len(_URLS) > 4096:
-            _URLS.clear()
-        u = _URLS[url] = httpx.URL(url)
-    return u
-
-
-async def send_upstream(
-    client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]
-) -> Upstream:
-    """POST ``body`` to ``url`` and return the response unread (status and headers only).
-
-    A client from :func:`make_client` sends plain-HTTP requests through its own small HTTP/1.1
-    pool (:mod:`gateway.front.http1`), and anything else (HTTPS) straight to its transport: the
-    gateway needs none of the client's redirect, auth and cookie handling per request. Any
-    other client (a test's mock transport) goes through ``client.send``.
-    """
-    extra = _HEADERS.get(client)
-    headers = {"accept-encoding": "identity", **(extra or {}), **headers}  # relayed raw
-    sender = _SENDERS.get(client)
-    if sender is not None and url.startswith("http://") and not client.is_closed:
-        return await sender.post(url, body, headers)
-    pool = _POOLS.get(client)
-    if pool is not None and not pool.closed and not client.is_closed:
-        target = pool.target(url)
-        if target is not None:
-            return await pool.post(target, body, headers)
-    fast = _FAST.get(client)
-    if fast is None or client.is_closed:
-        req = client.build_request("POST", url, content=body, headers=headers)
-        return await client.send(req, stream=True)
-    transport, timeout = fast
-    req = httpx.Request(
-        "POST", _url(url), content=body, headers=headers, extensions={"timeout": timeout}
-    )
-    return await transport.handle_async_request(req)
 
 
 @dataclass
@@ -270,7 +135,7 @@ def sse_error(message: str, code: str = "upstream_error") -> bytes:
 
 
 async def open_first(
-    client: httpx.AsyncClient,
+    client: NodeClient,
     candidates: Sequence[tuple[str, str]],  # (node_id, url)
     path: str,
     body: bytes,
@@ -300,8 +165,8 @@ async def open_first(
         attempts.append(att)
         sent_at = time.perf_counter()
         try:
-            resp = await send_upstream(
-                client, url.rstrip("/") + path, body, {**headers, **extra} if extra else headers
+            resp = await client.post(
+                url.rstrip("/") + path, body, {**headers, **extra} if extra else headers
             )
         except (httpx.TransportError, OSError) as exc:
             att.error = f"{type(exc).__name__}: {exc}"

@@ -1,4 +1,5 @@
-"""The gateway's HTTP/1.1 client (gateway.front.http1) against real servers on loopback.
+"""The gateway's HTTP/1.1 client (gateway.front.http1) and the node client's transports
+(gateway.front.node_client) against real servers on loopback.
 
 Most servers here are asyncio sockets scripted byte by byte (:class:`Raw` counts the TCP
 connections it accepted); one test runs a uvicorn app. Every failure is checked for the httpx
@@ -18,11 +19,13 @@ import httpx
 import pytest
 
 from gateway.front.http1 import HIGH_WATER, H1Headers, H1Pool, H1Response
+from gateway.front.node_client import H1Transport, HttpxTransport, make_client
 from gateway.front.upstream import (
     ChunkedUpstream,
     StreamedUpstream,
     UpstreamHeaders,
     UpstreamResponse,
+    UpstreamTransport,
 )
 from tests.conftest import free_port
 
@@ -119,36 +122,51 @@ async def post(pool: H1Pool, url: str, body: bytes = b"{}", **headers: str) -> H
 # ---- the typed interface -----------------------------------------------------------------------
 
 
-async def test_responses_of_all_three_clients_satisfy_the_upstream_protocol() -> None:
-    from gateway.front.aiohttp_upstream import AiohttpSender
-
+async def test_responses_of_both_transports_satisfy_the_upstream_protocol() -> None:
+    """The node client's two transports (its HTTP/1.1 pool for http://, httpx otherwise) send
+    the node headers and return responses of the typed interface."""
     raw = Raw(lambda r, w, n: serve_forever(raw, r, w))
     async with raw:
-        p = H1Pool()
+        client = make_client(1.0, 3.0, 4, headers={"authorization": "Bearer node-token"})
+        assert isinstance(client.transport, UpstreamTransport)
+        assert isinstance(client.transport, H1Transport)  # the one chosen for every node
         try:
-            h1 = await post(p, raw.url(), b"a")
+            h1 = await client.post(raw.url(), b"a", {"x-extra": "1"})
+            assert isinstance(h1, H1Response)
             assert isinstance(h1, ChunkedUpstream) and isinstance(h1, StreamedUpstream)
             assert isinstance(h1.headers, UpstreamHeaders)
             assert await h1.aread() == b"a"
-        finally:
-            await p.aclose()
-        async with httpx.AsyncClient() as client:
-            req = client.build_request("POST", raw.url(), content=b"b")
-            hx = await client.send(req, stream=True)
+            hx_transport = client.transport.other
+            assert isinstance(hx_transport, HttpxTransport)
+            hx = await hx_transport.post(raw.url(), b"b", {"accept-encoding": "identity"})
+            assert isinstance(hx, httpx.Response)
             assert isinstance(hx, StreamedUpstream) and not isinstance(hx, ChunkedUpstream)
-            assert isinstance(hx.headers, UpstreamHeaders)
+            assert isinstance(hx, UpstreamResponse) and isinstance(hx.headers, UpstreamHeaders)
             assert await hx.aread() == b"b"
             await hx.aclose()
-        sender = AiohttpSender(1.0, 3.0, 4)
-        try:
-            ai = await sender.post(raw.url(), b"c", {})
-            assert isinstance(ai, ChunkedUpstream) and isinstance(ai, UpstreamResponse)
-            assert isinstance(ai.headers, UpstreamHeaders)
-            assert ai.headers.get("Content-Length") == "1"
-            assert await ai.aread() == b"c"
-            await ai.aclose()
         finally:
-            await sender.aclose()
+            await client.aclose()
+        head = raw.requests[0][0].lower()
+        assert b"authorization: bearer node-token" in head and b"x-extra: 1" in head, head
+        assert b"accept-encoding: identity" in head, head
+
+
+async def test_urls_the_pool_does_not_take_go_through_httpx() -> None:
+    """An https:// URL is not the pool's: httpx's transport connects (to a server that hangs up
+    at once, so its TLS handshake fails with httpx's ConnectError)."""
+
+    async def hang_up(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        return None
+
+    raw = Raw(hang_up)
+    async with raw:
+        client = make_client(1.0, 3.0, 4)
+        try:
+            with pytest.raises(httpx.ConnectError):
+                await client.post(f"https://127.0.0.1:{raw.port}/v1/completions", b"{}", {})
+        finally:
+            await client.aclose()
+        assert raw.accepts == 1
 
 
 # ---- bodies --------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from gateway.circuit import CircuitBreakers
 from gateway.errors import APIError, too_many_requests
 from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
+from gateway.front.node_client import NodeClient
 from gateway.metrics import GatewayMetrics
 from gateway.node_headers import (
     HEADERS_AT_FIRST_TOKEN,
@@ -96,7 +97,7 @@ class Slots:
 class DispatchDeps:
     """What dispatches share: the gateway's parts they account to (one per gateway)."""
 
-    client: httpx.AsyncClient
+    client: NodeClient
     router: Router
     breakers: CircuitBreakers
     trackers: Mapping[str, OpenAINodeTracker]

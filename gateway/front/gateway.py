@@ -32,6 +32,7 @@ from gateway.front import fastjson
 from gateway.front.config import GatewayConfig
 from gateway.front.disconnect import ClientGone, cancel_on_disconnect
 from gateway.front.dispatch import Dispatch, DispatchDeps, Outcome, Plan, RouteName, Slots
+from gateway.front.node_client import make_client
 from gateway.front.relay import RelayResponse, StreamRelay, StreamStats
 from gateway.front.request_path import (
     OpenAIRequest,
@@ -43,7 +44,6 @@ from gateway.front.request_path import (
 from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import close_client, make_client
 from gateway.ratelimit import InProcessRateLimiter, RateLimiter
 from gateway.request_log import RequestLog
 from routing.fleet.block_feed import BlockFeedPage
@@ -183,7 +183,7 @@ class Gateway:
             self.deps.request_log.close()
         await self.limiter.close()
         await self.store.close()
-        await close_client(self.client)
+        await self.client.aclose()
         self.geo.close()
 
     # ---- the request path (gateway.front.request_path) ----------------------------------------

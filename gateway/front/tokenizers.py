@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from gateway.front.node_client import NodeClient
 from routing.fleet.state import NodeState
 from routing.model_store import home_dir
 from routing.prompt import TOKENIZER_FILES, PromptFormatter
@@ -339,7 +340,7 @@ class GatewayFormatter(PromptFormatter):
 
 
 class TokenizerCache:
-    def __init__(self, client: httpx.AsyncClient, root: Path | None = None) -> None:
+    def __init__(self, client: NodeClient, root: Path | None = None) -> None:
         self.client = client
         self.root = root or home_dir() / "tokenizers"
         self._by_identity: dict[str, PromptFormatter] = {}

@@ -1,11 +1,12 @@
-"""The typed interface of a node's response, as the gateway's proxy and relay use it.
+"""The typed seam between the gateway's proxy and the clients that reach its nodes.
 
-Three clients produce upstream responses: the gateway's own HTTP/1.1 pool for plain-HTTP nodes
-(:class:`gateway.front.http1.H1Response`), httpx for everything else (``httpx.Response``), and,
-for measurement only, an aiohttp session (:class:`gateway.front.aiohttp_upstream.AiohttpUpstream`).
-This module names exactly the part of them that callers use, so that a type checker (and
-``tests/test_http1.py``, with ``isinstance`` on these runtime-checkable protocols) holds all
-three to it:
+:class:`UpstreamTransport` is what sends a node request (POST a body, get the response back
+unread); :mod:`gateway.front.node_client` picks its one implementation. Two clients produce
+the responses: the gateway's own HTTP/1.1 pool for plain-HTTP nodes
+(:class:`gateway.front.http1.H1Response`) and httpx for any other URL (``httpx.Response``). This
+module names exactly the part of them that callers use, so that a type checker (and
+``tests/test_http1.py``, with ``isinstance`` on these runtime-checkable protocols) holds both
+to it:
 
 - ``status_code``, ``headers`` (:class:`UpstreamHeaders`: case-insensitive ``get``, ``[]``,
   ``in``, ``items``), ``extensions`` (a mutable mapping: :func:`gateway.proxy.open_first` keeps
@@ -13,8 +14,8 @@ three to it:
 - ``aread()`` (the whole body, content-decoded) and ``aclose()`` (closing a response not read
   to its end closes its connection, which cancels the request on the node);
 - the body read as it arrives, transfer-decoded: ``read_chunk()`` (:class:`ChunkedUpstream`:
-  the gateway's pool and the aiohttp adapter) or ``aiter_raw()`` (:class:`StreamedUpstream`:
-  httpx). :class:`gateway.proxy.SSEReader` prefers ``read_chunk`` where there is one.
+  the gateway's pool) or ``aiter_raw()`` (:class:`StreamedUpstream`: httpx).
+  :class:`gateway.proxy.SSEReader` prefers ``read_chunk`` where there is one.
 
 Failures are httpx's exception types (``httpx.TransportError`` subclasses) whatever the client.
 """
@@ -28,7 +29,7 @@ from typing import Any, Protocol, TypeAlias, overload, runtime_checkable
 @runtime_checkable
 class UpstreamHeaders(Protocol):
     """A response's headers: names are case-insensitive; a repeated header reads as its values
-    joined with ``", "`` (httpx's semantics; aiohttp's multidict gives the first value)."""
+    joined with ``", "`` (httpx's semantics)."""
 
     @overload
     def get(self, key: str, /) -> str | None: ...
@@ -77,3 +78,16 @@ class StreamedUpstream(UpstreamResponse, Protocol):
 
 Upstream: TypeAlias = ChunkedUpstream | StreamedUpstream
 """A node's response, opened (status and headers read, body not yet)."""
+
+
+@runtime_checkable
+class UpstreamTransport(Protocol):
+    """Sends requests to nodes (see the module's docstring)."""
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Upstream:
+        """POST ``body`` to ``url`` with exactly ``headers``; the response unread."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close every connection it keeps."""
+        ...

@@ -1,0 +1,150 @@
+"""The gateway's one client to its nodes: POSTs through one typed transport, GETs through httpx.
+
+Invariants:
+- Every request to a node carries the node headers given at creation (the node token); a POST
+  also asks for no content encoding, since its body is relayed raw.
+- Upstream cookies are never kept: the client is shared by every caller of the gateway, so a
+  cookie one node set for one caller must not travel with the next caller's request.
+- POSTs (the proxy's hot path) go through one :class:`gateway.front.upstream.UpstreamTransport`,
+  chosen in :func:`default_transport` alone: the gateway's own HTTP/1.1 pool for plain-HTTP
+  nodes (:class:`H1Transport`, faster than httpx in ``bench/gateway_overhead.py``), httpx's
+  transport for any other URL (HTTPS). GETs (load, prefix events, tokenizer files) go through
+  the httpx client.
+- Failures are httpx's exception types whichever transport sent the request.
+"""
+
+from __future__ import annotations
+
+import http.cookiejar
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from gateway.front.http1 import H1Pool
+from gateway.front.upstream import Upstream, UpstreamTransport
+
+
+class HttpxTransport:
+    """POSTs straight to an httpx transport (none of the client's per-request handling)."""
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, timeout: httpx.Timeout) -> None:
+        self._transport = transport
+        self._timeout = timeout.as_dict()
+        self._urls: dict[str, httpx.URL] = {}
+
+    def _url(self, url: str) -> httpx.URL:
+        u = self._urls.get(url)
+        if u is None:
+            if len(self._urls) > 4096:
+                self._urls.clear()
+            u = self._urls[url] = httpx.URL(url)
+        return u
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Upstream:
+        req = httpx.Request(
+            "POST",
+            self._url(url),
+            content=body,
+            headers=headers,
+            extensions={"timeout": self._timeout},
+        )
+        return await self._transport.handle_async_request(req)
+
+    async def aclose(self) -> None:
+        """Nothing: the transport belongs to the httpx client, closed with it."""
+
+
+class H1Transport:
+    """Plain-HTTP URLs through the gateway's own HTTP/1.1 pool, any other through ``other``."""
+
+    def __init__(self, pool: H1Pool, other: UpstreamTransport) -> None:
+        self.pool = pool
+        self.other = other
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Upstream:
+        target = self.pool.target(url)
+        if target is None:
+            return await self.other.post(url, body, headers)
+        return await self.pool.post(target, body, headers)
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+        await self.other.aclose()
+
+
+def default_transport(
+    fallback: HttpxTransport,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    max_connections: int,
+    keepalive_s: float,
+) -> UpstreamTransport:
+    """The transport every node POST takes (the one place it is chosen)."""
+    pool = H1Pool(connect_timeout_s, read_timeout_s, max_connections, keepalive_s)
+    return H1Transport(pool, fallback)
+
+
+class NodeClient:
+    """Requests to nodes: :meth:`post` through the transport, :meth:`get` through httpx."""
+
+    def __init__(
+        self, http: httpx.AsyncClient, transport: UpstreamTransport, headers: Mapping[str, str]
+    ) -> None:
+        self.http = http
+        self.transport = transport
+        self._post_headers = {"accept-encoding": "identity", **headers}
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Upstream:
+        """POST ``body`` to ``url``; the response comes back unread (status and headers)."""
+        return await self.transport.post(url, body, {**self._post_headers, **headers})
+
+    async def get(self, url: str, **kwargs: Any) -> httpx.Response:
+        """A whole GET response (``kwargs`` as for ``httpx.AsyncClient.get``)."""
+        return await self.http.get(url, **kwargs)
+
+    @property
+    def is_closed(self) -> bool:
+        return self.http.is_closed
+
+    async def aclose(self) -> None:
+        await self.transport.aclose()
+        await self.http.aclose()
+
+
+class _NoCookies(http.cookiejar.CookieJar):
+    """A cookie jar that keeps nothing."""
+
+    def set_cookie(self, cookie: http.cookiejar.Cookie) -> None:
+        pass
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        pass
+
+
+def make_client(
+    connect_timeout_s: float = 2.0,
+    read_timeout_s: float = 600.0,
+    max_connections: int = 2048,
+    headers: Mapping[str, str] | None = None,
+) -> NodeClient:
+    """One pooled keep-alive client for every node; ``headers`` go with every request."""
+    keepalive_s = 30.0
+    limits = httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_connections // 4,
+        keepalive_expiry=keepalive_s,
+    )
+    timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+    base = httpx.AsyncHTTPTransport(limits=limits)
+    http = httpx.AsyncClient(
+        transport=base, timeout=timeout, cookies=_NoCookies(), headers=dict(headers or {})
+    )
+    transport = default_transport(
+        HttpxTransport(base, timeout),
+        connect_timeout_s,
+        read_timeout_s,
+        max_connections,
+        keepalive_s,
+    )
+    return NodeClient(http, transport, headers or {})
