@@ -1,10 +1,10 @@
 """A small HTTP/1.1 client for the gateway's hot path: POST a body to a node, relay the answer.
 
-The gateway sends every request to a node over plain HTTP on a kept-alive connection and needs
+The gateway sends every request to a plain-HTTP node on a kept-alive connection and needs
 nothing of a general client (redirects, cookies, auth, proxies, TLS, content decoding of
-streams): httpx with its aiohttp transport spent about a third of the gateway's CPU per request
-doing those things. This client speaks just what the gateway needs, on asyncio protocols with
-the httptools parser (the one uvicorn uses), and keeps the contract the gateway relies on:
+streams). This client speaks just what the gateway needs, on asyncio protocols with the
+httptools parser (the one uvicorn uses), as the transport :mod:`gateway.front.node_client`
+chooses for plain-HTTP nodes, and keeps the contract the gateway relies on:
 
 - :class:`H1Response` answers the part of ``httpx.Response`` the proxy uses (``status_code``,
   ``headers.get``/``items`` with httpx's header semantics, ``extensions``, ``aread``, ``aiter_raw``,
