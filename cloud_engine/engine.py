@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from cloud_engine.core import EngineCore, SeqOutput
 from cloud_engine.sequence import Sequence
 from routing.engine import (
     EngineStats,
+    EngineTraits,
     FinishReason,
     GenerationRequest,
     QueueFull,
@@ -64,8 +65,9 @@ class CloudEngine:
 
     kind = "cloud"
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, parallel: Mapping[str, object] | None = None) -> None:
         self.core = core
+        self.parallel = dict(parallel or {})  # a parallel engine's traits: tp, pp, devices
         self.model_id = core.identity
         self.max_context = core.max_context
         self._inbox: deque[tuple[str, object]] = deque()
@@ -199,9 +201,16 @@ class CloudEngine:
     # -- observation -----------------------------------------------------------------------
     def stats(self) -> EngineStats:
         c = self.core
-        return EngineStats(
+        traits = EngineTraits(
             device=str(c.pool.device),
             max_batch=c.scheduler.config.max_running,
+            prefix_cache=True,
+            prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
+            prefill_chunk_decoding=c.chunk_beside_decode() or 0,  # its prompt tokens beside rows
+            **self.parallel,
+        )
+        return EngineStats(
+            traits=traits,
             running=c.scheduler.num_running,
             waiting=c.scheduler.num_waiting + self._pending_adds,
             kv_blocks_used=c.blocks.num_used,
@@ -209,11 +218,7 @@ class CloudEngine:
             prefill_tokens_per_s=c.counters.prefill_tok_s,
             decode_ms_per_token=c.counters.decode_ms,
             prefix_hit_rate=c.prefix_hit_rate,
-            prefix_cache=True,
-            prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
-            prefill_chunk_decoding=c.chunk_beside_decode() or 0,  # its prompt tokens beside rows
             step_cost=c.step_fit.latest,
-            **getattr(self, "parallel_stats", {}),
         )
 
     def drain_block_events(self) -> BlockEvents:

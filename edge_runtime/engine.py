@@ -41,6 +41,7 @@ from routing.blocks import BlockEvents, model_seed
 from routing.engine import (
     EngineError,
     EngineStats,
+    EngineTraits,
     GenerationRequest,
     QueueFull,
     RequestTooLong,
@@ -290,27 +291,23 @@ class EdgeEngine:
 
     def stats(self) -> EngineStats:
         cfg = self.config
-        if self._scheduler is None:
-            return EngineStats(
-                self.device,
-                cfg.slots,
-                0,
-                0,
-                0,
-                0,
-                0.0,
-                0.0,
-                prefix_cache=cfg.prefix_reuse,
-                prefix_catch_up=cfg.prefix_reuse,
-                prefix_in_slots=cfg.prefix_reuse,
-                weights=self.weights,
-                prefill_chunk=cfg.prefill_chunk,
-                prefill_chunk_decoding=cfg.prefill_chunk,
-            )
-        snap = self._scheduler.snapshot()
-        return EngineStats(
+        traits = EngineTraits(
             device=self.device,
             max_batch=cfg.slots,
+            prefix_cache=cfg.prefix_reuse,
+            prefix_catch_up=cfg.prefix_reuse,
+            prefix_in_slots=cfg.prefix_reuse,
+            weights=self.weights,
+            prefill_chunk=cfg.prefill_chunk,
+            prefill_chunk_decoding=cfg.prefill_chunk,
+        )
+        if self._scheduler is None:
+            return EngineStats(traits, 0, 0, 0, 0, 0.0, 0.0)
+        snap = self._scheduler.snapshot()
+        traits.prefill_chunk = snap.prefill_chunk
+        traits.prefill_chunk_decoding = snap.prefill_chunk_decoding
+        return EngineStats(
+            traits=traits,
             running=snap.running,
             waiting=snap.waiting,
             kv_blocks_used=snap.kv_blocks_used,
@@ -318,12 +315,6 @@ class EdgeEngine:
             prefill_tokens_per_s=snap.prefill_tokens_per_s,
             decode_ms_per_token=snap.decode_ms_per_step,
             prefix_hit_rate=snap.prefix_hit_rate,
-            prefix_cache=cfg.prefix_reuse,
-            prefix_catch_up=cfg.prefix_reuse,
-            prefix_in_slots=cfg.prefix_reuse,
-            weights=self.weights,
-            prefill_chunk=snap.prefill_chunk,
-            prefill_chunk_decoding=snap.prefill_chunk_decoding,
         )
 
     def drain_block_events(self) -> BlockEvents:

@@ -12,11 +12,11 @@ import enum
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
 from routing.blocks import BlockEvents
-from routing.fleet.state import StepCost
+from routing.fleet.state import EngineTraits, StepCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +104,10 @@ class QueueFull(EngineError):
 
 @dataclass(slots=True)
 class EngineStats:
-    """What an engine reports about itself; the node app turns it into a NodeState."""
+    """What an engine reports about itself: its traits and its load now. The node app turns
+    it into a NodeState (:meth:`node_fields`)."""
 
-    device: str  # execution provider (edge) or torch device (cloud)
-    max_batch: int  # slots (edge) or max running sequences (cloud)
+    traits: EngineTraits
     running: int
     waiting: int
     kv_blocks_used: int
@@ -115,22 +115,12 @@ class EngineStats:
     prefill_tokens_per_s: float  # EWMA of the engine's own measurements
     decode_ms_per_token: float  # EWMA, per sequence at the current batch
     prefix_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, since start
-    prefix_cache: bool = False  # it reuses cached prefixes and reports them (PrefixCacheEngine)
-    # before each prompt chunk it copies the prompt's leading blocks another slot (busy, or
-    # free and kept) holds beyond its own (the edge's catch-up): a request sharing a prefix
-    # with an earlier one in hand reuses it wherever it stands in the queue
-    prefix_catch_up: bool = False
-    # its prefix cache is the KV its slots keep, one prompt each (the edge): a request that
-    # takes a free slot overwrites what that slot kept beyond their common leading blocks
-    prefix_in_slots: bool = False
-    # its weights and how they were chosen (the edge: its variant and the quality gate's verdict)
-    weights: str = ""
-    tp: int = 1  # tensor-parallel ranks (cloud)
-    pp: int = 1  # pipeline stages (cloud)
-    devices: tuple[str, ...] = ()  # one per rank, when parallel
-    prefill_chunk: int = 0  # prompt tokens per prefill step with nothing decoding (0: unsaid)
-    prefill_chunk_decoding: int = 0  # ... while rows decode (0: as prefill_chunk)
     step_cost: StepCost | None = None  # its step time fitted on its own steps (routing.step_cost)
+
+    def node_fields(self) -> dict[str, object]:
+        """Its traits and load as NodeState's keyword arguments (the same names)."""
+        load = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "traits"}
+        return {**self.traits.model_dump(), **load}
 
 
 @runtime_checkable

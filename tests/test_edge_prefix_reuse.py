@@ -75,7 +75,7 @@ async def test_follow_up_turn_reuses_blocks_and_matches_cold(graph: Path) -> Non
     cold = await _engine(graph, prefix_reuse=False)
     warm = await _engine(graph)
     try:
-        assert isinstance(warm, PrefixCacheEngine) and warm.stats().prefix_cache
+        assert isinstance(warm, PrefixCacheEngine) and warm.stats().traits.prefix_cache
         seed = model_seed(warm.model_id)
         t1 = await _run(warm, first, new=12)
         assert (t1.cached, t1.prefilled) == (0, 40)
@@ -106,7 +106,7 @@ async def test_follow_up_turn_reuses_blocks_and_matches_cold(graph: Path) -> Non
 
         # reuse off: nothing reused, reported or held
         assert cold.drain_block_events().stored == [] and cold.held_blocks() == []
-        assert cold.stats().prefix_hit_rate == 0.0 and not cold.stats().prefix_cache
+        assert cold.stats().prefix_hit_rate == 0.0 and not cold.stats().traits.prefix_cache
         assert cold._require_started().cache is None
     finally:
         await warm.shutdown()
@@ -338,7 +338,7 @@ async def test_a_second_user_admitted_mid_prefill_catches_up_on_the_first_ones_p
     cold = await _engine(graph, prefix_reuse=False, slots=1)
     warm = await _engine(graph, prefill_chunk=16)
     try:
-        assert warm.stats().prefix_catch_up
+        assert warm.stats().traits.prefix_catch_up
         scheduler = warm._require_started()
         ta, tb = await asyncio.gather(_run(warm, system + qa, a_new), _run(warm, system + qb))
         # the prompt tokens both computed: A's 170 and what B did not copy

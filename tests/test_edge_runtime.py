@@ -352,7 +352,10 @@ async def test_stats_measured(tiny_gqa: Path) -> None:
     stream = engine.generate(GenerationRequest(_prompts([40])[0], greedy(1900)))
     await anext(stream)
     stats = engine.stats()
-    assert stats.device == "CPU" and stats.max_batch == 2
+    assert stats.traits.device == "CPU" and stats.traits.max_batch == 2
+    fields = stats.node_fields()  # NodeState's names: the traits and the load side by side
+    assert (fields["device"], fields["max_batch"], fields["running"]) == ("CPU", 2, 1)
+    assert "traits" not in fields
     assert stats.running == 1 and stats.kv_blocks_used >= 3  # at least 41 positions: 3 blocks
     assert stats.prefill_tokens_per_s > 0 and stats.decode_ms_per_token > 0
     await stream.aclose()
@@ -402,7 +405,7 @@ async def test_provider_fallback_ends_on_cpu(tiny_gqa: Path) -> None:
         ),
     )
     await engine.start()
-    assert engine.stats().device == "CPU"
+    assert engine.stats().traits.device == "CPU"
     assert engine.provider is not None and engine.provider.active == CPU
     assert "Azure EP refused" in engine.provider.skipped.get("AzureExecutionProvider", "") or (
         "AzureExecutionProvider" not in ort.get_available_providers()
@@ -556,8 +559,10 @@ async def _beside_a_decoding_answer(folder: Path, ratio: float | None) -> tuple[
         b_tokens = await run_b()
         a_task.cancel()
         stats = engine.stats()
-        assert stats.prefill_chunk == 256
-        assert stats.prefill_chunk_decoding == (16 if ratio is not None and ratio < 1 else 256)
+        assert stats.traits.prefill_chunk == 256
+        assert stats.traits.prefill_chunk_decoding == (
+            16 if ratio is not None and ratio < 1 else 256
+        )
     finally:
         await engine.shutdown()
     whos = [who for who, _ in seen]

@@ -71,6 +71,7 @@ def test_models_health_load(tiny_node) -> None:
     load = httpx.get(node.url + "/load").json()
     assert load["kind"] == kind and load["region"] == "test" and load["running"] == 0
     assert load["max_context"] == 2048 and load["max_batch"] >= 1
+    assert load["device"].lower() == "cpu" and load["prefill_chunk"] > 0  # the engine's traits
     assert load["models"] == [models["data"][0]["id"]]
     tok = httpx.get(node.url + f"/tokenizer/{models['data'][0]['id']}").json()
     assert (

@@ -143,20 +143,18 @@ def parallel_engine(
     runner = core.runner
     runner.on_error = lambda exc: _die(f"a collective failed ({exc!r})", local.supervisor)  # type: ignore[attr-defined]
     runner.local_ranks = local  # type: ignore[attr-defined]
-    engine = CloudEngine(core)
-    engine.parallel_stats = describe(rank)  # type: ignore[attr-defined]
-    return engine
+    return CloudEngine(core, parallel=describe(rank))
 
 
 def describe(rank: Rank) -> dict[str, object]:
-    """``EngineStats`` fields of a parallel engine: tp, pp and each rank's device."""
+    """A parallel engine's ``EngineTraits`` fields: tp, pp and each rank's device."""
     dev = rank.device
     n = rank.config.world_size
     if dev.type == "cuda":
         devices = [f"cuda:{i % max(1, torch.cuda.device_count())}" for i in range(n)]
     else:
         devices = ["cpu"] * n
-    return {"tp": rank.config.tp, "pp": rank.config.pp, "devices": tuple(devices)}
+    return {"tp": rank.config.tp, "pp": rank.config.pp, "devices": devices}
 
 
 def parallel_engine_for(info, cfg: EngineConfig, tp: int, pp: int, pp_layers: str | None = None):  # type: ignore[no-untyped-def]

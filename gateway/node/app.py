@@ -93,7 +93,7 @@ def create_node_app(
         nonlocal publisher, feed
         await service.engine.start()
         engine = service.engine
-        if isinstance(engine, PrefixCacheEngine) and engine.stats().prefix_cache:
+        if isinstance(engine, PrefixCacheEngine) and engine.stats().traits.prefix_cache:
             feed = BlockFeed(engine)
         if store is not None:
             publisher = StatePublisher(service, store, feed)

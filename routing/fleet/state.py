@@ -48,7 +48,38 @@ class StepCost(BaseModel):
         )
 
 
-class NodeState(BaseModel):
+class EngineTraits(BaseModel):
+    """What an engine says about how it runs, beside its load: where, how wide, how its prefix
+    cache and prompt chunks behave. Engines report it in ``EngineStats.traits``; a NodeState
+    carries the same fields at its top level."""
+
+    model_config = ConfigDict(frozen=False, extra="ignore")
+
+    device: str  # execution provider (edge) or torch device (cloud)
+    max_batch: int  # slots (edge) or max running sequences (cloud)
+    prefix_cache: bool = False  # it keeps a prefix cache and publishes its block events
+    # before each prompt chunk it copies the prompt's leading blocks another slot (busy, or
+    # free and kept) holds beyond its own (the edge's catch-up): a request sharing a prefix
+    # with an earlier one in hand reuses it wherever it stands in the queue
+    prefix_catch_up: bool = False
+    # its prefix cache is the KV its slots keep, one prompt each (the edge): a request that
+    # takes a free slot overwrites what that slot kept beyond their common leading blocks
+    prefix_in_slots: bool = False
+    # its weights and how they were chosen (the edge: its variant and the quality gate's verdict)
+    weights: str = ""
+    tp: int = 1  # tensor-parallel ranks of its engine
+    pp: int = 1  # pipeline stages of its engine
+    devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
+    # prompt tokens its engine prefills per step with nothing decoding, and while rows decode
+    # (``routing.prefill_budget``; the latter follows its measured rates); 0: not reported,
+    # the kind's default is assumed (for the latter: as prefill_chunk)
+    prefill_chunk: int = 0
+    prefill_chunk_decoding: int = 0
+
+
+class NodeState(EngineTraits):
+    """A node's identity, its engine's traits and its load at ``timestamp``."""
+
     model_config = ConfigDict(frozen=False, extra="ignore")
 
     id: str
@@ -58,8 +89,6 @@ class NodeState(BaseModel):
     models: list[str]  # served model names (the first is the primary)
     model_identities: dict[str, str] = Field(default_factory=dict)  # name -> identity
     max_context: int
-    device: str  # execution provider (edge) or torch device (cloud)
-    max_batch: int  # slots (edge) or max running sequences (cloud)
     running: int = 0
     waiting: int = 0
     kv_blocks_used: int = 0
@@ -67,20 +96,6 @@ class NodeState(BaseModel):
     prefill_tokens_per_s: float = 0.0  # EWMA from the node's own timings
     decode_ms_per_token: float = 0.0  # EWMA from the node's own timings
     prefix_hit_rate: float = 0.0
-    prefix_cache: bool = False  # it keeps a prefix cache and publishes its block events
-    # a request takes the blocks of its prompt an earlier one in hand wrote since it was
-    # admitted before each of its chunks (routing.engine.EngineStats.prefix_catch_up)
-    prefix_catch_up: bool = False
-    # its prefix cache is what its slots keep (routing.engine.EngineStats.prefix_in_slots)
-    prefix_in_slots: bool = False
-    weights: str = ""  # its weights and how they were chosen (routing.engine.EngineStats.weights)
-    tp: int = 1  # tensor-parallel ranks of its engine
-    pp: int = 1  # pipeline stages of its engine
-    devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
-    # prompt tokens its engine prefills per step with nothing decoding, and while rows decode
-    # (``routing.prefill_budget``); 0: not reported, the kind's default is assumed
-    prefill_chunk: int = 0
-    prefill_chunk_decoding: int = 0
     # decode steps per such chunk (above 1: a block every that many steps, ``space_chunks``)
     prefill_chunk_every: float = Field(default=1.0, ge=1.0)
     # its engine's step time fitted on its own steps (None: it fits none, or not yet)

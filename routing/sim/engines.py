@@ -35,7 +35,7 @@ from itertools import islice
 
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.blocks import BLOCK_SIZE, reusable_blocks
-from routing.fleet.state import StepCost
+from routing.fleet.state import EngineTraits, StepCost
 from routing.prefill_budget import (
     BlockPacer,
     chunk_beside_decode,
@@ -82,6 +82,10 @@ EventSink = Callable[[list[int], list[int]], None]  # stored, removed
 class _Node:
     """What both engines share: a wait queue, a clock, counters and the reported EWMAs."""
 
+    device = ""  # as the node reports it (the profile's device, else its name)
+    max_context = 0
+    prefix_cache = False
+
     def __init__(self, node_id: str, cost: ProfileCost, slots: int, on_blocks: EventSink) -> None:
         self.id = node_id
         self.cost = cost
@@ -127,6 +131,17 @@ class _Node:
     def reported_chunks(self) -> tuple[int, int]:
         """(prefill chunk, chunk beside decoding rows) as the node reports them; 0: unsaid."""
         return 0, 0
+
+    def traits(self) -> EngineTraits:
+        """Its engine's traits as the engine it models reports them."""
+        chunk, decoding = self.reported_chunks()
+        return EngineTraits(
+            device=self.device,
+            max_batch=self.slots,
+            prefix_cache=self.prefix_cache,
+            prefill_chunk=chunk,
+            prefill_chunk_decoding=decoding,
+        )
 
     def chunk_every(self) -> float:
         """Decode steps per chunk beside decoding rows, as the node reports it (1: each step)."""
@@ -202,6 +217,12 @@ class EdgeSim(_Node):
 
     def reported_chunks(self) -> tuple[int, int]:
         return self.chunk, self.chunk_beside_decode()
+
+    def traits(self) -> EngineTraits:
+        traits = super().traits()
+        traits.prefix_catch_up = self.prefix_cache and self.catch_up
+        traits.prefix_in_slots = self.prefix_cache
+        return traits
 
     def chunk_every(self) -> float:
         if not self.space_chunks:

@@ -219,8 +219,8 @@ class Simulator:
                 )
                 self._max_kv = max(self._max_kv, node.pool.total)
             node.request_overhead_s = prof.request_overhead_ms / 1000.0  # type: ignore[attr-defined]
-            node.max_context = prof.max_context  # type: ignore[attr-defined]
-            node.device = prof.device or prof.name  # type: ignore[attr-defined]
+            node.max_context = prof.max_context
+            node.device = prof.device or prof.name
             node.warm(warm_prompts, warm_decode_tokens)
             if warm_rates and nid in warm_rates:
                 node.prefill_tps, node.decode_ms = warm_rates[nid]
@@ -266,13 +266,9 @@ class Simulator:
             url=f"sim://{n.id}",
             models=[self.fleet.model],
             model_identities={self.fleet.model: self.fleet.model_identity},
-            max_context=n.max_context,  # type: ignore[attr-defined]
-            device=n.device,  # type: ignore[attr-defined]
-            max_batch=n.slots,
-            prefix_cache=n.id in self.prefix_nodes,
-            prefix_catch_up=n.id in self.prefix_nodes and isinstance(n, EdgeSim) and n.catch_up,
-            prefix_in_slots=n.id in self.prefix_nodes and isinstance(n, EdgeSim),
+            max_context=n.max_context,
             timestamp=0.0,
+            **n.traits().model_dump(),
         )
 
     def _state(self, i: int, t: float) -> NodeState:
