@@ -158,8 +158,8 @@ def run_ours(
         "kv_waste_at_peak": c.kv_waste_at_peak,
         "peak_blocks_used": c.peak_blocks_used,
         "kv_blocks_total": core.blocks.num_blocks,
-        "prefill_tok_s_ewma": c.prefill_tok_s,
-        "decode_ms_ewma": c.decode_ms,
+        "prefill_tok_s_ewma": c.prefill_tok_s.value,
+        "decode_ms_ewma": c.decode_ms.value,
         "first_tokens": [tokens[f"b{i}"][:1] for i in range(len(prompts))],
     }
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,6 +47,7 @@ from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, Sche
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
 from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
+from routing.ewma import Ewma
 from routing.prefill_budget import chunk_beside_decode
 from routing.step_cost import StepCostFit
 
@@ -88,9 +89,9 @@ class CoreCounters:
     decode_tokens: int = 0  # tokens sampled
     preemptions: int = 0
     ahead_steps: int = 0  # decode steps launched before the previous step's tokens were read
-    prefill_tok_s: float = 0.0
-    decode_ms: float = 0.0
-    prefill_ms_per_token: float = 0.0  # a prompt token's share of a step (see ``_account``)
+    prefill_tok_s: Ewma = field(default_factory=Ewma)
+    decode_ms: Ewma = field(default_factory=Ewma)
+    prefill_ms_per_token: Ewma = field(default_factory=Ewma)  # a prompt token's share of a step
     peak_blocks_used: int = 0
     kv_waste_at_peak: float = 0.0  # allocated slots holding no token / allocated slots
 
@@ -111,10 +112,6 @@ def _live(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, li
             if it.samples:
                 tokens.append(sampled[k - 1])
     return ScheduledBatch(items), tokens
-
-
-def _ewma(old: float, new: float, alpha: float = 0.2) -> float:
-    return new if old == 0.0 else (1 - alpha) * old + alpha * new
 
 
 class EngineCore:
@@ -206,7 +203,7 @@ class EngineCore:
 
     def retry_after_s(self) -> float:
         """A rough wait before a queue slot frees: one request's expected decode time."""
-        per_tok = (self.counters.decode_ms or 20.0) / 1000.0
+        per_tok = (self.counters.decode_ms.value or 20.0) / 1000.0
         return float(min(30.0, max(1.0, per_tok * 128)))
 
     def add(self, request: GenerationRequest) -> Sequence:
@@ -302,7 +299,7 @@ class EngineCore:
         c, full = self.counters, self.scheduler.config.max_tokens_per_step
         fit = self.step_fit.latest
         if fit is None:
-            return chunk_beside_decode(full, ratio, c.decode_ms, c.prefill_ms_per_token)
+            return chunk_beside_decode(full, ratio, c.decode_ms.value, c.prefill_ms_per_token.value)
         # the fitted step: a decode step of the rows running now, the marginal prompt token
         # (a short chunk's share of a step also carries the pass, which would shrink the cut
         # to its floor, and a small cut keeps the share high)
@@ -408,14 +405,14 @@ class EngineCore:
         sampled = sum(1 for it in batch.items if it.samples)
         c.decode_tokens += sampled
         if prefill > 0:
-            c.prefill_tok_s = _ewma(c.prefill_tok_s, prefill / dt)
-            rows_ms = min(c.decode_ms, 500.0 * dt) if decoding else 0.0
+            c.prefill_tok_s.add(prefill / dt)
+            rows_ms = min(c.decode_ms.value, 500.0 * dt) if decoding else 0.0
             per_token_ms = (1000.0 * dt - rows_ms) / prefill
             for seq, n in chunks:
                 seq.prefill_ms += n * per_token_ms
-            c.prefill_ms_per_token = _ewma(c.prefill_ms_per_token, per_token_ms)
+            c.prefill_ms_per_token.add(per_token_ms)
         elif sampled:
-            c.decode_ms = _ewma(c.decode_ms, dt * 1000.0)
+            c.decode_ms.add(dt * 1000.0)
         used = self.blocks.num_used
         if used >= c.peak_blocks_used and used > 0:
             c.peak_blocks_used = used

@@ -215,8 +215,8 @@ class CloudEngine:
             waiting=c.scheduler.num_waiting + self._pending_adds,
             kv_blocks_used=c.blocks.num_used,
             kv_blocks_total=c.blocks.num_blocks,
-            prefill_tokens_per_s=c.counters.prefill_tok_s,
-            decode_ms_per_token=c.counters.decode_ms,
+            prefill_tokens_per_s=c.counters.prefill_tok_s.value,
+            decode_ms_per_token=c.counters.decode_ms.value,
             prefix_hit_rate=c.prefix_hit_rate,
             step_cost=c.step_fit.latest,
         )

@@ -350,8 +350,8 @@ def _warm_up(decoder: Decoder, scheduler: SlotScheduler, prompt_len: int = 16) -
         one = np.array([0], np.int64)
         decoder.decode(one, np.array([len(prompt)], np.int64), np.array([True]))
         t2 = time.perf_counter()
-    scheduler.prefill_tps.value = len(prompt) / max(t1 - t0, 1e-9)
-    scheduler.decode_ms.value = (t2 - t1) * 1e3
+    scheduler.prefill_tps.add(len(prompt) / max(t1 - t0, 1e-9))
+    scheduler.decode_ms.add((t2 - t1) * 1e3)
 
 
 def greedy(max_tokens: int, stop_token_ids: Sequence[int] = ()) -> SamplingParams:

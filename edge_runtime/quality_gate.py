@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.export import VARIANTS, ExportedGraph, ensure_export, onnx_root
+from routing.blocks import BLOCK_SIZE
 from routing.model_store import ModelInfo, resolve
 from routing.progress import step
 
@@ -44,7 +45,7 @@ GATE_FILE = "quality_gate.json"
 NLL_TOLERANCE = 0.03  # a variant's mean NLL may exceed fp32's by at most this fraction
 QUESTION_SLACK = 1  # ... and answer at most this many fewer plain questions
 ANSWER_TOKENS = 12  # greedy tokens generated per plain question
-CHUNK = 16  # the chunk size of the invariance check (one prefix-cache block)
+CHUNK = BLOCK_SIZE  # the chunk size of the invariance check (one prefix-cache block)
 INVARIANCE_QUESTIONS = 8  # the plain questions the invariance check decodes again
 SPEED_STEPS = 16  # decode steps timed per variant
 

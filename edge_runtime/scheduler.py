@@ -46,16 +46,10 @@ from edge_runtime.slot_cache import SlotCache
 from edge_runtime.slot_request import SlotRequest
 from routing.blocks import BLOCK_SIZE
 from routing.engine import FinishReason, QueueFull
+from routing.ewma import Ewma
 from routing.prefill_budget import chunk_beside_decode
 
 log = logging.getLogger(__name__)
-
-class Ewma:
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha, self.value = alpha, 0.0
-
-    def update(self, x: float) -> None:
-        self.value = x if self.value == 0.0 else self.value + self.alpha * (x - self.value)
 
 
 @dataclass(frozen=True)
@@ -319,7 +313,7 @@ class SlotScheduler:
             r.prefill_ms += dt * 1000.0
             if self.cache is not None:  # its prompt's blocks written so far: offered to copy
                 self.cache.grow(r.slot, r.request.prompt_token_ids[: r.filled], r.hashes)
-            self.prefill_tps.update(len(chunk) / max(dt, 1e-9))
+            self.prefill_tps.add(len(chunk) / max(dt, 1e-9))
             if done:
                 self._accept(r, token)
 
@@ -378,7 +372,7 @@ class SlotScheduler:
             greedy_row = greedy is not None and r.sampler.greedy
             sampled.append((r, int(greedy[row]) if greedy_row else r.sampler(logits[row])))
         with self.lock:
-            self.decode_ms.update(dt * 1e3)
+            self.decode_ms.add(dt * 1e3)
             for r, token in sampled:
                 if self.slots[r.slot] is r:
                     r.filled += 1

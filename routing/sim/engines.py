@@ -35,6 +35,7 @@ from itertools import islice
 
 from routing.admission import PREFIX_FIRST_WINDOW, prefix_first
 from routing.blocks import BLOCK_SIZE, reusable_blocks
+from routing.ewma import Ewma
 from routing.fleet.state import EngineTraits, StepCost
 from routing.prefill_budget import (
     BlockPacer,
@@ -97,26 +98,32 @@ class _Node:
         self.busy = False
         # a run of identical decode steps in progress: start, step length, steps
         self.run: tuple[float, float, int] | None = None
-        self.prefill_tps = 0.0
-        self.decode_ms = 0.0
+        self.prefill_rate = Ewma()  # prompt tokens per second, as the node reports it
+        self.decode_rate = Ewma()  # ms per decode step, as the node reports it
         self.served = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.busy_s = 0.0
         self.steps = 0
 
-    def _ewma(self, prefill_tokens: float, prefill_ms: float, decode_ms: float) -> None:
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_rate.value
+
+    @property
+    def decode_ms(self) -> float:
+        return self.decode_rate.value
+
+    def seed_rates(self, prefill_tps: float, decode_ms: float) -> None:
+        """Start the reported rates at these values (a live node's, measured beforehand)."""
+        self.prefill_rate = Ewma(value=prefill_tps, n=1)
+        self.decode_rate = Ewma(value=decode_ms, n=1)
+
+    def _record_rates(self, prefill_tokens: float, prefill_ms: float, decode_ms: float) -> None:
         if prefill_tokens > 0 and prefill_ms > 0:
-            x = 1000.0 * prefill_tokens / prefill_ms
-            self.prefill_tps = (
-                x if self.prefill_tps == 0 else self.prefill_tps + 0.2 * (x - self.prefill_tps)
-            )
+            self.prefill_rate.add(1000.0 * prefill_tokens / prefill_ms)
         if decode_ms > 0:
-            self.decode_ms = (
-                decode_ms
-                if self.decode_ms == 0
-                else self.decode_ms + 0.2 * (decode_ms - self.decode_ms)
-            )
+            self.decode_rate.add(decode_ms)
 
     def warm(self, prompts: Sequence[int], decode_tokens: int) -> None:
         """Seed the reported rates as this node would report them after serving ``prompts``
@@ -124,9 +131,9 @@ class _Node:
         node warmed that way (``bench/sim_validate.py --warm``) reports before the trace. Only
         the rates change: no cache, counter or clock."""
         for n in prompts:
-            self._ewma(n, self.cost.prefill_ms(n), 0.0)
+            self._record_rates(n, self.cost.prefill_ms(n), 0.0)
             for k in range(1, decode_tokens):
-                self._ewma(0, 0.0, self.cost.decode_ms(1, n + k))
+                self._record_rates(0, 0.0, self.cost.decode_ms(1, n + k))
 
     def reported_chunks(self) -> tuple[int, int]:
         """(prefill chunk, chunk beside decoding rows) as the node reports them; 0: unsaid."""
@@ -377,7 +384,7 @@ class EdgeSim(_Node):
             self.run = None
         for r in rows:
             r.generated += k
-        self._ewma(pre_tokens, pre_ms, dec)
+        self._record_rates(pre_tokens, pre_ms, dec)
         self.steps += k
         end = t + dt / 1000.0
         self.busy_s += dt / 1000.0
@@ -747,7 +754,7 @@ class CloudSim(_Node):
             if need > 0:
                 self.pool.alloc(need)
                 r.held += need
-        self._ewma(pre_tokens, pre_ms, dec)
+        self._record_rates(pre_tokens, pre_ms, dec)
         self._pending_rows = rows
         self._pending_pre = pre
         self.steps += k

@@ -223,7 +223,7 @@ class Simulator:
             node.device = prof.device or prof.name
             node.warm(warm_prompts, warm_decode_tokens)
             if warm_rates and nid in warm_rates:
-                node.prefill_tps, node.decode_ms = warm_rates[nid]
+                node.seed_rates(*warm_rates[nid])
             self.nodes.append(node)
             self.node_region.append(spec.region)
             self._node_by_id[nid] = i

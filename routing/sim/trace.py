@@ -23,6 +23,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from routing.blocks import BLOCK_SIZE
+
 
 class TraceRequest(BaseModel):
     """One request of a trace (no prompt text)."""
@@ -41,7 +43,7 @@ class TraceRequest(BaseModel):
     prefix_group: str | None = None
     prefix_tokens: int = Field(default=0, ge=0)
     hash_ids: list[int] | None = None
-    hash_block_tokens: int = Field(default=512, ge=16)
+    hash_block_tokens: int = Field(default=512, ge=BLOCK_SIZE)
 
     @model_validator(mode="after")
     def _check(self) -> TraceRequest:
@@ -49,8 +51,8 @@ class TraceRequest(BaseModel):
             raise ValueError("output_tokens exceeds max_tokens")
         if self.prefix_tokens > self.prompt_tokens:
             raise ValueError("prefix_tokens exceeds prompt_tokens")
-        if self.hash_block_tokens % 16:
-            raise ValueError("hash_block_tokens must be a multiple of 16")
+        if self.hash_block_tokens % BLOCK_SIZE:
+            raise ValueError(f"hash_block_tokens must be a multiple of {BLOCK_SIZE}")
         return self
 
 
@@ -95,8 +97,8 @@ def rescale_length(
 ) -> list[TraceRequest]:
     """Prompt and output lengths scaled (and capped), shared prefixes scaled alike.
 
-    Block structure is kept: ``hash_block_tokens`` scales too (rounded to a multiple of 16,
-    at least 16), so a shared block stays shared.
+    Block structure is kept: ``hash_block_tokens`` scales too (rounded to whole blocks of
+    ``BLOCK_SIZE``, at least one), so a shared block stays shared.
     """
     out = []
     for r in requests:
@@ -114,7 +116,9 @@ def rescale_length(
         upd: dict[str, object] = {"prompt_tokens": p, "output_tokens": o, "max_tokens": mt}
         upd["prefix_tokens"] = min(p, round(r.prefix_tokens * prompt_factor))
         if r.hash_ids is not None:
-            bt = max(16, 16 * round(r.hash_block_tokens * prompt_factor / 16))
+            bt = max(
+                BLOCK_SIZE, BLOCK_SIZE * round(r.hash_block_tokens * prompt_factor / BLOCK_SIZE)
+            )
             upd["hash_block_tokens"] = bt
             upd["hash_ids"] = r.hash_ids[: max(1, math.ceil(p / bt))]
         out.append(r.model_copy(update=upd))
