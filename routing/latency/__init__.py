@@ -8,9 +8,8 @@ error statistics in ``errors``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from routing.backlog import SharedPrefix, Work
 from routing.fleet.state import NodeState
 from routing.latency.errors import ErrorStats, PredictionErrors
 from routing.latency.estimate import Basis, Estimate, predict
@@ -41,32 +40,8 @@ class LatencyModel(RateBook):
         """New knobs (hot reload); learned rates are kept."""
         self.knobs = knobs
 
-    def estimate(
-        self,
-        node: NodeState,
-        *,
-        prompt_tokens: int,
-        cached_tokens: int,
-        expected_output_tokens: float,
-        rtt_ms: float,
-        extra_inflight: int = 0,
-        ahead: Sequence[Work] | None = None,
-        newcomer: Work | None = None,
-        shared_prefix: SharedPrefix | None = None,
-    ) -> Estimate:
-        """Predict one request's timings on ``node`` (see :func:`routing.latency.estimate.predict`)."""
-        return predict(
-            self,
-            node,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            expected_output_tokens=expected_output_tokens,
-            rtt_ms=rtt_ms,
-            extra_inflight=extra_inflight,
-            ahead=ahead,
-            newcomer=newcomer,
-            shared_prefix=shared_prefix,
-        )
+    # predict one request's timings on a node from these rates (``estimate.predict``)
+    estimate = predict
 
     def observe(self, obs: Observation) -> dict[str, float]:
         """Learn from one finished request; returns the prediction errors recorded (ms)."""
