@@ -166,17 +166,24 @@ def choose_variant(
     model: str | Path, *, root: Path | None = None, threads: int | None = None
 ) -> GateResult:
     """The gate's verdict for ``model`` on this CPU: cached, or measured now (exporting the
-    variants first if needed; about a minute for the default model)."""
+    variants first if needed; a few minutes for the default model). Concurrent callers
+    serialize on a file lock; the verdict file appears only complete."""
+    from filelock import FileLock
+
     info = resolve(model)
     graphs = {v: ensure_export(model, v, root=root) for v in VARIANTS}
     created = {v: g.meta.created_unix for v, g in graphs.items()}
     qset = QualitySet.shipped()
-    cached = read_gate(info, root)
-    if cached is not None and cached.set_digest == qset.digest and cached.graphs == created:
-        return cached
-    with step(f"checking {info.name}'s edge variants on this CPU (quality gate)"):
-        result = run_gate(graphs, qset, threads)
-    gate_path(info, root).write_text(result.to_json())
+    path = gate_path(info, root)
+    with FileLock(str(path) + ".lock"):
+        cached = read_gate(info, root)
+        if cached is not None and cached.set_digest == qset.digest and cached.graphs == created:
+            return cached
+        with step(f"checking {info.name}'s edge variants on this CPU (quality gate)"):
+            result = run_gate(graphs, qset, threads)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(result.to_json())
+        tmp.replace(path)
     log.info("quality gate for %s: %s", info.name, result.summary())
     return result
 
