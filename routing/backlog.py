@@ -92,9 +92,7 @@ class EngineShape:
     decode_step_ms_b1: float  # one decode step with one row (of no context)
     batch_slope: float  # a step of b rows takes decode_step_ms_b1 * (1 + slope * (b - 1))
     prefill_fixed_ms: float = 0.0  # once per prompt, with its first chunk
-    # the chunk while rows decode (0: ``chunk_tokens``); a fraction of a block where the node
-    # runs one only every few decode steps (its tokens per step on average)
-    chunk_tokens_decoding: float = 0.0
+    chunk_tokens_decoding: int = 0  # the chunk while rows decode (0: ``chunk_tokens``)
     mixed_steps: bool = False  # a chunk and the decode rows run as one step (first token after)
     # what one token of context adds to a decode step (reading its KV), summed over the rows
     decode_ms_per_context_token: float = 0.0

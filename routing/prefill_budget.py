@@ -28,10 +28,10 @@ ratio, or no measured step time or prefill rate yet, it is ``prefill_chunk``; th
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from routing.blocks import BLOCK_SIZE
 
-MIN_CHUNK = 16  # prompt tokens; below this a chunk's fixed cost dominates on a CPU
+# prompt tokens, one KV block; below this a chunk's fixed cost dominates on a CPU
+MIN_CHUNK = BLOCK_SIZE
 
 
 def chunk_beside_decode(
@@ -50,49 +50,6 @@ def chunk_beside_decode(
     if fits >= full:
         return full
     return max(min(MIN_CHUNK, full), fits // MIN_CHUNK * MIN_CHUNK)
-
-
-def steps_per_chunk(
-    prefill_chunk: int,
-    stall_ratio: float | None,
-    decode_step_ms: float,
-    prefill_ms_per_token: float,
-) -> float:
-    """Decode steps per chunk beside decoding rows that keep the stall within ``stall_ratio``
-    decode steps on average where even one ``MIN_CHUNK`` block takes longer (a block every
-    that many steps; a CPU edge's 16-token block can take three of its decode steps): 1 where
-    a block fits, with no ratio, or before rates are measured."""
-    full = max(1, prefill_chunk)
-    if (
-        stall_ratio is None
-        or stall_ratio <= 0
-        or decode_step_ms <= 0
-        or prefill_ms_per_token <= 0
-        or full <= MIN_CHUNK
-    ):
-        return 1.0
-    return max(1.0, MIN_CHUNK * prefill_ms_per_token / (stall_ratio * decode_step_ms))
-
-
-@dataclass
-class BlockPacer:
-    """When a spaced engine runs its next block beside decoding rows: one every ``every``
-    decode steps (:func:`steps_per_chunk`) on average, the remainder carried over; the first
-    at once. ``since`` counts decode steps since the last block; ``reset`` whenever no prompt
-    prefills beside decoding rows. The edge scheduler and the simulator's edge share it."""
-
-    since: float = math.inf
-
-    def due(self, every: float) -> bool:
-        """Whether this loop runs its block (else only its decode step); counts the step."""
-        due = self.since >= every
-        if due:
-            self.since = min(self.since, every) - every
-        self.since += 1.0
-        return due
-
-    def reset(self) -> None:
-        self.since = math.inf
 
 
 def short_chunk_extra_ms(chunk: float, prefill_chunk: int, run_ms: float) -> float:

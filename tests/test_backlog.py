@@ -173,31 +173,6 @@ def test_a_prompt_beside_decoding_rows_runs_in_the_smaller_chunk():
     assert (shape.chunk(0), shape.chunk(3)) == (100, 10)
 
 
-def test_blocks_spaced_between_decode_steps_are_replayed_at_their_mean_tokens_a_step():
-    """A node that runs a 16-token block only every 4 decode steps (``prefill_chunk_every``)
-    is replayed at 4 prompt tokens a step: a 16-token prompt beside A's decode takes four of
-    A's steps, where a block a step took one; the new request's own decode is as fast."""
-    from routing.prefill_budget import steps_per_chunk
-
-    every = steps_per_chunk(256, 1.0, 10.0, 2.5)  # a block: 40 ms, four 10 ms steps
-    assert every == 4.0
-    assert steps_per_chunk(256, 1.0, 50.0, 2.5) == 1.0  # a block fits in a step
-    assert steps_per_chunk(256, None, 10.0, 2.5) == steps_per_chunk(16, 1.0, 10.0, 2.5) == 1.0
-    shape = EngineShape(slots=2, chunk_tokens=256, prefill_ms_per_token=2.5,
-                        decode_step_ms_b1=10.0, batch_slope=0.0, chunk_tokens_decoding=16)  # fmt: skip
-    block = replay(shape, [Work(0, 50)], Work(16, 2))
-    spaced = replay(replace(shape, chunk_tokens_decoding=16 / every), [Work(0, 50)], Work(16, 2))
-    # one block: its first token at 40, then two steps with A (50, 60); spaced: four 4-token
-    # chunks (10 ms) with A's step after each of the first three: first token at 70
-    assert (block.first_token_ms, block.last_token_ms) == (40.0, 60.0)
-    assert (spaced.first_token_ms, spaced.last_token_ms) == (70.0, 90.0)
-    assert spaced.stalled_others_ms == block.stalled_others_ms == 40.0
-    assert (
-        replay_literal(replace(shape, chunk_tokens_decoding=4.0), [Work(0, 50)], Work(16, 2))
-        == spaced
-    )
-
-
 def test_a_mixed_step_gives_the_first_token_after_the_decode_rows():
     # The cloud's step holds A's decode row and the new prompt's 30 tokens: its first token
     # comes when the step ends (30 + 10 = 40), and it decodes from the next step (50, 60).

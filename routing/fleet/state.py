@@ -96,8 +96,6 @@ class NodeState(EngineTraits):
     prefill_tokens_per_s: float = 0.0  # EWMA from the node's own timings
     decode_ms_per_token: float = 0.0  # EWMA from the node's own timings
     prefix_hit_rate: float = 0.0
-    # decode steps per such chunk (above 1: a block every that many steps, ``space_chunks``)
-    prefill_chunk_every: float = Field(default=1.0, ge=1.0)
     # its engine's step time fitted on its own steps (None: it fits none, or not yet)
     step_cost: StepCost | None = None
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken

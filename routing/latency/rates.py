@@ -285,7 +285,7 @@ class RateBook:
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
-            chunk_tokens_decoding=(node.prefill_chunk_decoding or chunk) / node.prefill_chunk_every,
+            chunk_tokens_decoding=node.prefill_chunk_decoding or chunk,
             prefill_ms_per_token=per_token,
             decode_step_ms_b1=b1,
             batch_slope=slope,

@@ -38,10 +38,8 @@ from routing.blocks import BLOCK_SIZE, reusable_blocks
 from routing.ewma import Ewma
 from routing.fleet.state import EngineTraits, StepCost
 from routing.prefill_budget import (
-    BlockPacer,
     chunk_beside_decode,
     short_chunk_extra_ms,
-    steps_per_chunk,
 )
 from routing.sim.profiles import ProfileCost
 from routing.step_cost import StepCostFit
@@ -150,10 +148,6 @@ class _Node:
             prefill_chunk_decoding=decoding,
         )
 
-    def chunk_every(self) -> float:
-        """Decode steps per chunk beside decoding rows, as the node reports it (1: each step)."""
-        return 1.0
-
     def fitted_step_cost(self) -> StepCost | None:
         """The step cost the node fits on its own steps and reports (None: it fits none)."""
         return None
@@ -184,7 +178,6 @@ class EdgeSim(_Node):
         prefix_cache: bool = True,
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
-        space_chunks: bool = False,
         catch_up: bool = True,
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
@@ -193,9 +186,6 @@ class EdgeSim(_Node):
         self.catch_up = catch_up
         self.prefix_first = prefix_first
         self.stall_ratio = stall_ratio
-        # as the edge scheduler's space_chunks: a block only every chunk_every() decode steps
-        self.space_chunks = space_chunks
-        self._pacer = BlockPacer()
         self.prefix_cache = prefix_cache
         self.occupant: list[SimRequest | None] = [None] * slots
         self.kept: list[Sequence[int]] = [()] * slots  # block keys each slot's KV holds
@@ -230,13 +220,6 @@ class EdgeSim(_Node):
         traits.prefix_catch_up = self.prefix_cache and self.catch_up
         traits.prefix_in_slots = self.prefix_cache
         return traits
-
-    def chunk_every(self) -> float:
-        if not self.space_chunks:
-            return 1.0
-        return steps_per_chunk(
-            self.chunk, self.stall_ratio, self.decode_ms, self._prefill_ms_per_token()
-        )
 
     def wants_step_on_arrival(self) -> bool:
         return len(self.order) < self.slots
@@ -339,16 +322,8 @@ class EdgeSim(_Node):
         pre = next((r for r in self.order if r.prefilling), None)
         pre_tokens = pre_ms = 0.0
         finished_prefill = False
-        spaced = False  # a prompt waits for its next block: one decode step, no jump
         if pre is not None:
             decoding = any(not r.prefilling and r.generated < r.output for r in self.order)
-            if not decoding:
-                self._pacer.reset()
-            elif not self._pacer.due(self.chunk_every()):
-                pre, spaced = None, True
-        else:
-            self._pacer.reset()
-        if pre is not None:
             if self.prefix_cache and self.catch_up:
                 self._catch_up(pre)
             size = self.chunk_beside_decode() if decoding else self.chunk
@@ -372,7 +347,7 @@ class EdgeSim(_Node):
         k = 1
         dec = 0.0
         if rows:
-            if pre is None and not spaced and not self.waiting_admissible():
+            if pre is None and not self.waiting_admissible():
                 k = min(r.output - r.generated for r in rows)
             ctx = sum(r.prompt + r.generated for r in rows) / len(rows) + 0.5 * k
             dec = cost.decode_ms(len(rows), ctx)

@@ -62,11 +62,6 @@ class NodeProfile(BaseModel):
         description="a chunk beside decoding rows takes at most this many decode steps "
         "(routing.prefill_budget), on the edge and on a CPU cloud node; null: full chunks",
     )
-    space_chunks: bool = Field(
-        default=False,
-        description="the edge runs a prompt's block beside decoding rows only every so many "
-        "decode steps where one outlasts prefill_stall_ratio steps (edge --space-chunks)",
-    )
     max_tokens_per_step: int = Field(default=1024, gt=0, description="cloud step token budget")
     kv_blocks: int = Field(default=0, ge=0, description="cloud KV pool (16-token blocks); 0: edge")
     max_context: int = Field(default=8192, gt=0)

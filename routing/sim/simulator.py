@@ -203,7 +203,6 @@ class Simulator:
                     sink,
                     spec.prefix_cache,
                     prof.prefill_stall_ratio,
-                    space_chunks=prof.space_chunks,
                 )
             else:
                 node = CloudSim(
@@ -288,7 +287,6 @@ class Simulator:
                 "prefix_hit_rate": hit,
                 "prefill_chunk": chunk,
                 "prefill_chunk_decoding": chunk_decoding,
-                "prefill_chunk_every": n.chunk_every(),
                 "step_cost": n.fitted_step_cost(),
                 "timestamp": t,
             }
