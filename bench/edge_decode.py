@@ -50,8 +50,7 @@ QUESTIONS = [
     "Who wrote Romeo and Juliet?",
     "What is photosynthesis?",
 ]
-GROUPED_MS = 20.0  # the duel's third engine: tokens handed over at most this often
-DUEL_ORDERS = ("forward", "reverse")  # engines made ours, genai, grouped, 4 KB / the reverse
+DUEL_ORDERS = ("forward", "reverse")  # engines made ours, genai, 4 KB / the reverse
 LONG_TEXT = (
     "Edge nodes answer short requests close to the user, while a cloud engine with continuous "
     "batching serves the long ones. The router predicts the time to first token and the total "
@@ -96,25 +95,21 @@ def prompt_ids(model_dir: Path, prefill_tokens: int) -> tuple[list[list[int]], l
 class OursRunner:
     """EdgeEngine (default config: 4 slots) driven through its async API.
 
-    ``stream_interval_ms`` overrides the engine's default hand-over interval (0: every token
-    is handed to the consumer as soon as it is sampled); ``huge_pages=False`` leaves the
-    session's memory in the pages it got (the ablation of ``edge_runtime.huge_pages``)."""
+    ``huge_pages=False`` leaves the session's memory in the pages it got (the ablation of
+    ``edge_runtime.huge_pages``)."""
 
     def __init__(
         self,
         folder: Path,
         threads: int,
-        stream_interval_ms: float | None = None,
         huge_pages: bool = True,
     ) -> None:
         from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
 
         self.loop = asyncio.new_event_loop()
         t0 = time.perf_counter()
-        extra: dict[str, Any] = {"huge_pages": huge_pages}
-        if stream_interval_ms is not None:
-            extra["stream_interval_ms"] = stream_interval_ms
-        self.engine = EdgeEngine(folder, EdgeEngineConfig(slots=4, threads=threads, **extra))
+        config = EdgeEngineConfig(slots=4, threads=threads, huge_pages=huge_pages)
+        self.engine = EdgeEngine(folder, config)
         self.loop.run_until_complete(self.engine.start())
         self.load_s = time.perf_counter() - t0
         self.kv_mb = self.engine.kv_bytes / 1e6
@@ -250,10 +245,9 @@ def worker_config(args: argparse.Namespace) -> dict:
 
 
 def worker_duel(args: argparse.Namespace) -> dict:
-    """Ours (default config), genai, ours handing tokens over at most every 20 ms, and ours
-    without huge pages, in one process, single stream, prompt by prompt, who goes first
-    rotating: paired measurements that see the same machine load. Returns (ours, genai, ours
-    grouped, ours on 4 KB pages) tok/s per prompt.
+    """Ours (default config), genai and ours without huge pages, in one process, single
+    stream, prompt by prompt, who goes first rotating: paired measurements that see the same
+    machine load. Returns (ours, genai, ours on 4 KB pages) tok/s per prompt.
 
     Where an ONNX Runtime session's weights land in 4 KB pages decides how fast it decodes: in
     a process, sessions made later decoded 3-17% faster than earlier ones (by hand, whichever
@@ -266,7 +260,6 @@ def worker_duel(args: argparse.Namespace) -> dict:
     makers = [
         lambda: OursRunner(Path(args.folder), args.threads),
         lambda: GenaiRunner(Path(args.folder2), args.threads),
-        lambda: OursRunner(Path(args.folder), args.threads, stream_interval_ms=GROUPED_MS),
         lambda: OursRunner(Path(args.folder), args.threads, huge_pages=False),
     ]
     order = range(len(makers)) if args.duel_order == "forward" else reversed(range(len(makers)))
@@ -494,8 +487,7 @@ def measure(
             by_order[order] = spawn("duel", ours_by_prec[prec], order_args, model_dir, folder)
         triples = [t for order in DUEL_ORDERS for t in by_order[order]["pairs"]]
         ratios = [t[0] / t[1] for t in triples]
-        grouped = [t[2] / t[1] for t in triples]
-        small = [t[3] / t[1] for t in triples]
+        small = [t[2] / t[1] for t in triples]
         duels[prec] = {
             "ratio_median": statistics.median(ratios),
             **{
@@ -504,12 +496,10 @@ def measure(
             },
             "ratio_min": min(ratios),
             "ratio_max": max(ratios),
-            "ratio_grouped_median": statistics.median(grouped),
             "ratio_small_pages_median": statistics.median(small),
             "ours_median_tps": statistics.median(t[0] for t in triples),
             "genai_median_tps": statistics.median(t[1] for t in triples),
-            "ours_grouped_median_tps": statistics.median(t[2] for t in triples),
-            "ours_small_pages_median_tps": statistics.median(t[3] for t in triples),
+            "ours_small_pages_median_tps": statistics.median(t[2] for t in triples),
             "pairs": len(triples),
         }
         d = duels[prec]
@@ -517,9 +507,7 @@ def measure(
             f"threads {threads} paired {prec}: ours {d['ours_median_tps']:.1f} vs genai "
             f"{d['genai_median_tps']:.1f} tok/s, ratio median {d['ratio_median']:.2f} "
             f"[{d['ratio_min']:.2f}, {d['ratio_max']:.2f}] over {len(triples)} pairs (ours made "
-            f"first {d['ratio_median_forward']:.2f}, genai first {d['ratio_median_reverse']:.2f}); tokens "
-            f"handed over every {GROUPED_MS:g} ms: {d['ours_grouped_median_tps']:.1f} tok/s, "
-            f"ratio {d['ratio_grouped_median']:.2f}; 4 KB pages: "
+            f"first {d['ratio_median_forward']:.2f}, genai first {d['ratio_median_reverse']:.2f}); 4 KB pages: "
             f"{d['ours_small_pages_median_tps']:.1f} tok/s, ratio {d['ratio_small_pages_median']:.2f}",
             flush=True,
         )
@@ -565,13 +553,13 @@ def table(
         peer = genai.get(r.precision) if r.engine == "edgecloud" else None
         ratio = r.decode_tps_1 / peer.decode_tps_1 if peer else None
         duel = duels.get(r.precision, {}) if r.engine == "edgecloud" else {}
-        paired, grouped = duel.get("ratio_median"), duel.get("ratio_grouped_median")
+        paired = duel.get("ratio_median")
         vs = f"{ratio:.2f}x" if ratio else ""
         if paired:
             fwd, rev = duel["ratio_median_forward"], duel["ratio_median_reverse"]
             vs += (
                 f" (paired {paired:.2f}x: ours made first {fwd:.2f}x, genai first {rev:.2f}x; "
-                f"{GROUPED_MS:g} ms hand-over {grouped:.2f}x; 4 KB pages "
+                f"4 KB pages "
                 f"{duel['ratio_small_pages_median']:.2f}x)"
             )
         rows.append(
@@ -581,7 +569,6 @@ def table(
                 "fraction_of_limit": r.decode_tps_1 / limit,
                 "vs_genai_single": ratio,
                 "vs_genai_paired": paired,
-                "vs_genai_paired_grouped_handover": grouped,
                 "rounds": r.rounds,
             }
         )
@@ -614,7 +601,6 @@ def report(
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "export_seconds": export_s,
-        "stream_interval_ms": _stream_interval_ms(),
         "versions": _versions(),
     }
     md = [
@@ -631,10 +617,7 @@ def report(
         "session being slowest; our engine collapses its memory into huge pages, genai's "
         "session keeps its pages; an unused engine of ours is made first in both). 4 KB pages: "
         "the paired ratio of our engine with `huge_pages=False`. Our engine hands each token "
-        "to its consumer as soon as it is sampled "
-        f"(`EdgeEngineConfig.stream_interval_ms` = {_stream_interval_ms():g}); "
-        f"{GROUPED_MS:g} ms hand-over: the paired ratio of the same engine handing a request's "
-        f"tokens over at most every {GROUPED_MS:g} ms (first and last at once). "
+        "to its consumer as soon as it is sampled. "
         f"Bandwidth limit: copy bandwidth {bandwidth:.1f} GB/s (numpy, "
         "read+write counted) / weight bytes read per token. KV MB: our engine's preallocated "
         "cache (4 slots x 2048 tokens); genai sizes its cache per request.",
@@ -660,12 +643,6 @@ def report(
     stem.with_suffix(".md").write_text("\n".join(md))
     for partial in RAW.glob("edge_decode.raw.t*.json"):  # progress files of this run
         partial.unlink()
-
-
-def _stream_interval_ms() -> float:
-    from edge_runtime.engine import EdgeEngineConfig
-
-    return EdgeEngineConfig().stream_interval_ms
 
 
 def _versions() -> dict[str, str]:

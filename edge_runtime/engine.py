@@ -68,8 +68,6 @@ class EdgeEngineConfig:
     KV cache takes ``slots * context`` tokens of memory, allocated and committed at start;
     ``providers`` is the execution-provider preference (default: NPUs first, then CPU);
     ``threads`` is ONNX Runtime's intra-op thread count (default: CPUs available, at most 8);
-    ``stream_interval_ms``: a request's tokens between its first and its last are handed to the
-    consumer at most this often, several per event (0: every token at once);
     ``huge_pages``: back the session's memory and the KV cache with transparent huge pages
     once loaded, where the kernel allows (``edge_runtime.huge_pages``);
     ``prefix_reuse``: a finished request's KV stays in its slot, a later request whose leading
@@ -92,7 +90,6 @@ class EdgeEngineConfig:
     providers: tuple[str | ProviderSpec, ...] | None = None
     spin: bool = True
     warmup: bool = True
-    stream_interval_ms: float = 0.0
     huge_pages: bool = True
     prefix_reuse: bool = True
     prefill_stall_ratio: float | None = 1.0
@@ -206,7 +203,6 @@ class EdgeEngine:
             decoder,
             cfg.max_waiting,
             cfg.prefill_chunk,
-            cfg.stream_interval_ms / 1e3,
             cache,
             stall_ratio=cfg.prefill_stall_ratio,
             prefix_first=cfg.prefix_first,

@@ -21,9 +21,8 @@ Invariants:
   or the engine stops), except that ``cancel(..., notify=False)`` sends none (the caller left).
 - A stop token id ends a request with STOP and is not emitted; ``completion_tokens`` counts the
   emitted tokens.
-- Tokens reach the consumer in order, none twice, none lost: a request's first token and its
-  final event go out at once; tokens in between go out once ``stream_interval_s`` has passed
-  since the request's previous event, several per event (0, the default: one per token).
+- Tokens reach the consumer in order, none twice, none lost, each in an event of its own as
+  soon as it is sampled (the last with the final event).
 - Prefix reuse (with a ``SlotCache``): a request that ends (finished or cancelled) leaves its
   KV in its slot; which waiting request is admitted next, into which slot and with which
   copied prefix, is ``edge_runtime.admission``'s choice. Copies run after the lock is released
@@ -72,7 +71,6 @@ class SlotScheduler:
         decoder: Decoder,
         max_waiting: int = 16,
         prefill_chunk: int = 256,
-        stream_interval_s: float = 0.0,
         cache: SlotCache | None = None,
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
@@ -85,7 +83,6 @@ class SlotScheduler:
         self.admission = Admission(cache, prefix_first)
         self.max_waiting = max_waiting
         self.prefill_chunk = max(1, prefill_chunk)
-        self.stream_interval_s = max(0.0, stream_interval_s)
         self.slots: list[SlotRequest | None] = [None] * decoder.slots
         self.lock = threading.Lock()
         self._wake = threading.Condition(self.lock)
@@ -390,14 +387,7 @@ class SlotScheduler:
             self._finish(r, [token], FinishReason.LENGTH)
             return
         r.last_token = token
-        r.pending.append(token)
-        if not self.stream_interval_s:  # every token at once: no clock to read
-            r.emit(r.event([], None))
-            return
-        now = time.perf_counter()
-        if r.generated == 1 or now - r.last_emit >= self.stream_interval_s:
-            r.last_emit = now
-            r.emit(r.event([], None))
+        r.emit(r.event([token], None))
 
     def _finish(self, r: SlotRequest, tokens: list[int], reason: FinishReason) -> None:
         self._vacate(r)

@@ -25,8 +25,6 @@ class SlotRequest:
     filled: int = 0  # positions of this sequence in the slot's KV cache
     generated: int = 0
     last_token: int = -1  # sampled, fed at the next decode step
-    pending: list[int] = field(default_factory=list)  # generated, not yet handed over
-    last_emit: float = 0.0  # perf_counter of the previous hand-over
     hashes: list[int] = field(default_factory=list)  # block hashes of the prompt (prefix reuse)
     cached: int = 0  # leading prompt tokens whose KV the slot already held (whole blocks)
     prefill_ms: float = 0.0  # compute time of its own prompt chunks
@@ -56,9 +54,7 @@ class SlotRequest:
         return (self.request.priority, self.request.arrival_time)
 
     def event(self, tokens: list[int], reason: FinishReason | None) -> TokenEvent:
-        """An event carrying the pending tokens, then ``tokens`` (pending is emptied)."""
-        if self.pending:
-            tokens, self.pending = self.pending + tokens, []
+        """An event carrying ``tokens``, with the request's counts so far."""
         return TokenEvent(
             request_id=self.request.request_id,
             token_ids=tokens,

@@ -253,33 +253,23 @@ async def test_sampling_seed_stop_and_max_tokens(tiny_gqa: Path) -> None:
     await engine.shutdown()
 
 
-async def test_stream_interval_groups_tokens_in_order(tiny_gqa: Path) -> None:
-    """The same tokens whatever the stream interval: one event per token at 0; with a long
-    interval the first token alone (at once), then everything else in the final event, a stop
-    token's final event included."""
+async def test_tokens_stream_one_per_event_in_order(tiny_gqa: Path) -> None:
+    """One event per token as it is sampled; a stop token ends the stream unemitted."""
     prompt = _prompts([12])[0]
-    runs: dict[float, list[TokenEvent]] = {}
-    stop_runs: dict[float, list[TokenEvent]] = {}
-    for interval in (0.0, 60_000.0):
-        engine = EdgeEngine(tiny_gqa, _config(stream_interval_ms=interval))
-        await engine.start()
-        runs[interval] = [e async for e in engine.generate(GenerationRequest(prompt, greedy(12)))]
-        tokens = [t for e in runs[interval] for t in e.token_ids]
-        stop = GenerationRequest(prompt, greedy(12, [tokens[6]]))
-        stop_runs[interval] = [e async for e in engine.generate(stop)]
-        await engine.shutdown()
-    per_token, grouped = runs[0.0], runs[60_000.0]
-    base = [t for e in per_token for t in e.token_ids]
-    assert [len(e.token_ids) for e in per_token] == [1] * 12
-    assert [len(e.token_ids) for e in grouped] == [1, 11]
-    assert [t for e in grouped for t in e.token_ids] == base
-    assert [e.completion_tokens for e in grouped] == [1, 12]
-    assert grouped[-1].finish_reason is FinishReason.LENGTH
+    engine = EdgeEngine(tiny_gqa, _config())
+    await engine.start()
+    events = [e async for e in engine.generate(GenerationRequest(prompt, greedy(12)))]
+    base = [t for e in events for t in e.token_ids]
+    stop = GenerationRequest(prompt, greedy(12, [base[6]]))
+    stopped = [e async for e in engine.generate(stop)]
+    await engine.shutdown()
+    assert [len(e.token_ids) for e in events] == [1] * 12
+    assert [e.completion_tokens for e in events] == list(range(1, 13))
+    assert events[-1].finish_reason is FinishReason.LENGTH
     first = base.index(base[6])
-    for events in stop_runs.values():
-        assert [t for e in events for t in e.token_ids] == base[:first]
-        assert events[-1].finish_reason is FinishReason.STOP
-        assert events[-1].completion_tokens == first
+    assert [t for e in stopped for t in e.token_ids] == base[:first]
+    assert stopped[-1].finish_reason is FinishReason.STOP
+    assert stopped[-1].completion_tokens == first
 
 
 async def test_check_too_long_invalid_and_queue_full(tiny_gqa: Path) -> None:
