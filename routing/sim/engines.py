@@ -178,12 +178,9 @@ class EdgeSim(_Node):
         prefix_cache: bool = True,
         stall_ratio: float | None = 1.0,
         prefix_first: int = 4,
-        catch_up: bool = True,
     ) -> None:
         super().__init__(node_id, cost, slots, on_blocks)
         self.chunk = chunk_tokens
-        # as the edge scheduler's catch_up: before a chunk, another slot's longer run is copied
-        self.catch_up = catch_up
         self.prefix_first = prefix_first
         self.stall_ratio = stall_ratio
         self.prefix_cache = prefix_cache
@@ -217,7 +214,7 @@ class EdgeSim(_Node):
 
     def traits(self) -> EngineTraits:
         traits = super().traits()
-        traits.prefix_catch_up = self.prefix_cache and self.catch_up
+        traits.prefix_catch_up = self.prefix_cache
         traits.prefix_in_slots = self.prefix_cache
         return traits
 
@@ -324,7 +321,7 @@ class EdgeSim(_Node):
         finished_prefill = False
         if pre is not None:
             decoding = any(not r.prefilling and r.generated < r.output for r in self.order)
-            if self.prefix_cache and self.catch_up:
+            if self.prefix_cache:  # as the edge: another slot's longer run copied first
                 self._catch_up(pre)
             size = self.chunk_beside_decode() if decoding else self.chunk
             c = min(size, pre.prompt - pre.filled)
