@@ -6,6 +6,8 @@ Invariants:
 - CPU is always the last resort: it is appended to any preference list that lacks it.
 - Every provider other than CPU is registered with CPU behind it, so nodes it cannot run
   (e.g. ``GroupQueryAttention`` on an NPU) fall back to CPU inside the one session.
+- QNN is the ``onnxruntime-qnn`` plugin EP where that package offers one (:mod:`edge_runtime.qnn`):
+  registered on first use and selected by device; without it QNN is skipped with the reason.
 - :class:`ProviderChoice` records which provider is active and why each earlier one was not.
 """
 
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import onnxruntime as ort
+
+from edge_runtime import qnn
 
 log = logging.getLogger(__name__)
 
@@ -144,21 +148,31 @@ def create_session(
     specs = [parse_provider(p) for p in (preference or DEFAULT_PREFERENCE)]
     if not any(s.name == CPU for s in specs):
         specs.append(ProviderSpec(CPU))
+    qnn_missing = ""  # why the QNN plugin is not registered (where QNN is asked for)
+    if available is None and any(s.name == qnn.EP_NAME for s in specs):
+        qnn_missing = qnn.try_register()
     offered = set(available if available is not None else ort.get_available_providers())
     attempts: list[ProviderAttempt] = []
     for spec in specs:
         if spec.name not in offered:
-            attempts.append(
-                ProviderAttempt(spec.name, "skipped", "not offered by this onnxruntime")
-            )
+            why = "not offered by this onnxruntime"
+            if spec.name == qnn.EP_NAME and qnn_missing:
+                why += f" ({qnn_missing})"
+            attempts.append(ProviderAttempt(spec.name, "skipped", why))
             continue
         providers: list[tuple[str, dict[str, Any]]] = [(spec.name, dict(spec.options))]
         if spec.name != CPU:
             providers.append((CPU, {}))
         try:
-            session = session_factory(
-                str(graph_path), sess_options=options_factory(), providers=providers
-            )
+            if spec.name == qnn.EP_NAME and qnn.is_registered():  # plugin EP: chosen by device
+                so = qnn.add_to_session_options(options_factory(), spec.options)
+                session = session_factory(str(graph_path), sess_options=so)
+                if qnn.nodes_on(session) == 0:  # e.g. dynamic shapes: all of it fell to CPU
+                    raise RuntimeError("QNN took no node of this graph (HTP needs static shapes)")
+            else:
+                session = session_factory(
+                    str(graph_path), sess_options=options_factory(), providers=providers
+                )
         except Exception as exc:  # any EP error: driver missing, bad options, unsupported graph
             reason = f"session creation failed: {type(exc).__name__}: {str(exc)[:300]}"
             log.warning("%s: %s", spec.name, reason)
