@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge_runtime import openvino
 from edge_runtime.decoder import Decoder
 from edge_runtime.graph_info import GRAPH_FILE, ExportMeta, GraphInfo, read_graph_info
 from edge_runtime.huge_pages import CollapseReport, anonymous_ranges, collapse_new
@@ -32,6 +33,7 @@ from edge_runtime.providers import (
     ProviderSpec,
     SessionFactory,
     create_session,
+    first_offered,
     session_options,
 )
 from edge_runtime.scheduler import SlotScheduler
@@ -140,12 +142,14 @@ class EdgeEngine:
         cls,
         model: str | os.PathLike[str],
         variant: str = "auto",
-        attention: str = "gqa",
+        attention: str | None = None,
         config: EdgeEngineConfig | None = None,
         **kwargs: object,
     ) -> EdgeEngine:
         """Export ``model`` (a store name or HF folder) if not cached, then build the engine;
-        ``variant`` "auto" is the quality gate's pick for this CPU (``edge_runtime.quality_gate``).
+        ``variant`` "auto" is the quality gate's pick for this CPU (``edge_runtime.quality_gate``);
+        ``attention`` None is the graph form the first offered provider runs whole
+        (``edge_runtime.openvino.attention_for``: ``concat`` on OpenVINO, else ``gqa``).
 
         Blocking: the first export of a model takes about a minute (torch is imported then), the
         first quality gate on a CPU a few minutes more.
@@ -158,6 +162,9 @@ class EdgeEngine:
 
             gate = choose_variant(model, threads=(config or EdgeEngineConfig()).threads)
             variant, verdict = gate.chosen, f"quality gate: {gate.summary()}"
+        if attention is None:
+            providers = (config or EdgeEngineConfig()).providers
+            attention = openvino.attention_for(first_offered(providers))
         graph = ensure_export(model, variant, attention)
         engine = cls(graph.folder, config, **kwargs)  # type: ignore[arg-type]
         engine.weights = verdict or variant
@@ -170,9 +177,17 @@ class EdgeEngine:
 
     @property
     def device(self) -> str:
+        """What the session really runs on ("CPU", "OpenVINO:CPU", ...), once started."""
         if self.provider is None:
             return "unstarted"
-        return self.provider.short_name
+        return self.provider.label
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether requests reuse kept prefixes: configured, and not off for a stateful
+        compile (its KV cache lives inside the compiled model)."""
+        stateful = self.provider is not None and self.provider.stateful
+        return self.config.prefix_reuse and not stateful
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -195,9 +210,12 @@ class EdgeEngine:
             options_factory=lambda: session_options(cfg.threads, cfg.spin),
             **kwargs,  # type: ignore[arg-type]
         )
-        decoder = Decoder(session, self.info, cfg.slots, self.max_context)
+        info = self.info
+        if self.provider.active == openvino.OPENVINO:
+            info = openvino.decoder_info(info)
+        decoder = Decoder(session, info, cfg.slots, self.max_context)
         cache = None
-        if cfg.prefix_reuse:
+        if self.prefix_reuse:
             cache = SlotCache(cfg.slots, model_seed(self.model_id), self.max_context - 1)
         scheduler = SlotScheduler(
             decoder,
@@ -216,7 +234,7 @@ class EdgeEngine:
             "edge engine %s: %s, %d slots x %d tokens (KV %.0f MB), huge pages %.0f MB%s, "
             "loaded in %.1f s",
             self.model_id,
-            self.provider.active,
+            self.provider.label,
             cfg.slots,
             self.max_context,
             decoder.kv_bytes / 1e6,
@@ -286,13 +304,13 @@ class EdgeEngine:
             self._scheduler.cancel(request_id)
 
     def stats(self) -> EngineStats:
-        cfg = self.config
+        cfg, reuse = self.config, self.prefix_reuse
         traits = EngineTraits(
             device=self.device,
             max_batch=cfg.slots,
-            prefix_cache=cfg.prefix_reuse,
-            prefix_catch_up=cfg.prefix_reuse,
-            prefix_in_slots=cfg.prefix_reuse,
+            prefix_cache=reuse,
+            prefix_catch_up=reuse,
+            prefix_in_slots=reuse,
             weights=self.weights,
             prefill_chunk=cfg.prefill_chunk,
             prefill_chunk_decoding=cfg.prefill_chunk,

@@ -94,6 +94,9 @@ class ProviderAttempt:
 class ProviderChoice:
     active: str
     attempts: tuple[ProviderAttempt, ...]
+    # what the session really runs on ("OpenVINO:CPU"); "" where the provider name says it
+    device: str = ""
+    stateful: bool = False  # the KV cache lives inside the compiled model: no prefix reuse
 
     @property
     def skipped(self) -> dict[str, str]:
@@ -104,6 +107,31 @@ class ProviderChoice:
     def short_name(self) -> str:
         """``"CPU"``, ``"QNN"``, ... (the provider name without ``ExecutionProvider``)."""
         return self.active.removesuffix("ExecutionProvider")
+
+    @property
+    def label(self) -> str:
+        """The device to report: ``device`` if known, else :attr:`short_name`."""
+        return self.device or self.short_name
+
+
+def first_offered(
+    preference: Sequence[str | ProviderSpec] | None = None, available: Sequence[str] | None = None
+) -> ProviderSpec:
+    """The first provider of ``preference`` this onnxruntime offers (the one a session will
+    try first; CPU when none is)."""
+    offered = set(available if available is not None else ort.get_available_providers())
+    specs = [parse_provider(p) for p in (preference or DEFAULT_PREFERENCE)]
+    return next((s for s in specs if s.name in offered), ProviderSpec(CPU))
+
+
+def _describe(spec: ProviderSpec) -> tuple[str, bool]:
+    """(the device a session made with ``spec`` really runs on, or "" where its provider
+    says it; whether it is a stateful compile)."""
+    from edge_runtime import openvino
+
+    if spec.name == openvino.OPENVINO:
+        return openvino.session_device(spec.options), openvino.stateful(spec.options)
+    return "", False
 
 
 def default_threads() -> int:
@@ -184,8 +212,9 @@ def create_session(
             attempts.append(ProviderAttempt(spec.name, "failed", reason))
             continue
         attempts.append(ProviderAttempt(spec.name, "active"))
-        choice = ProviderChoice(spec.name, tuple(attempts))
-        log.info("execution provider %s (skipped: %s)", spec.name, choice.skipped or "none")
+        device, stateful = _describe(spec)
+        choice = ProviderChoice(spec.name, tuple(attempts), device, stateful)
+        log.info("execution provider %s (skipped: %s)", choice.label, choice.skipped or "none")
         return session, choice
     detail = "; ".join(f"{a.name}: {a.reason}" for a in attempts)
     raise RuntimeError(f"no execution provider could create a session: {detail}")

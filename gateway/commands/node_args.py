@@ -53,7 +53,16 @@ class EngineFlag:
 
 
 def _providers(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
+    """``"openvino:device_type=NPU,enable_causallm=True,cpu"`` as providers: a ``key=value``
+    after a comma is one more option of the provider before it."""
+    out: list[str] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, _ = part.partition("=")
+        if out and sep and ":" not in key:
+            out[-1] += f",{part}"
+        else:
+            out.append(part)
+    return tuple(out)
 
 
 _SERVE_STALL_HELP = (

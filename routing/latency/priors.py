@@ -48,8 +48,10 @@ ARRIVAL_WEIGHT = 0.5
 
 
 def on_cpu(device: str) -> bool:
-    """Whether a node's device (torch device or execution provider) is a CPU."""
-    return device.lower().startswith("cpu")
+    """Whether a node's device (torch device, execution provider, or provider and device as
+    ``"OpenVINO:CPU"``) is a CPU."""
+    low = device.lower()
+    return low.startswith("cpu") or low.endswith(":cpu")
 
 
 def kind_priors(kind: NodeKind, device: str | None = None) -> KindPriors:
