@@ -36,9 +36,13 @@ needs_openvino = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def tiny_concat(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("openvino-onnx")
-    return ensure_export(tiny_model_path, "fp32", "concat", root=root).folder
+def ov_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("openvino-onnx")
+
+
+@pytest.fixture(scope="module")
+def tiny_concat(tiny_model_path: Path, ov_root: Path) -> Path:
+    return ensure_export(tiny_model_path, "fp32", "concat", root=ov_root).folder
 
 
 def _prompts(lengths: Sequence[int], vocab: int = 49152, seed: int = 11) -> list[list[int]]:
@@ -98,6 +102,22 @@ async def test_batched_decode_matches_one_at_a_time(tiny_concat: Path) -> None:
         (await _greedy_tokens(tiny_concat, (OV_CPU,), [p], 10, slots=1))[0][0] for p in prompts
     ]
     assert batched == alone
+
+
+@needs_openvino
+@pytest.mark.parametrize("variant", ["int8", "int4"])
+async def test_quantized_answers_alike_chunked_and_batched(
+    tiny_model_path: Path, ov_root: Path, tiny_concat: Path, variant: str
+) -> None:
+    """The quantized variants on OpenVINO: greedy answers do not change with prompt chunking
+    or batching. (Not token-equal to the CPU provider's: measured int8 3/5 prompts alike,
+    int4 5/5; OpenVINO's int8 kernels round otherwise than MatMulNBits' on CPU.)"""
+    folder = ensure_export(tiny_model_path, variant, "concat", root=ov_root).folder
+    prompts = _prompts([3, 40, 130], seed=5)
+    whole, _ = await _greedy_tokens(folder, (OV_CPU,), prompts, 10)
+    chunked, _ = await _greedy_tokens(folder, (OV_CPU,), prompts, 10, prefill_chunk=16)
+    alone = [(await _greedy_tokens(folder, (OV_CPU,), [p], 10, slots=1))[0][0] for p in prompts]
+    assert chunked == whole and alone == whole
 
 
 @needs_openvino
