@@ -26,6 +26,7 @@ INT4_BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations, quantized row by row (the fast kernels)
 INT8_BLOCK_SIZE = 128  # 32 was no more faithful to fp32 (greedy agreement) and slower to decode
 
+
 def blockwise_block_size(model: onnx.ModelProto, widest: int = INT8_BLOCK_SIZE) -> int:
     """``widest``, or the largest power of two (at least 16) within the narrowest input
     dimension of the weights to quantize: a block wider than a row's input runs another
