@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from routing.power import Watts
 
 
 def _bounded(
@@ -50,3 +53,13 @@ def pp_spec(text: str) -> tuple[int, str | None]:
     """``--pp``: ``STAGES`` or ``STAGES:LAYERS`` (``balanced``, or one count per stage)."""
     stages, _, layers = text.partition(":")
     return int(positive_int(stages)), (layers.strip() or None)
+
+
+def watts(text: str) -> Watts:
+    """``--watts``: ``IDLE:LOAD`` in watts (a :class:`routing.power.Watts`)."""
+    from routing.power import parse_watts
+
+    try:
+        return parse_watts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

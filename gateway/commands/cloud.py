@@ -85,5 +85,6 @@ def run_serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         limits=drain_limits(args),
         node_token=node_token,
+        watts=args.watts,
     )
     return 0

@@ -108,5 +108,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         limits=drain_limits(args),
         node_token=node_token,
+        watts=args.watts,
     )
     return 0

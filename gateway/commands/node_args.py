@@ -19,6 +19,7 @@ from gateway.commands.argtypes import (
     port,
     positive_int,
     stall_ratio,
+    watts,
 )
 from gateway.server_limits import ServerLimits
 
@@ -232,6 +233,13 @@ def add_node_arguments(parser: argparse.ArgumentParser, default_port: int) -> No
         "--insecure-no-auth",
         action="store_true",
         help="serve a non-loopback host without a node token (trusted networks only)",
+    )
+    parser.add_argument(
+        "--watts",
+        type=watts,
+        default=None,
+        metavar="IDLE:LOAD",
+        help="this machine's watts idle and under load, e.g. 4:15, where RAPL is unreadable",
     )
     add_drain_timeout(parser)
 

@@ -8,7 +8,10 @@ token-id prompts, so prompt lengths are exact):
 - decode: ms per step by batch size (concurrent streams) and context, from each stream's time
   between its first and last token over its completion tokens;
 - slots / max batch, KV blocks and max context from ``/load``;
-- prefix-hit speedup: TTFT of a repeated prompt against its first, cold, run.
+- prefix-hit speedup: TTFT of a repeated prompt against its first, cold, run;
+- the provider and device it really runs on (``device`` in ``/load``, e.g. ``OpenVINO:CPU``),
+  part of the profile's name and identity, and its watts at idle and under load where it
+  reports them (``routing.power``).
 
 Invariants: nothing else may use the node while it runs (the numbers would include it);
 every prompt is seeded (``--seed``), so two runs send the same requests.
@@ -29,8 +32,10 @@ from typing import Any
 def register(sub: Any) -> None:
     p = sub.add_parser("profile", help="measure a live node into a simulator profile JSON")
     p.add_argument("--node", required=True, help="the node's base URL, e.g. http://127.0.0.1:8001")
-    p.add_argument("--out", required=True, help="where to write the profile JSON")
-    p.add_argument("--name", default=None, help="profile name (default: from the node)")
+    p.add_argument(
+        "--out", required=True, help="where to write the profile JSON (a folder: NAME.json in it)"
+    )
+    p.add_argument("--name", default=None, help="profile name (default: kind-model-device)")
     p.add_argument("--prefill", type=int, nargs="*", default=None, help="prompt lengths")
     p.add_argument("--batches", type=int, nargs="*", default=None, help="decode batch sizes")
     p.add_argument(
@@ -144,6 +149,8 @@ def _node_state(resp: Any, url: str, token_sent: bool) -> dict[str, Any]:
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import httpx
 
+    from routing.sim.profiles import profile_name
+
     url = args.node.rstrip("/")
     rng = random.Random(args.seed)
     import os
@@ -192,10 +199,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         warm, _, _, _ = await _stream(client, url, model, ids, 1, 0)
         speedup = cold / max(warm, 1e-6)
         print(f"prefix hit ({n} tokens): cold {cold * 1000:.1f} ms, warm {warm * 1000:.1f} ms")
+        # after the runs: a node that reads RAPL has learned its watts by now
+        state = _node_state(await client.get(url + "/load"), url, bool(token))
+    device = str(state.get("device", ""))
     return {
-        "name": args.name or f"{kind}-{state.get('device', '')}",
+        "name": args.name or profile_name(kind, model, device),
         "kind": "edge" if kind == "edge" else "cloud",
-        "device": str(state.get("device", "")),
+        "device": device,
         "model": model,
         "source": "measured",
         "notes": args.notes,
@@ -210,15 +220,22 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "prefill": prefill,
         "decode": decode,
         "prefix_hit_speedup": speedup,
+        "watts_idle": state.get("watts_idle"),
+        "watts_load": state.get("watts_load"),
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
 def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from routing.sim.profiles import NodeProfile, save_profile
 
     data = asyncio.run(measure(args))
     prof = NodeProfile.model_validate(data)
-    save_profile(prof, args.out)
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    if out.is_dir() or args.out.endswith("/"):
+        out = out / f"{prof.name}.json"
+    save_profile(prof, out)
+    print(f"wrote {out} ({prof.device or 'device unknown'})")
     return 0

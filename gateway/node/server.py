@@ -18,6 +18,7 @@ from gateway.server_limits import ServerLimits
 from routing.engine import Engine
 from routing.fleet.store import FleetStore
 from routing.model_store import ModelInfo
+from routing.power import Watts
 from routing.prompt import PromptFormatter
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def build_service(
     node_id: str | None = None,
     public_url: str | None = None,
     max_body_bytes: int = 4 * 1024 * 1024,
+    watts: Watts | None = None,
 ) -> NodeService:
     advertised = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     config = NodeConfig(
@@ -55,6 +57,7 @@ def build_service(
         model_path=Path(model.path),
         model_identity=model.identity,
         max_body_bytes=max_body_bytes,
+        watts=watts,
     )
     return NodeService(engine, PromptFormatter.from_folder(model.path), config)
 
@@ -72,9 +75,17 @@ def serve_node(
     log_level: str = "warning",
     limits: ServerLimits | None = None,
     node_token: str | None = None,
+    watts: Watts | None = None,
 ) -> ServeResult:
     service = build_service(
-        engine, model, region=region, host=host, port=port, node_id=node_id, public_url=public_url
+        engine,
+        model,
+        region=region,
+        host=host,
+        port=port,
+        node_id=node_id,
+        public_url=public_url,
+        watts=watts,
     )
     app = create_node_app(service, make_store(redis_url), node_token=node_token, tune_gc=True)
     log.info(

@@ -35,6 +35,7 @@ from routing.engine import (
     TokenEvent,
 )
 from routing.fleet.state import NodeKind, NodeState
+from routing.power import EnergyMeter, RaplReader, Watts
 from routing.prompt import PromptFormatter, TemplateError, UnencodableText
 from routing.sampling_limits import InvalidSampling, check_sampling
 
@@ -52,6 +53,8 @@ class NodeConfig:
     model_identity: str
     ttl_s: float = 5.0
     max_body_bytes: int = 4 * 1024 * 1024
+    watts: Watts | None = None  # the operator's idle and load figures (--watts)
+    energy_window_s: float = 1.0  # shortest window of the joules-per-request EWMA
 
 
 @dataclass
@@ -84,6 +87,7 @@ class NodeService:
         self.config = config
         self.served_names = {config.model_name, config.model_identity, config.model_path.name}
         self.started_at = time.time()
+        self.energy = EnergyMeter(config.watts, RaplReader.find(), config.energy_window_s)
 
     # ---- request preparation -------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -191,6 +195,7 @@ class NodeService:
         stops = set(prep.gen.sampling.stop_token_ids)
         agen = self.engine.generate(prep.gen)
         finished = False
+        self.energy.started()
         waiting: list[int] = []  # ids whose text has not gone out yet (with_ids)
         try:
             async for ev in agen:
@@ -234,6 +239,7 @@ class NodeService:
         except EngineError as exc:  # any other refusal of the request itself
             raise bad_request(str(exc), param="prompt") from exc
         finally:
+            self.energy.ended(finished)
             await agen.aclose()
             if not finished or streamer.stopped:
                 await self.engine.abort(prep.gen.request_id)
@@ -241,6 +247,7 @@ class NodeService:
     # ---- state ---------------------------------------------------------------------------
     def node_state(self) -> NodeState:
         s = self.engine.stats()
+        self.energy.sample()
         return NodeState(
             id=self.config.node_id,
             kind=NodeKind(self.engine.kind),
@@ -250,5 +257,6 @@ class NodeService:
             model_identities={self.config.model_name: self.config.model_identity},
             max_context=self.engine.max_context,
             **s.node_fields(),
+            **self.energy.fields(),
             ttl_s=self.config.ttl_s,
         )

@@ -98,6 +98,12 @@ class NodeState(EngineTraits):
     prefix_hit_rate: float = 0.0
     # its engine's step time fitted on its own steps (None: it fits none, or not yet)
     step_cost: StepCost | None = None
+    # power (routing.power; reporting only): watts at idle and under load (None: unknown),
+    # joules per finished request (EWMA) and where they come from ("rapl", "configured", "")
+    watts_idle: float | None = None
+    watts_load: float | None = None
+    joules_per_request: float | None = None
+    power_source: str = ""
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken
     ttl_s: float = 5.0
     version: int = SCHEMA_VERSION

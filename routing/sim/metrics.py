@@ -3,7 +3,9 @@ attainment and goodput, cloud share, per-node load and prefix hit rate, and text
 
 Invariants: percentiles are over finished requests only (failed ones are counted apart);
 ``slo_attainment`` is the share of *all* requests (failed ones miss) whose TTFT and time per
-output token both meet the SLO; ``goodput_rps`` is those requests per second of trace span.
+output token both meet the SLO; ``goodput_rps`` is those requests per second of trace span;
+``joules_per_request`` is the fleet's energy over the whole run (each node's profile watts: idle
+throughout, load while it steps) over the requests finished, NaN unless every node has figures.
 """
 
 from __future__ import annotations
@@ -65,7 +67,15 @@ def summarize(
         "cloud_share": float(on_cloud.mean()) if on_cloud.size else math.nan,
         "prefix_hit_rate": float(np.asarray(res.cached_tokens)[sel][ok].sum())
         / max(1.0, float(np.asarray(res.prompt_tokens)[sel][ok].sum())),
+        "joules_per_request": joules_per_request(res),
     }
+
+
+def joules_per_request(res: SimResult) -> float:
+    """The whole run's energy over its finished requests (NaN: a node without watts)."""
+    joules = sum(s.get("joules", math.nan) for s in res.node_stats.values())
+    done = int(np.count_nonzero(~np.isnan(np.asarray(res.e2e_s))))
+    return joules / done if done else math.nan
 
 
 def objective_value(summary: dict[str, float], objective: str) -> float:
@@ -106,6 +116,7 @@ POLICY_COLUMNS = [
     ("slo_attainment", "SLO"),
     ("cloud_share", "cloud"),
     ("failed", "failed"),
+    ("joules_per_request", "J/req"),
 ]
 
 
@@ -119,5 +130,6 @@ def node_table(res: SimResult) -> str:
     rows = []
     for nid, kind in zip(res.node_ids, res.node_kinds, strict=False):
         s = res.node_stats[nid]
-        rows.append([nid, kind, int(s["requests"]), s["busy_share"], s["prefix_hit_rate"]])
-    return fmt_table(["node", "tier", "requests", "busy", "prefix hit"], rows)
+        jpr = s.get("joules", math.nan) / s["requests"] if s["requests"] else math.nan
+        rows.append([nid, kind, int(s["requests"]), s["busy_share"], s["prefix_hit_rate"], jpr])
+    return fmt_table(["node", "tier", "requests", "busy", "prefix hit", "J/req"], rows)

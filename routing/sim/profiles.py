@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -74,6 +75,8 @@ class NodeProfile(BaseModel):
     prefix_hit_speedup: float | None = Field(
         default=None, description="measured TTFT(cold) / TTFT(warm) for the profile's probe"
     )
+    watts_idle: float | None = Field(default=None, ge=0, description="idle watts (null: unknown)")
+    watts_load: float | None = Field(default=None, ge=0, description="watts when fully busy")
     measured_at: str = ""
 
     @model_validator(mode="after")
@@ -84,6 +87,17 @@ class NodeProfile(BaseModel):
 
     def cost_model(self) -> ProfileCost:
         return ProfileCost(self)
+
+    @property
+    def identity(self) -> tuple[str, str, str]:
+        """What it measured: (kind, model, device); two providers of one model differ."""
+        return (self.kind, self.model, self.device)
+
+
+def profile_name(kind: str, model: str, device: str) -> str:
+    """A profile's default name, e.g. ``edge-smollm2-135m-instruct-openvino-cpu``."""
+    parts = (kind, model, device or "unknown-device")
+    return "-".join(re.sub(r"[^a-z0-9.]+", "-", p.lower()).strip("-") for p in parts)
 
 
 def load_profile(path: str | os.PathLike[str]) -> NodeProfile:

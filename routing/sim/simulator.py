@@ -40,6 +40,7 @@ from routing.fleet.store import FleetView
 from routing.ledger import DispatchLedger
 from routing.policies import NoRoute
 from routing.policy_config import PolicyConfig
+from routing.power import Watts, estimated_joules
 from routing.profile import RequestProfile
 from routing.router import Measured, Router, Ticket
 from routing.sim.engines import CloudSim, EdgeSim, SimRequest
@@ -188,6 +189,7 @@ class Simulator:
         self.index = PrefixIndex()
         self.prefix_nodes: list[str] = []
         self._node_by_id: dict[str, int] = {}
+        self.node_watts: list[Watts | None] = []  # each node's profile's figures (None: unknown)
         self._max_kv = 0
         for i, (nid, spec) in enumerate(fleet.expanded()):
             prof = fleet.profile(spec)
@@ -225,6 +227,8 @@ class Simulator:
                 node.seed_rates(*warm_rates[nid])
             self.nodes.append(node)
             self.node_region.append(spec.region)
+            idle, load = prof.watts_idle, prof.watts_load
+            self.node_watts.append(None if idle is None or load is None else Watts(idle, load))
             self._node_by_id[nid] = i
             if spec.prefix_cache:
                 self.prefix_nodes.append(nid)
@@ -267,6 +271,9 @@ class Simulator:
             model_identities={self.fleet.model: self.fleet.model_identity},
             max_context=n.max_context,
             timestamp=0.0,
+            watts_idle=w.idle if (w := self.node_watts[i]) else None,
+            watts_load=w.load if w else None,
+            power_source="configured" if w else "",
             **n.traits().model_dump(),
         )
 
@@ -468,8 +475,10 @@ class Simulator:
                 if stored:
                     self.index.add(nid, stored)
         stats: dict[str, dict[str, float]] = {}
-        for node in nodes:
+        for node, w in zip(nodes, self.node_watts, strict=True):
             stats[node.id] = {
+                # its profile's idle watts over the run, load watts while it stepped
+                "joules": estimated_joules(w, self.now, node.busy_s) if w else math.nan,
                 "requests": float(node.served),
                 "prefix_hit_rate": node.cached_tokens / node.prompt_tokens
                 if node.prompt_tokens
