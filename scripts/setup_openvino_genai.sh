@@ -16,24 +16,8 @@ PYTHON="${PYTHON:-python3}"
 VENV=.venv-ovgenai
 MODEL=smollm2-135m-instruct
 
-# step "what (about how long)" command...: one line for the step; output only on failure.
-step() {
-    local what="$1" log rc t0=$SECONDS
-    shift
-    log="$(mktemp "${TMPDIR:-/tmp}/edgecloud-setup-ovgenai.XXXXXX")"
-    printf '%s... ' "$what"
-    if "$@" >"$log" 2>&1; then
-        printf 'done (%d s)\n' $((SECONDS - t0))
-        rm -f "$log"
-    else
-        rc=$?
-        printf 'FAILED (exit %d)\n' "$rc"
-        echo "---- output of: $* ----" >&2
-        tail -n 60 "$log" >&2
-        echo "---- (whole log: $log) ----" >&2
-        exit "$rc"
-    fi
-}
+# shellcheck source=scripts/_step.sh
+source "scripts/_step.sh"
 
 if [[ ! -x .venv/bin/edgecloud ]]; then
     echo "run scripts/setup.sh first: the model store and its identities come from ./.venv" >&2
