@@ -145,38 +145,42 @@ def results_table(
 
 
 def goal_table(results: list[Result], chosen: str, bandwidth: float) -> tuple[str, dict]:
-    """The quality gate's variant against each peer's best, single stream and 4 streams."""
-    ours = next((r for r in results if r.engine == "edgecloud" and r.precision == chosen), None)
-    if ours is None:
+    """Our variants against each peer's best, single stream and 4 streams: the quality gate's
+    pick on this CPU (the goals are about it), then the others (what a CPU where they pass gets)."""
+    ours = [r for r in results if r.engine == "edgecloud" and " " not in r.precision]
+    ours.sort(key=lambda r: (r.precision != chosen, -r.decode_tps_1))
+    if not ours or ours[0].precision != chosen:
         return "", {}
     lines = [
-        "| peer (its best) | peer tok/s (1 / 4 conc.) "
-        f"| ours {chosen} tok/s (1 / 4 conc.) | ours / peer (1 / 4 conc.) |",
-        "|---|---|---|---|",
+        "| ours | peer (its best) | peer tok/s (1 / 4 conc.) | ours tok/s (1 / 4 conc.) "
+        "| ours / peer (1 / 4 conc.) |",
+        "|---|---|---|---|---|",
     ]
-    goals: dict[str, object] = {
-        "ours": chosen,
-        "fraction_of_bandwidth_limit": ours.decode_tps_1
-        * ours.weight_mb_per_token
-        / bandwidth
-        / 1e3,
-    }
-    for engine in ("llama.cpp", "openvino-genai", "onnxruntime-genai"):
-        peers = [r for r in results if r.engine == engine]
-        if not peers:
-            continue
-        one = max(peers, key=lambda r: r.decode_tps_1)
-        four = max(peers, key=lambda r: r.decode_tps_4)
-        ratio = (ours.decode_tps_1 / one.decode_tps_1, ours.decode_tps_4 / four.decode_tps_4)
-        goals[engine] = {"best_1": one.precision, "best_4": four.precision, "ratio": ratio}
-        lines.append(
-            f"| {engine} ({one.precision} / {four.precision}) "
-            f"| {one.decode_tps_1:.1f} / {four.decode_tps_4:.1f} "
-            f"| {ours.decode_tps_1:.1f} / {ours.decode_tps_4:.1f} "
-            f"| {ratio[0]:.2f}x / {ratio[1]:.2f}x |"
-        )
-    share = goals["fraction_of_bandwidth_limit"]
-    lines.append(f"\nOurs ({chosen}), single stream: {100 * share:.0f}% of the bandwidth limit.")
+    goals: dict[str, dict] = {}
+    for mine in ours:
+        share = mine.decode_tps_1 * mine.weight_mb_per_token / bandwidth / 1e3
+        goals[mine.precision] = {"gate_pick": mine.precision == chosen, "of_bandwidth": share}
+        for engine in ("llama.cpp", "openvino-genai", "onnxruntime-genai"):
+            peers = [r for r in results if r.engine == engine]
+            if not peers:
+                continue
+            one = max(peers, key=lambda r: r.decode_tps_1)
+            four = max(peers, key=lambda r: r.decode_tps_4)
+            ratio = (mine.decode_tps_1 / one.decode_tps_1, mine.decode_tps_4 / four.decode_tps_4)
+            goals[mine.precision][engine] = {
+                "best_1": one.precision, "best_4": four.precision, "ratio": ratio
+            }  # fmt: skip
+            name = f"**{mine.precision}** (gate)" if mine.precision == chosen else mine.precision
+            lines.append(
+                f"| {name} | {engine} ({one.precision} / {four.precision}) "
+                f"| {one.decode_tps_1:.1f} / {four.decode_tps_4:.1f} "
+                f"| {mine.decode_tps_1:.1f} / {mine.decode_tps_4:.1f} "
+                f"| {ratio[0]:.2f}x / {ratio[1]:.2f}x |"
+            )
+    lines.append(
+        f"\nOurs ({chosen}, the gate's pick), single stream: "
+        f"{100 * goals[chosen]['of_bandwidth']:.0f}% of the bandwidth limit."
+    )
     return "\n".join(lines), goals
 
 
