@@ -46,7 +46,14 @@ from cloud_engine.sampler import prepare
 from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
-from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
+from routing.engine import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    QueueFull,
+    RequestTooLong,
+    TokenLogprob,
+)
 from routing.ewma import Ewma
 from routing.prefill_budget import chunk_beside_decode
 from routing.step_cost import StepCostFit
@@ -68,6 +75,7 @@ class SeqOutput:
     seq: Sequence
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, where the request asks
 
 
 @dataclass(slots=True)
@@ -96,13 +104,20 @@ class CoreCounters:
     kv_waste_at_peak: float = 0.0  # allocated slots holding no token / allocated slots
 
 
-def _live(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, list[int]]:
-    """The items of ``batch`` whose sequence still runs, and their sampled tokens (a look-ahead
-    step may carry sequences that stopped or were aborted after it was launched)."""
+_Lps = list[TokenLogprob | None] | None
+
+
+def _live(
+    batch: ScheduledBatch, sampled: list[int], lps: _Lps = None
+) -> tuple[ScheduledBatch, list[int], _Lps]:
+    """The items of ``batch`` whose sequence still runs, and their sampled tokens and
+    logprobs (a look-ahead step may carry sequences that stopped or were aborted after it was
+    launched)."""
     if all(it.seq.status is SeqStatus.RUNNING for it in batch.items):
-        return batch, sampled
+        return batch, sampled, lps
     items: list[ScheduledSeq] = []
     tokens: list[int] = []
+    kept: list[TokenLogprob | None] = []
     k = 0
     for it in batch.items:
         if it.samples:
@@ -111,7 +126,8 @@ def _live(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, li
             items.append(it)
             if it.samples:
                 tokens.append(sampled[k - 1])
-    return ScheduledBatch(items), tokens
+                kept.append(lps[k - 1] if lps is not None else None)
+    return ScheduledBatch(items), tokens, (kept if lps is not None else None)
 
 
 class EngineCore:
@@ -215,6 +231,8 @@ class EngineCore:
         if request.request_id in self.seqs:
             raise ValueError(f"duplicate request id {request.request_id}")
         seq = Sequence(request, next(self._order), self.max_context)
+        if request.prefill_with is not None:
+            seq.leader = self.seqs.get(request.prefill_with)
         try:
             seq.generator = prepare(request.sampling, self.pool.device)
             seq.extend_hashes(self.seed, self.blocks.block_size)
@@ -283,8 +301,8 @@ class EngineCore:
         now = time.perf_counter()
         dt = now - max(cur.t0, self._last_collect)  # a look-ahead step started at the last read
         self._last_collect = now
-        batch, sampled = _live(cur.batch, sampled)
-        outputs = self._commit(batch, sampled)
+        batch, sampled, lps = _live(cur.batch, sampled, cur.launched.logprobs)
+        outputs = self._commit(batch, sampled, lps)
         self._account(batch, dt)
         if self.config.debug_checks:
             self.blocks.check_integrity()
@@ -344,7 +362,9 @@ class EngineCore:
         t0 = time.perf_counter()
         return _Launch(batch, self.runner.launch(batch, feed), t0)
 
-    def _commit(self, batch: ScheduledBatch, sampled: list[int]) -> list[SeqOutput]:
+    def _commit(
+        self, batch: ScheduledBatch, sampled: list[int], lps: _Lps = None
+    ) -> list[SeqOutput]:
         outputs: list[SeqOutput] = []
         finished: list[Sequence] = []
         k = 0
@@ -355,6 +375,7 @@ class EngineCore:
             if not it.samples:
                 continue
             tok = sampled[k]
+            lp = lps[k] if lps is not None else None
             k += 1
             sp = seq.sampling
             if not sp.ignore_eos and tok in sp.stop_token_ids:
@@ -368,7 +389,7 @@ class EngineCore:
             if seq.num_output >= seq.max_output:
                 seq.finish_reason = FinishReason.LENGTH
                 finished.append(seq)
-            outputs.append(SeqOutput(seq, [tok], seq.finish_reason))
+            outputs.append(SeqOutput(seq, [tok], seq.finish_reason, None if lp is None else [lp]))
         for seq in finished:
             self.scheduler.finish(seq)
             self.runner.release(seq)

@@ -13,11 +13,13 @@ Invariants:
   ordinary seed (``routing.sampling_limits``).
 - No string contains a lone surrogate (``"\\ud800"`` in JSON): such text has no UTF-8 form and
   no tokenization; it is a 400 naming the field, as at OpenAI.
+- ``logprobs`` / ``top_logprobs`` (chat, at most 20; ``top_logprobs`` needs ``logprobs:
+  true``), ``logprobs`` (completions, at most 5) with ``echo``, and ``n`` are served.
 - Known OpenAI fields we cannot honour (``tools``, ``tool_choice``, ``functions``,
-  ``function_call``, ``response_format`` other than text, ``logit_bias``, ``logprobs``,
-  ``top_logprobs``, non-zero penalties, ``n`` or ``best_of`` > 1, ``audio``, ``modalities``
-  other than text, ``prediction``, ``store: true``, ``reasoning_effort``,
-  ``web_search_options``, ``service_tier`` other than auto/default, ``echo``, ``suffix``) are
+  ``function_call``, ``response_format`` other than text, ``logit_bias``, non-zero
+  penalties, ``best_of`` > 1, ``audio``, ``modalities`` other than text, ``prediction``,
+  ``store: true``, ``reasoning_effort``, ``web_search_options``, ``service_tier`` other than
+  auto/default, ``suffix``) are
   accepted only with their default, no-op values (``null``, ``false``, ``0``, ``[]``, ``{}``,
   ``{"type": "text"}``, ``"none"``, ...) and otherwise rejected with a 400 naming the field and
   ``code: "unsupported_parameter"``, never silently ignored. ``parallel_tool_calls``,
@@ -46,13 +48,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from routing.choices import MAX_CHOICES
 from routing.sampling_limits import API_SEED_MAX, API_SEED_MIN, MAX_TOP_K
 
 MAX_STOP_SEQUENCES = 4
 INT32_MAX = 2**31 - 1
 MAX_TOKENS_LIMIT = INT32_MAX  # max_tokens / max_completion_tokens; the node's context decides
 MAX_TOKEN_ID = INT32_MAX  # token ids in a prompt; the node checks its model's vocabulary
-MAX_N = 128  # OpenAI's bound on n (only 1 is served)
+MAX_N = MAX_CHOICES  # OpenAI's bound on n; a node serves up to its engine's ``max_n``
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -154,13 +157,6 @@ class _SamplingFields(_Body):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise unsupported("n", "one choice per request is served (use 1)")
-        return v
-
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalty(cls, v: float, info: ValidationInfo) -> float:
@@ -226,18 +222,11 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: dict[str, Any] | None = None
     service_tier: str | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise unsupported("logprobs", "log probabilities are not returned (use false)")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise unsupported("top_logprobs", "log probabilities are not returned (use 0)")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("logprobs must be true when top_logprobs is set")
         return v
 
     @field_validator("tools", "functions")
@@ -307,7 +296,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] = Field()
+    prompt: str | list[str] | list[int] | list[list[int]] = Field()
     max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1, le=20)
@@ -316,7 +305,13 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def _one_prompt(
+        cls, v: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], list):  # a batch of token id lists
+            if len(v) != 1:
+                raise ValueError("one prompt per request is supported")
+            v = v[0]  # type: ignore[assignment]
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
@@ -334,25 +329,13 @@ class CompletionRequest(_SamplingFields):
             check_text(v)
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:  # 0 still asks for the sampled token's log probability
-            raise unsupported("logprobs", "log probabilities are not returned (send null)")
-        return v
-
     @field_validator("best_of")
     @classmethod
     def _one_candidate(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise unsupported("best_of", "one candidate per request is generated (use 1)")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise unsupported("echo", "the prompt is not echoed (use false)")
+            raise unsupported(
+                "best_of", "candidates are not ranked server-side (use n for several choices)"
+            )
         return v
 
     @field_validator("suffix")
@@ -361,6 +344,14 @@ class CompletionRequest(_SamplingFields):
         if v:
             raise unsupported("suffix", "insertion is not supported (send null)")
         return v
+
+
+def resumable(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether a broken stream of ``req`` can be resumed from its token ids on another node
+    (``gateway.front.resume``): one choice, no logprobs, no echo."""
+    if req.n != 1 or req.logprobs:
+        return False
+    return not (isinstance(req, CompletionRequest) and (req.echo or req.logprobs is not None))
 
 
 class Usage(BaseModel):

@@ -160,6 +160,8 @@ class Router:
                 left_out[node.id] = "model"
             elif need > node.max_context:
                 left_out[node.id] = "context"
+            elif not profile.needs <= set(node.capabilities) or profile.choices > node.max_n:
+                left_out[node.id] = "capability"
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
             else:
@@ -208,6 +210,7 @@ class Router:
             if node.prefix_cache
             else None,
             newcomer=self.ledger.typical(node.id, now),
+            choices=profile.choices,
         )
 
     def decide(
@@ -224,6 +227,12 @@ class Router:
             reasons = set(left_out.values())
             if not left_out or reasons == {"model"}:
                 raise NoRoute("unknown_model", f"no node serves model {profile.model!r}", left_out)
+            if "capability" in reasons and reasons <= {"model", "context", "capability"}:
+                raise NoRoute(
+                    "unsupported",
+                    f"no node serving {profile.model!r} serves " + describe_needs(profile),
+                    left_out,
+                )
             if reasons <= {"model", "context"}:
                 raise NoRoute(
                     "too_long",
@@ -322,3 +331,11 @@ class Router:
 
     def in_flight(self, node_id: str) -> int:
         return self.ledger.in_flight(node_id)
+
+
+def describe_needs(profile: RequestProfile) -> str:
+    """What ``profile`` asks beyond plain sampling, in words (for a NoRoute message)."""
+    parts = sorted(profile.needs)
+    if profile.choices > 1:
+        parts.append(f"n={profile.choices}")
+    return ", ".join(parts) or "this request"

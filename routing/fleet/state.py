@@ -75,6 +75,18 @@ class EngineTraits(BaseModel):
     # the kind's default is assumed (for the latter: as prefill_chunk)
     prefill_chunk: int = 0
     prefill_chunk_decoding: int = 0
+    # what it serves beyond plain sampling (``Capability``), and the most choices (``n``) one
+    # request may ask for; a node that reports none is sent no request that needs them
+    capabilities: list[str] = Field(default_factory=list)
+    max_n: int = 1
+
+
+class Capability:
+    """The names of what a node may advertise in ``EngineTraits.capabilities``."""
+
+    LOGPROBS = "logprobs"  # sampled tokens' log-probabilities, top alternatives up to 20
+    PROMPT_LOGPROBS = "prompt_logprobs"  # the prompt's too (completions with echo)
+    ALL = (LOGPROBS, PROMPT_LOGPROBS)
 
 
 class NodeState(EngineTraits):
