@@ -13,8 +13,8 @@ Invariants:
   ordinary seed (``routing.sampling_limits``).
 - No string contains a lone surrogate (``"\\ud800"`` in JSON): such text has no UTF-8 form and
   no tokenization; it is a 400 naming the field, as at OpenAI.
-- ``logprobs`` / ``top_logprobs`` (chat, at most 20; ``top_logprobs`` needs ``logprobs:
-  true``), ``logprobs`` (completions, at most 5) with ``echo``, and ``n`` are served.
+- ``logprobs`` / ``top_logprobs`` (chat, at most 20; ``top_logprobs`` above 0 needs
+  ``logprobs: true``), ``logprobs`` (completions, at most 5) with ``echo``, and ``n`` are served.
 - Known OpenAI fields we cannot honour (``tools``, ``tool_choice``, ``functions``,
   ``function_call``, ``response_format`` other than text, ``logit_bias``, non-zero
   penalties, ``best_of`` > 1, ``audio``, ``modalities`` other than text, ``prediction``,
@@ -225,8 +225,8 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("top_logprobs")
     @classmethod
     def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and not info.data.get("logprobs"):
-            raise ValueError("logprobs must be true when top_logprobs is set")
+        if v and not info.data.get("logprobs"):  # 0 asks for nothing: accepted alone
+            raise ValueError("logprobs must be true when top_logprobs is above 0")
         return v
 
     @field_validator("tools", "functions")
