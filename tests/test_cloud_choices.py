@@ -28,8 +28,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
 
 @torch.inference_mode()
 def ref_logprobs(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    dev = next(model.parameters()).device
     cache = DenseKVCache(model, 1, len(ids))
-    logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache)[0]
+    pos = torch.arange(len(ids), device=dev).unsqueeze(0)
+    logits = model(torch.tensor([ids], device=dev), pos, cache)[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -118,3 +120,45 @@ def test_logprobs_equal_the_reference_log_softmax(tiny: LlamaForCausalLM, runner
         assert got[p].token_id == prompt[p]
         assert got[p].logprob == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4)
         assert len(got[p].top) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_engine_logprobs_and_choices(overlap: bool) -> None:
+    """The CUDA runner (Triton kernels, CUDA graphs, look-ahead steps) in fp32: logprobs and
+    prompt logprobs equal the dense reference's log-softmax; three choices of one prompt
+    prefill it once and decode as the reference does; rows asking nothing keep the graphs."""
+    import copy
+
+    from cloud_engine.config import EngineConfig
+    from tests.test_cloud_gpu import tiny_gpu_model
+
+    model = tiny_gpu_model("qwen3", torch.float32)
+    cfg = EngineConfig(
+        device="cuda", kv_memory_bytes=64 * 2**20, max_running=16, max_tokens_per_step=512,
+        overlap=overlap, debug_checks=True,
+    )  # fmt: skip
+    core = EngineCore(copy.deepcopy(model), "gpu-lp", cfg)
+    prompt = [(11 * i + 5) % 2048 for i in range(70)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    asks = SamplingParams(max_tokens=8, temperature=0.0, logprobs=4, prompt_logprobs=1)
+    reqs = [
+        GenerationRequest(prompt, greedy, request_id=f"c{i}", prefill_with=None if i == 0 else "c0")
+        for i in range(3)
+    ] + [GenerationRequest(prompt[:33], asks, request_id="lp")]
+    toks, lps, prompt_lps = run(core, reqs)
+    want = generate(model, prompt, greedy).token_ids
+    assert [toks[f"c{i}"] for i in range(3)] == [want] * 3
+    assert core.counters.prefill_tokens == 70 + 2 * 6 + 33
+    ids = prompt[:33] + toks["lp"]
+    ref = ref_logprobs(model, ids).cpu()
+    assert [e.token_id for e in lps["lp"]] == toks["lp"]
+    for j, e in enumerate(lps["lp"]):
+        row = ref[33 + j - 1]
+        assert e.logprob == pytest.approx(float(row[e.token_id]), abs=1e-3)
+        assert e.top[0][0] == e.token_id and len(e.top) == 4
+    got = prompt_lps["lp"]
+    assert len(got) == 33 and got[0] is None
+    for p in range(1, 33):
+        assert got[p].logprob == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-3)
