@@ -213,6 +213,26 @@ def test_no_route_explains_why():
     assert err.value.code == "unknown_model"
 
 
+def test_capabilities_and_choices_decide_eligibility_and_cost():
+    """A request needing logprobs goes only to nodes advertising them, ``n`` only to nodes
+    whose ``max_n`` takes it (else a NoRoute ``unsupported``), and ``n`` rows decode at a
+    larger batch: a later end on the same node."""
+    r = router()
+    lp = frozenset({"logprobs"})
+    able = edge("e-lp", capabilities=["logprobs", "prompt_logprobs"], max_n=4)
+    plain = edge("e-plain")
+    cands, left_out = r.candidates(profile(50, needs=lp), view(able, plain))
+    assert [c.node.id for c in cands] == ["e-lp"] and left_out == {"e-plain": "capability"}
+    _, left_out = r.candidates(profile(50, choices=5), view(able, plain))
+    assert left_out == {"e-lp": "capability", "e-plain": "capability"}
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(50, choices=5), view(able, plain))
+    assert err.value.code == "unsupported" and "n=5" in str(err.value)
+    one = r.candidates(profile(50, out=64), view(able))[0][0].estimate
+    four = r.candidates(profile(50, out=64, choices=4), view(able))[0][0].estimate
+    assert four.e2e_ms > one.e2e_ms and four.batch > one.batch
+
+
 def test_threshold_policy_cuts_on_prompt_length_only():
     r = Router(PolicyConfig(policy="threshold", threshold={"prompt_tokens": 100}))
     busy_edge = view(edge(running=4, waiting=8), cloud())
