@@ -68,6 +68,17 @@ def ref_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
+def assert_same_entries(a: list[Any], b: list[Any]) -> None:
+    """The same tokens with the same logprobs (to float rounding: a step's batch, which
+    differs between two runs of a request, changes the last bits of a matrix product)."""
+    assert [e.token for e in a] == [e.token for e in b]
+    assert [e.logprob for e in a] == pytest.approx([e.logprob for e in b], abs=1e-5)
+    for x, y in zip(a, b, strict=True):
+        assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
+        tops = [t.logprob for t in x.top_logprobs]
+        assert tops == pytest.approx([t.logprob for t in y.top_logprobs], abs=1e-5)
+
+
 def _ids_of(content: list[Any], texts: TokenTexts, candidates: list[int]) -> list[int]:
     """The token ids behind chat logprob entries, matched by bytes against ``candidates``."""
     out = []
@@ -116,7 +127,7 @@ def test_chat_logprobs_equal_reference_log_softmax(
                 streamed += c.logprobs.content
             text += c.delta.content or ""
     assert text == reply.choices[0].message.content
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert_same_entries(streamed, content)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -188,6 +199,35 @@ def test_n_with_seed_gives_reproducible_distinct_choices(fleet: dict, kind: str)
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[i] for i in range(3)] == texts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chat_choices_stream_as_their_whole_reply(fleet: dict, kind: str) -> None:
+    """Chat with ``n=2``, a seed and logprobs: the streamed chunks, gathered by ``index``,
+    give each choice's whole text and logprobs; each choice ends with its own finish."""
+    client = _client(fleet, kind)
+    kw: dict[str, Any] = dict(
+        model=fleet["model"], messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=10, temperature=1.0, seed=5, n=2, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    texts: dict[int, str] = {}
+    lps: dict[int, list[Any]] = {}
+    finishes: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.logprobs is not None and c.logprobs.content:
+                lps.setdefault(c.index, []).extend(c.logprobs.content)
+            if c.finish_reason is not None:
+                assert c.index not in finishes
+                finishes[c.index] = c.finish_reason
+    for c in whole.choices:
+        assert texts[c.index] == c.message.content
+        assert_same_entries(lps[c.index], c.logprobs.content)
+        assert finishes[c.index] == c.finish_reason
+    assert sorted(finishes) == [0, 1]
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
 
 
 def test_best_of_and_bad_logprob_fields_are_400s(fleet: dict) -> None:
