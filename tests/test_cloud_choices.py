@@ -78,13 +78,17 @@ def test_choices_compute_their_prompt_once(tiny: LlamaForCausalLM, runner: str) 
     assert alone.counters.prefill_tokens == 3 * 40
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("runner", RUNNERS)
-def test_logprobs_equal_the_reference_log_softmax(tiny: LlamaForCausalLM, runner: str) -> None:
+def test_logprobs_equal_the_reference_log_softmax(
+    tiny: LlamaForCausalLM, runner: str, overlap: bool
+) -> None:
     """In one batch beside a row that asks nothing: sampled tokens' logprobs (top 3, sorted,
     the greedy token first) and prompt logprobs (after the prompt's blocks were cached by an
     earlier request: they are computed, not skipped) equal the dense reference's
-    log-softmax of the raw logits, also for a row sampled at temperature 1.5."""
-    core = make_core(tiny, runner, max_tokens_per_step=24)  # the prompt in two chunks
+    log-softmax of the raw logits, also for a row sampled at temperature 1.5; with look-ahead
+    decode steps too (``overlap``: launched before the previous step's tokens are read)."""
+    core = make_core(tiny, runner, max_tokens_per_step=24, overlap=overlap)  # 2 prompt chunks
     prompt = [(5 * i + 1) % 500 for i in range(37)]
     run(core, [GenerationRequest(prompt, SamplingParams(max_tokens=2, temperature=0.0))])
     reqs = [
@@ -101,6 +105,7 @@ def test_logprobs_equal_the_reference_log_softmax(tiny: LlamaForCausalLM, runner
         GenerationRequest(prompt[:20], SamplingParams(max_tokens=5), request_id="plain"),
     ]
     toks, lps, prompt_lps = run(core, reqs)
+    assert (core.counters.ahead_steps > 0) == overlap
     assert lps["plain"] == [] and set(prompt_lps) == {"greedy"}
     for rid, k in (("greedy", 3), ("hot", 0)):
         ids = prompt + toks[rid]
