@@ -270,6 +270,21 @@ def test_gateway_routes_by_capability_and_counts_choices(fleet: dict) -> None:
     assert reply.headers["x-edgecloud-tier"] == "cloud"
     parsed = reply.parse()
     assert len(parsed.choices) == 6 and all(c.logprobs.token_logprobs for c in parsed.choices)
+    texts: dict[int, str] = {}
+    lps: dict[int, list[float]] = {}
+    usage = None
+    for chunk in client.completions.create(
+        model=fleet["model"], prompt=PROMPT, max_tokens=4, n=3, temperature=0, logprobs=1,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ):  # fmt: skip
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 1  # greedy: alike
+    assert all(len(v) == 4 for v in lps.values())
+    assert usage is not None and usage.completion_tokens == 12 and usage.prompt_tokens == 16
     one = _route(gw, fleet["model"], 1)
     four = _route(gw, fleet["model"], 4)
     for node in one:
