@@ -288,9 +288,13 @@ class Router:
         # (itself included, at most the node's slots)
         ttft = measured.ttft_ms if measured.ttft_ms is not None else ticket.estimate.ttft_ms
         span_s = (measured.e2e_ms - ttft) / 1000.0
+        # n choices: usage counts every choice's tokens; each row decoded its share, beside
+        # the others (the latency model and the output lengths learn per row)
+        choices = ticket.profile.choices if ticket.profile is not None else 1
+        completion = -(-measured.completion_tokens // choices)
         decode_batch = None
         if span_s > 0:
-            rows = self.ledger.mean_in_flight(ticket.node.id, now - span_s, now)
+            rows = self.ledger.mean_in_flight(ticket.node.id, now - span_s, now) + choices - 1
             decode_batch = min(max(1.0, rows), float(max(1, ticket.node.max_batch)))
         net = measured.net_rtt_ms
         if net is None:
@@ -300,7 +304,7 @@ class Router:
             kind=ticket.node.kind,
             prompt_tokens=measured.prompt_tokens,
             cached_tokens=measured.cached_tokens,
-            completion_tokens=measured.completion_tokens,
+            completion_tokens=completion,
             e2e_ms=measured.e2e_ms,
             ttft_ms=measured.ttft_ms,
             net_rtt_ms=net,
@@ -319,7 +323,7 @@ class Router:
             self.outputs.observe(
                 p.api_key,
                 p.route,
-                measured.completion_tokens,
+                completion,
                 p.max_tokens,
                 p.first_block,
                 p.prompt_key,

@@ -346,6 +346,17 @@ def test_finish_learns_output_length_and_records_errors():
     assert r.model.errors.get("e2e", "edge").count == 1
 
 
+def test_a_reply_of_n_choices_teaches_the_length_of_one():
+    """Usage counts every choice's tokens; the output length learned is one choice's."""
+    r = router()
+    p = profile(40, api_key="team-n", choices=4)
+    r.finish(
+        r.begin(r.decide(p, view(edge(max_n=4), cloud(max_n=64))), profile=p),
+        Measured(ttft_ms=100.0, e2e_ms=900.0, prompt_tokens=40, completion_tokens=160),
+    )
+    assert r.outputs.expected("team-n", "chat") == 40.0
+
+
 def test_shadow_models_predict_each_candidate_and_learn_from_the_same_replies(tmp_path):
     """A shadow latency model is the routing knobs with its changes: it estimates every
     candidate on the same ledger, routes nothing, learns from its own prediction of each reply,
