@@ -28,6 +28,9 @@ Invariants:
   copied prefix, is ``edge_runtime.admission``'s choice. Copies run after the lock is released
   and before anything else runs on the loop thread. A decode step's dummy row of a free slot
   writes at that slot's kept length, never inside its kept KV.
+- Logprobs (``edge_runtime.logprobs``) come from the very logits a token was sampled from, for
+  the requests that ask; a request that asks for prompt logprobs computes its whole prompt
+  (every position's logits), reusing no kept or copied KV.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ One NodeService wraps one engine (edge or cloud) and one model. It owns no HTTP:
   on top of that, token ids outside the model's vocabulary, text the tokenizer cannot encode,
   sampling parameters an engine cannot honour (``routing.sampling_limits``) and any admission
   refusal of the engine are 400s naming the field, before anything runs.
+- A request of ``n`` choices is ``n`` engine requests (``routing.choices``), checked for
+  admission together before any runs; ``n`` above the engine's ``max_n`` is a 400.
 """
 
 from __future__ import annotations
