@@ -261,7 +261,8 @@ class Router:
         ticket = Ticket(next(self._ids), cand.node, cand.estimate, now, profile, cand.shadow)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         hashes = profile.reusable_hashes if profile is not None else ()
-        self.ledger.add(cand.node.id, now, ticket.id, cand.estimate, out, hashes)
+        rows = profile.choices if profile is not None else 1
+        self.ledger.add(cand.node.id, now, ticket.id, cand.estimate, out, hashes, rows)
         return ticket
 
     def first_token(self, ticket: Ticket) -> None:
@@ -294,7 +295,7 @@ class Router:
         completion = -(-measured.completion_tokens // choices)
         decode_batch = None
         if span_s > 0:
-            rows = self.ledger.mean_in_flight(ticket.node.id, now - span_s, now) + choices - 1
+            rows = self.ledger.mean_in_flight(ticket.node.id, now - span_s, now)
             decode_batch = min(max(1.0, rows), float(max(1, ticket.node.max_batch)))
         net = measured.net_rtt_ms
         if net is None:

@@ -346,6 +346,22 @@ def test_finish_learns_output_length_and_records_errors():
     assert r.model.errors.get("e2e", "edge").count == 1
 
 
+def test_choices_in_hand_count_as_rows_for_later_decisions():
+    """A request of n=3 in flight is three rows: the ledger's counts and work in hand say so,
+    so the next request on that node is predicted to decode beside three rows, not one."""
+    lone, many = router(), router()
+    node = edge(max_n=4)
+    for r, n in ((lone, 1), (many, 3)):
+        p = profile(40, out=32, choices=n)
+        r.begin(r.decide(p, view(node)), profile=p)
+    assert lone.ledger.in_flight_at("edge-eu", NOW + 2) == 1
+    assert many.ledger.in_flight_at("edge-eu", NOW + 2) == 3
+    assert len(many.ledger.work("edge-eu", NOW + 1)) == 3
+    after_lone = lone.candidates(profile(40, out=32), view(node))[0][0].estimate
+    after_many = many.candidates(profile(40, out=32), view(node))[0][0].estimate
+    assert after_many.batch > after_lone.batch and after_many.e2e_ms > after_lone.e2e_ms
+
+
 def test_a_reply_of_n_choices_teaches_the_length_of_one():
     """Usage counts every choice's tokens; the output length learned is one choice's."""
     r = router()
