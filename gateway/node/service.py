@@ -32,6 +32,7 @@ from routing.choices import choice_request_id, choice_seed
 from routing.engine import (
     Engine,
     EngineError,
+    EngineTraits,
     FinishReason,
     GenerationRequest,
     QueueFull,
@@ -40,7 +41,7 @@ from routing.engine import (
     TokenEvent,
     TokenLogprob,
 )
-from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.state import Capability, NodeKind, NodeState
 from routing.power import EnergyMeter, RaplReader, Watts
 from routing.prompt import PromptFormatter, TemplateError, UnencodableText
 from routing.sampling_limits import InvalidSampling, check_sampling
@@ -176,6 +177,12 @@ class NodeService:
             raise bad_request(f"n must be at most {self.max_n} on this node", param="n")
         logprobs = _logprobs_asked(req)
         echo = isinstance(req, CompletionRequest) and req.echo
+        if logprobs is not None and Capability.LOGPROBS not in self.traits.capabilities:
+            raise bad_request(
+                "this node's engine returns no log probabilities",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -230,9 +237,14 @@ class NodeService:
         )
 
     @functools.cached_property
+    def traits(self) -> EngineTraits:
+        """The engine's traits (what it serves: ``capabilities``, ``max_n``)."""
+        return self.engine.stats().traits
+
+    @property
     def max_n(self) -> int:
         """The most choices one request may ask for here (the engine's ``max_n``)."""
-        return self.engine.stats().traits.max_n
+        return self.traits.max_n
 
     async def run_choices(self, prep: Prepared, with_ids: bool = False) -> AsyncIterator[Delta]:
         """The deltas of every choice of ``prep``, as they come (``Delta.index``); one choice
