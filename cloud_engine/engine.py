@@ -40,6 +40,7 @@ from routing.engine import (
     QueueFull,
     TokenEvent,
 )
+from routing.grammar import GRAMMAR_CAPABILITY
 from routing.handoff import Handoff
 from routing.token_stream import relay_events
 
@@ -207,6 +208,8 @@ class CloudEngine:
             prefix_cache=True,
             prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
             prefill_chunk_decoding=c.chunk_beside_decode() or 0,  # its prompt tokens beside rows
+            # grammars: one process only (the parallel runner's sampler applies no masks)
+            capabilities=[GRAMMAR_CAPABILITY] if c.runner_samples_grammar else [],
             **self.parallel,
         )
         return EngineStats(

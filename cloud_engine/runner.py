@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
+from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.sampler import banned_stops, make_generator, sample_batch
@@ -68,6 +69,8 @@ class ModelRunner(Protocol):
 
 
 class TorchRunner:
+    applies_grammar = True  # grammar rows' masks are applied before sampling
+
     def __init__(self, model: LlamaForCausalLM, pool: KVPool) -> None:
         self.model = model
         self.pool = pool
@@ -106,6 +109,7 @@ class TorchRunner:
             gens.append(s.generator)
         params = [s.sampling for s in seqs]
         banned = banned_stops(params, [generated_before(it) for it in items])
+        logits = apply_grammar_masks(logits, grammar_states(seqs))
         tokens = sample_batch(logits, params, gens, banned)  # type: ignore[arg-type]
         return Launched(tokens, tokens.cpu(), None)
 

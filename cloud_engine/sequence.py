@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from routing.blocks import BLOCK_SIZE, hash_block
 from routing.engine import FinishReason, GenerationRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from routing.grammar import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -45,6 +49,8 @@ class Sequence:
     generator: object | None = None  # the runner's per-request RNG (seeded sampling)
     in_flight: bool = False  # in a launched, not yet collected batch (pipeline parallelism)
     prefill_ms: float = 0.0  # its share of the steps that computed its prompt (EngineCore)
+    # its grammar's state (routing.grammar), advanced by the core with each committed token
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -50,6 +50,7 @@ from routing.engine import (
     SamplingParams,
     TokenEvent,
 )
+from routing.grammar import GRAMMAR_CAPABILITY
 from routing.handoff import Handoff
 from routing.token_stream import relay_events
 
@@ -314,6 +315,7 @@ class EdgeEngine:
             weights=self.weights,
             prefill_chunk=cfg.prefill_chunk,
             prefill_chunk_decoding=cfg.prefill_chunk,
+            capabilities=[GRAMMAR_CAPABILITY],
         )
         if self._scheduler is None:
             return EngineStats(traits, 0, 0, 0, 0, 0.0, 0.0)

@@ -13,10 +13,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from routing.blocks import BlockEvents
 from routing.fleet.state import EngineTraits, StepCost
+
+if TYPE_CHECKING:
+    from routing.grammar import Grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # stop token ids do not end the request (it runs to max_tokens)
     min_tokens: int = 0  # stop token ids cannot be sampled before this many tokens were generated
+    # the output follows this grammar: its mask is applied before sampling (routing.grammar)
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:

@@ -75,6 +75,9 @@ class EngineTraits(BaseModel):
     # the kind's default is assumed (for the latter: as prefill_chunk)
     prefill_chunk: int = 0
     prefill_chunk_decoding: int = 0
+    # optional request features it serves (``routing.grammar.GRAMMAR_CAPABILITY``, ...); the
+    # router sends a request that needs one only to nodes that list it
+    capabilities: list[str] = Field(default_factory=list)
 
 
 class NodeState(EngineTraits):
