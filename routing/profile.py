@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from routing.blocks import BLOCK_SIZE, block_hashes, model_seed, reusable_blocks
 from routing.fleet.state import NodeKind
+from routing.grammar import GRAMMAR_CAPABILITY
 from routing.prompt import PromptFormatter, UnencodableText
 
 Route = Literal["chat", "completions"]
@@ -276,6 +277,8 @@ class RequestProfile:
     # node kind -> expected output there, where it differs from ``expected_output_tokens``
     # (an engine that answered this very prompt: :class:`OutputLengthEstimator`)
     expected_output_by_kind: Mapping[str, float] = field(default_factory=dict)
+    # node capabilities it needs (``NodeState.capabilities``): a grammar for response_format
+    needs: frozenset[str] = frozenset()
 
     def expected_output_on(self, kind: str) -> float:
         """The expected completion tokens on a node of ``kind``."""
@@ -428,7 +431,17 @@ def build_profile(
         prompt_key=whole,
         last_message_key=last,
         expected_output_by_kind=by_kind,
+        needs=needed_capabilities(body),
     )
+
+
+def needed_capabilities(body: Any) -> frozenset[str]:
+    """What a node must list in ``NodeState.capabilities`` to serve ``body``."""
+    rf = _get(body, "response_format", None)
+    kind = rf.get("type") if isinstance(rf, Mapping) else None
+    if kind in ("json_object", "json_schema"):
+        return frozenset({GRAMMAR_CAPABILITY})
+    return frozenset()
 
 
 def last_message_key(body: Any) -> int | None:

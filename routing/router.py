@@ -10,7 +10,8 @@ A request's life as the router sees it::
         router.finish(ticket, measured)           # learn rates, output length, record errors
 
 Invariants:
-- Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, in the view
+- Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, lists every
+  capability the request needs (``RequestProfile.needs``: a grammar), in the view
   (the store only returns fresh nodes, or its last view when it is unreachable), and not in
   ``exclude`` (open circuits). Nothing else filters; policies only order.
 - Every request this gateway has in flight on a node is replayed as work in hand there
@@ -160,6 +161,8 @@ class Router:
                 left_out[node.id] = "model"
             elif need > node.max_context:
                 left_out[node.id] = "context"
+            elif not profile.needs <= set(node.capabilities):
+                left_out[node.id] = "capability"
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
             else:
@@ -224,6 +227,13 @@ class Router:
             reasons = set(left_out.values())
             if not left_out or reasons == {"model"}:
                 raise NoRoute("unknown_model", f"no node serves model {profile.model!r}", left_out)
+            if "capability" in reasons and reasons <= {"model", "context", "capability"}:
+                raise NoRoute(
+                    "unsupported",
+                    f"no node serving {profile.model!r} supports "
+                    f"{', '.join(sorted(profile.needs))} (asked for by response_format)",
+                    left_out,
+                )
             if reasons <= {"model", "context"}:
                 raise NoRoute(
                     "too_long",
