@@ -136,10 +136,10 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
     user: Text | None = None
+    response_format: dict[str, Any] | None = None  # before min_tokens: its check reads it
     # extensions, as in vLLM: run past the end-of-sequence token; no stop before min_tokens
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
-    response_format: dict[str, Any] | None = None
 
     @field_validator("response_format")
     @classmethod
@@ -153,11 +153,13 @@ class _SamplingFields(_Body):
             raise ValueError(str(exc)) from None
         return v
 
-    @model_validator(mode="after")
-    def _grammar_without_min_tokens(self) -> _SamplingFields:
-        if self.min_tokens and self.grammar_spec is not None:
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_with_grammar(cls, v: int, info: ValidationInfo) -> int:
+        rf = info.data.get("response_format")
+        if v and spec_from_response_format(rf) is not None:
             raise unsupported("min_tokens", "it is not combined with response_format (use 0)")
-        return self
+        return v
 
     @property
     def grammar_spec(self) -> GrammarSpec | None:
