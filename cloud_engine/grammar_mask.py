@@ -2,7 +2,8 @@
 disallowed tokens at -inf before sampling; rows without one are untouched.
 
 Invariants: the masks are computed on the host (``routing.grammar.GrammarState.fill``, a few
-microseconds a row) into one int32 ``[R, words]`` buffer, copied to the device without the host
+microseconds a row; several rows on llguidance's threads, ``fill_masks``) into one int32
+``[R, words]`` buffer, while the device runs the step's forward pass (queued before), copied to the device without the host
 waiting (``cloud_engine.sampler.to_device``: pinned memory on CUDA), unpacked there with shifts
 and applied with one ``masked_fill``: the same torch ops on CPU and CUDA. llguidance has no
 CUDA kernel of its own (its torch helper is this unpack and fill under ``torch.compile``).
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from cloud_engine.sampler import to_device
-from routing.grammar import GrammarState
+from routing.grammar import GrammarState, fill_masks
 
 
 def apply_grammar_masks(
@@ -28,12 +29,10 @@ def apply_grammar_masks(
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return logits
-    words = max(states[i].words for i in rows)  # type: ignore[union-attr]
-    host = np.full((len(rows), words), 0, dtype=np.int32)
-    for j, i in enumerate(rows):
-        st = states[i]
-        assert st is not None
-        st.fill(host[j, : st.words])
+    live = [s for s in states if s is not None]
+    words = max(s.words for s in live)
+    host = np.zeros((len(rows), words), dtype=np.int32)
+    fill_masks(live, host)
     dev = logits.device
     mask = to_device(torch.from_numpy(host), dev)
     shifts = torch.arange(32, device=dev, dtype=torch.int32)

@@ -291,6 +291,27 @@ class GrammarState:
         return str(self.matcher.get_error())
 
 
+_PARALLEL_ROWS = 4  # from this many rows on, masks are filled by llguidance's thread pool
+_executor: llg.LLExecutor | None = None
+
+
+def fill_masks(states: Sequence[GrammarState], out: np.ndarray) -> None:
+    """Each state's next-token mask into row ``i`` of ``out`` (int32 ``[R, words]``,
+    contiguous): several rows at once on llguidance's threads (the GIL released)."""
+    global _executor
+    if out.dtype != np.int32 or not out.flags["C_CONTIGUOUS"] or out.shape[0] != len(states):
+        raise ValueError("the masks must be contiguous int32 [rows, words]")
+    words = out.shape[1]
+    if len(states) < _PARALLEL_ROWS or any(s.words != words for s in states):
+        for i, s in enumerate(states):
+            s.fill(out[i, : s.words])
+        return
+    if _executor is None:
+        _executor = llg.LLExecutor()
+    pairs = [(s.matcher, i) for i, s in enumerate(states)]
+    _executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4, len(states))
+
+
 def allowed_bits(bitmask: np.ndarray, width: int) -> np.ndarray:
     """The bitmask as ``width`` booleans (False past its own width)."""
     n = min(width, bitmask.size * 32)

@@ -25,6 +25,7 @@ from routing.grammar import (
     apply_bitmask,
     canonical,
     check_spec,
+    fill_masks,
     json_object_spec,
     json_schema_spec,
     spec_from_response_format,
@@ -167,6 +168,11 @@ def test_numpy_and_torch_masks_agree_and_leave_plain_rows_alone(
         assert np.array_equal(np.isfinite(ref), torch.isfinite(out[row]).numpy())
         assert not torch.isfinite(out[row, VOCAB:]).any()
     assert apply_grammar_masks(logits, [None, None, None]) is logits
+    # many rows: filled on llguidance's threads, the same masks as one by one
+    many = [g.start(_ids(fmt, '{"name":"' + "ab" * i)) for i in range(6)]
+    out = np.zeros((6, many[0].words), dtype=np.int32)
+    fill_masks(many, out)
+    assert all(np.array_equal(out[i], s.mask()) for i, s in enumerate(many))
 
 
 def test_router_sends_grammar_requests_only_to_capable_nodes() -> None:
