@@ -19,7 +19,8 @@ Invariants:
   matcher, advanced over the tokens already generated when it resumes elsewhere.
 - A mask's bit ``t`` (word ``t // 32``, bit ``t % 32``) is set when token ``t`` is allowed;
   tokens past the mask's width are never allowed. The stop tokens are allowed exactly when
-  the grammar accepts (the reply is complete).
+  the grammar accepts (the reply is complete), and they alone once a state has refused a
+  token: no mask is ever empty, so sampling never sees a row of -inf only.
 """
 
 from __future__ import annotations

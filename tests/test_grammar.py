@@ -88,6 +88,8 @@ def test_mask_follows_the_schema_and_allows_stops_only_at_the_end(
     bad = _ids(fmt, '{"name":"Ann","age":"x')
     state = g.start()
     assert not all(state.advance(t) for t in bad)
+    # a state that refused a token allows the stop tokens alone: the request ends
+    assert set(np.flatnonzero(allowed_bits(state.mask(), VOCAB))) == set(fmt.stop_token_ids)
 
 
 def test_a_state_rebuilt_from_a_prefix_is_the_advanced_one(

@@ -85,6 +85,8 @@ def _sdk(base: str) -> openai.OpenAI:
 
 @pytest.mark.parametrize("tier", ["edge", "cloud"])
 def test_parse_returns_the_pydantic_object(tiers: dict, tier: str) -> None:
+    load = httpx.get(tiers["node"][tier] + "/load").json()
+    assert "grammar" in load["capabilities"]  # what the router reads
     client = _sdk(tiers["gw"][tier])
     completion = client.chat.completions.parse(
         model=tiers["model"],

@@ -100,6 +100,7 @@ class NodeService:
         self.started_at = time.time()
         self.energy = EnergyMeter(config.watts, RaplReader.find(), config.energy_window_s)
         self._grammars: GrammarCompiler | None = None  # made at the first grammar request
+        self._serves_grammar: bool | None = None  # the engine lists the capability
 
     # ---- grammars ------------------------------------------------------------------------
     def grammar_compiler(self) -> GrammarCompiler:
@@ -118,7 +119,9 @@ class NodeService:
         """``spec`` compiled for this node, its state checked over ``prefix`` (400s)."""
         if spec is None:
             return None
-        if GRAMMAR_CAPABILITY not in self.engine.stats().traits.capabilities:
+        if self._serves_grammar is None:
+            self._serves_grammar = GRAMMAR_CAPABILITY in self.engine.stats().traits.capabilities
+        if not self._serves_grammar:
             raise bad_request(
                 "this node's engine does not serve response_format",
                 param="response_format",
