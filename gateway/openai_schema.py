@@ -136,7 +136,12 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
     user: Text | None = None
-    response_format: dict[str, Any] | None = None  # before min_tokens: its check reads it
+    # before min_tokens: its check reads it
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema", "strict"}}: the reply follows it (compact JSON)',
+    )
     # extensions, as in vLLM: run past the end-of-sequence token; no stop before min_tokens
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
