@@ -151,6 +151,15 @@ def test_structural_tag_auto_required_and_no_text(
     assert not accepts(required, "Just text.") and accepts(required, "Sure. " + call)
     assert accepts(named, call) and not accepts(named, "Sure. " + call)
     assert not accepts(required, 'Sure. <tool_call>{"name":"f","arguments":{"x":"3"}}</tool_call>')
+    # two functions: each call's arguments follow its own schema; calls may follow each other
+    city = canonical({"type": "object", "properties": {"city": {"type": "string"}}})
+    two = structural_tag_spec(
+        [tag, StructuralTag('<tool_call>{"name":"g","arguments":', city, "}</tool_call>")],
+        required=True,
+    )
+    g_call = '<tool_call>{"name":"g","arguments":{"city":"Paris"}}</tool_call>'
+    assert accepts(two, call + "\n" + g_call)
+    assert not accepts(two, '<tool_call>{"name":"h","arguments":{"x":3}}</tool_call>')
 
 
 def test_numpy_and_torch_masks_agree_and_leave_plain_rows_alone(
