@@ -37,19 +37,22 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _one(engine: Any, ids: list[int], sp: Any) -> tuple[list[int], float]:
-    """The reply's tokens and its decode time (first token to last), in seconds."""
-    from routing.engine import GenerationRequest
+async def _one(engine: Any, ids: list[int], sp: Any) -> tuple[list[int], float, bool]:
+    """The reply's tokens, its decode time (first token to last, in seconds), and whether it
+    ended on its own (a stop token, not max_tokens)."""
+    from routing.engine import FinishReason, GenerationRequest
 
     out: list[int] = []
     first = last = 0.0
+    stopped = False
     async for ev in engine.generate(GenerationRequest(list(ids), sp)):
         now = time.perf_counter()
         if ev.token_ids and not out:
             first = now
         out += ev.token_ids
         last = now
-    return out, (last - first) if out else 0.0
+        stopped = ev.finish_reason is FinishReason.STOP
+    return out, (last - first) if out else 0.0, stopped
 
 
 async def _decode(engine: Any, work: list[tuple[list[int], Any, Any]], batch: int) -> dict:
@@ -57,7 +60,7 @@ async def _decode(engine: Any, work: list[tuple[list[int], Any, Any]], batch: in
     params), interleaved, ``batch`` requests at a time."""
     tokens = {"plain": 0, "grammar": 0}
     secs = {"plain": 0.0, "grammar": 0.0}
-    replies: list[list[int]] = []
+    replies: list[tuple[list[int], bool]] = []
     for start in range(0, len(work), batch):
         group = work[start : start + batch]
         for mode in ("plain", "grammar") if start % (2 * batch) == 0 else ("grammar", "plain"):
@@ -65,11 +68,11 @@ async def _decode(engine: Any, work: list[tuple[list[int], Any, Any]], batch: in
                 _one(engine, ids, plain if mode == "plain" else gram) for ids, plain, gram in group
             ]
             results = await asyncio.gather(*runs)
-            for out, dt in results:
+            for out, dt, _ in results:
                 tokens[mode] += max(0, len(out) - 1)
                 secs[mode] += dt
             if mode == "grammar":
-                replies += [out for out, _ in results]
+                replies += [(out, stopped) for out, _, stopped in results]
     tps = {m: tokens[m] / secs[m] if secs[m] else 0.0 for m in tokens}
     return {
         "batch": batch,
@@ -80,6 +83,23 @@ async def _decode(engine: Any, work: list[tuple[list[int], Any, Any]], batch: in
         "grammar_tokens": tokens["grammar"],
         "_replies": replies,
     }
+
+
+def _validity(fmt: Any, schemas: list[dict], got: list[tuple[list[int], bool]]) -> dict:
+    """The grammar replies that ended on their own, and those of them that validate."""
+    import jsonschema
+
+    ended = valid = 0
+    for s, (out, stopped) in zip(schemas, got, strict=True):
+        if not stopped:
+            continue
+        ended += 1
+        try:
+            jsonschema.validate(json.loads(fmt.decode(out)), s)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return {"ended": f"{ended}/{len(got)}", "valid_of_ended": f"{valid}/{ended}"}
 
 
 def _engine(kind: str, args: argparse.Namespace) -> Any:
@@ -187,9 +207,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await _decode(engine, work[:2], 2)  # warm-up
             for batch in args.batches:
                 r = await _decode(engine, work, batch)
+                got = r.pop("_replies")
                 if not replies:
-                    replies = r["_replies"]
-                rows.append({"engine": kind, **{k: v for k, v in r.items() if k != "_replies"}})
+                    replies = [out for out, _ in got]
+                rows.append({"engine": kind, **r, **_validity(fmt, schemas, got)})
         finally:
             await engine.shutdown()
     compile_row = {
@@ -222,7 +243,15 @@ def main() -> None:
     args = ap.parse_args()
     res = asyncio.run(bench(args))
     command = recorded_command("structured.py", sys.argv[1:], ())
-    decode_cols = ["engine", "batch", "plain_tok_s", "grammar_tok_s", "grammar_vs_plain"]
+    decode_cols = [
+        "engine",
+        "batch",
+        "plain_tok_s",
+        "grammar_tok_s",
+        "grammar_vs_plain",
+        "ended",
+        "valid_of_ended",
+    ]
     lib_cols = list(dict.fromkeys(k for r in res["libraries"] for k in r))
     markdown = "\n".join(
         [
