@@ -14,7 +14,8 @@ tokens, its input ids fed on the device from the tokens not yet read (:class:`ru
 the host's commit and planning hide behind the device's work. The look-ahead step is exactly
 the batch the scheduler would plan (every running sequence, one token, same order), minus the
 sequences that end by length; a sequence that turns out to stop on a stop token (or is aborted)
-still runs in it, and its result is dropped. It never preempts: if the pool cannot hold every
+still runs in it, and its result is dropped. A batch with a grammar row is never looked ahead
+(the row's mask needs the token not yet read). It never preempts: if the pool cannot hold every
 next token, the core falls back to a planned step. Blocks and rows a dropped sequence released
 are safe to reuse at once: every later write to them is enqueued after the look-ahead step.
 
@@ -235,6 +236,8 @@ class EngineCore:
             seq.leader = self.seqs.get(request.prefill_with)
         try:
             seq.generator = prepare(request.sampling, self.pool.device)
+            if request.sampling.grammar is not None:
+                seq.grammar = request.sampling.grammar.start()
             seq.extend_hashes(self.seed, self.blocks.block_size)
         except Exception as exc:  # this request's fault or not, it fails alone
             log.warning("request %s refused: %s", request.request_id, exc)
@@ -259,6 +262,11 @@ class EngineCore:
         ):
             self._ahead = None  # nothing in it is wanted any more
         return seq
+
+    @property
+    def runner_samples_grammar(self) -> bool:
+        """Its runner applies grammar masks (``cloud_engine.grammar_mask``) before sampling."""
+        return bool(getattr(self.runner, "applies_grammar", False))
 
     @property
     def has_ahead(self) -> bool:
@@ -343,6 +351,8 @@ class EngineCore:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             live += 1
+            if seq.grammar is not None:
+                return None  # its mask needs cur's token: grammar rows are never looked ahead
             if seq.num_output + 1 >= seq.max_output:
                 continue  # cur's token is its last
             start = it.start + it.num_new
@@ -384,6 +394,8 @@ class EngineCore:
                 finished.append(seq)
                 continue
             seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.advance(tok)
             if seq.num_tokens % bs == 0:
                 seq.extend_hashes(self.seed, bs)
             if seq.num_output >= seq.max_output:

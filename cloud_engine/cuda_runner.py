@@ -8,7 +8,9 @@ Decode-only steps of up to ``max_graph_batch`` sequences replay a CUDA graph cap
 next batch size of a ladder (padding rows have slot -1, so they write no KV, and length 1).
 Anything else (prefill chunks, mixed batches) runs eagerly with prefill tiling. Sampling runs on
 the device; greedy batches take the argmax captured inside the graph (fused into the logits
-product for small batches).
+product for small batches). Rows with a grammar run in the graphs like any other; their masks
+are applied to the graph's logits after the replay (``cloud_engine.grammar_mask``), and their
+batch samples from those logits instead of taking the in-graph argmax.
 
 Every size has two graphs, one per *parity*, used alternately replay after replay: the graph of
 parity ``p`` reads its own step-integer tensor and writes its greedy tokens into token buffer
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from cloud_engine.attention_torch import make_meta
+from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
 from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.logprobs import collect_prompt_logprobs, sampled_logprobs
@@ -91,6 +94,8 @@ class _DecodeGraph:
 
 
 class CudaRunner:
+    applies_grammar = True  # grammar rows' masks are applied before sampling
+
     def __init__(
         self,
         model: LlamaForCausalLM | ShardedLlama,
@@ -196,7 +201,9 @@ class CudaRunner:
         params = [q.sampling for q in seqs]
         wants = [p.logprobs for p in params]
         banned = banned_stops(params, [generated_before(it) for it in items])
-        if greedy is not None and banned is None and all(p.greedy for p in params):
+        grammars = grammar_states(seqs)
+        plain = banned is None and not any(grammars)
+        if greedy is not None and plain and all(p.greedy for p in params):
             launched = self._to_host(greedy[: len(seqs)], self._download_stream)
             launched.logprobs = sampled_logprobs(logits[: len(seqs)], launched.tokens, wants)
             return launched
@@ -205,8 +212,10 @@ class CudaRunner:
             if q.generator is None and not q.sampling.greedy:
                 q.generator = make_generator(q.sampling, self.device)
             gens.append(q.generator)
-        tokens = sample_batch(logits[: len(seqs)], params, gens, banned)  # type: ignore[arg-type]
+        masked = apply_grammar_masks(logits[: len(seqs)], grammars)
+        tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
         launched = self._to_host(tokens)
+        # of the raw logits, as without a grammar (SamplingParams.logprobs)
         launched.logprobs = sampled_logprobs(logits[: len(seqs)], tokens, wants)
         return launched
 

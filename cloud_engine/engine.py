@@ -214,6 +214,15 @@ class CloudEngine:
         self._wake.set()
 
     # -- observation -----------------------------------------------------------------------
+    def _capabilities(self) -> list[str]:
+        """Grammars where its runner applies their masks (one process: the parallel runners'
+        sampler applies none); logprobs from the single-process runners (not the parallel
+        ones yet)."""
+        caps = [Capability.GRAMMAR] if self.core.runner_samples_grammar else []
+        if not self.parallel:
+            caps += Capability.LOGPROB_KINDS
+        return caps
+
     def stats(self) -> EngineStats:
         c = self.core
         traits = EngineTraits(
@@ -222,8 +231,7 @@ class CloudEngine:
             prefix_cache=True,
             prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
             prefill_chunk_decoding=c.chunk_beside_decode() or 0,  # its prompt tokens beside rows
-            # the single-process runners compute logprobs; the parallel ones do not (yet)
-            capabilities=[] if self.parallel else list(Capability.ALL),
+            capabilities=self._capabilities(),
             # the choices share the prompt's blocks; those beyond the running rows wait
             max_n=min(MAX_CHOICES, c.scheduler.config.max_running + c.config.max_waiting),
             **self.parallel,

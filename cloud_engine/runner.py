@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
+from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.logprobs import collect_prompt_logprobs, sampled_logprobs
 from cloud_engine.model.llama import LlamaForCausalLM
@@ -72,6 +73,8 @@ class ModelRunner(Protocol):
 
 
 class TorchRunner:
+    applies_grammar = True  # grammar rows' masks are applied before sampling
+
     def __init__(self, model: LlamaForCausalLM, pool: KVPool) -> None:
         self.model = model
         self.pool = pool
@@ -112,7 +115,9 @@ class TorchRunner:
             gens.append(s.generator)
         params = [s.sampling for s in seqs]
         banned = banned_stops(params, [generated_before(it) for it in items])
-        tokens = sample_batch(logits, params, gens, banned)  # type: ignore[arg-type]
+        masked = apply_grammar_masks(logits, grammar_states(seqs))
+        tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
+        # of the raw logits, grammar or not (SamplingParams.logprobs)
         lps = sampled_logprobs(logits, tokens, [p.logprobs for p in params])
         return Launched(tokens, tokens.cpu(), None, lps)
 

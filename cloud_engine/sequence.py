@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from routing.blocks import BLOCK_SIZE, hash_block
 from routing.engine import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from routing.grammar import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -51,6 +55,8 @@ class Sequence:
     leader: Sequence | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # its grammar's state (routing.grammar), advanced by the core with each committed token
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -315,7 +315,8 @@ class EdgeEngine:
             weights=self.weights,
             prefill_chunk=cfg.prefill_chunk,
             prefill_chunk_decoding=cfg.prefill_chunk,
-            capabilities=list(Capability.ALL),  # numpy over the logits ORT returns
+            # grammar masks and logprobs: numpy over the logits ORT returns
+            capabilities=list(Capability.ALL),
             max_n=cfg.slots,  # each choice takes a slot
         )
         if self._scheduler is None:

@@ -15,13 +15,18 @@ Invariants:
   no tokenization; it is a 400 naming the field, as at OpenAI.
 - ``logprobs`` / ``top_logprobs`` (chat, at most 20; ``top_logprobs`` above 0 needs
   ``logprobs: true``), ``logprobs`` (completions, at most 5) with ``echo``, and ``n`` are served.
+- ``response_format`` (chat and completions): ``text``, ``json_object`` or ``json_schema``
+  (with ``strict``); a schema the grammar library cannot compile is a 400 naming
+  ``response_format`` here, before any tokenizing or routing (``routing.grammar``). It is not
+  combined with ``min_tokens`` (a grammar may complete before it). ``resumed_tokens`` (an
+  extension the gateway's resume sends to ``/v1/completions``): the prompt's last N token ids
+  are the reply's own so far, which the grammar consumes first.
 - Known OpenAI fields we cannot honour (``tools``, ``tool_choice``, ``functions``,
-  ``function_call``, ``response_format`` other than text, ``logit_bias``, non-zero
-  penalties, ``best_of`` > 1, ``audio``, ``modalities`` other than text, ``prediction``,
-  ``store: true``, ``reasoning_effort``, ``web_search_options``, ``service_tier`` other than
-  auto/default, ``suffix``) are
+  ``function_call``, ``logit_bias``, non-zero penalties, ``best_of`` > 1, ``audio``,
+  ``modalities`` other than text, ``prediction``, ``store: true``, ``reasoning_effort``,
+  ``web_search_options``, ``service_tier`` other than auto/default, ``suffix``) are
   accepted only with their default, no-op values (``null``, ``false``, ``0``, ``[]``, ``{}``,
-  ``{"type": "text"}``, ``"none"``, ...) and otherwise rejected with a 400 naming the field and
+  ``"none"``, ...) and otherwise rejected with a 400 naming the field and
   ``code: "unsupported_parameter"``, never silently ignored. ``parallel_tool_calls``,
   ``metadata``, ``user`` and other hints that change nothing without tools or storage are
   accepted.
@@ -49,6 +54,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from routing.choices import MAX_CHOICES
+from routing.grammar import GrammarSpec, InvalidGrammar, check_spec, spec_from_response_format
 from routing.sampling_limits import API_SEED_MAX, API_SEED_MIN, MAX_TOP_K
 
 MAX_STOP_SEQUENCES = 4
@@ -132,9 +138,40 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
     user: Text | None = None
+    # before min_tokens: its check reads it
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema", "strict"}}: the reply follows it (compact JSON)',
+    )
     # extensions, as in vLLM: run past the end-of-sequence token; no stop before min_tokens
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A format the grammar library compiles (its schema checked here, no tokenizer)."""
+        try:
+            spec = spec_from_response_format(v)
+            if spec is not None:
+                check_spec(spec)
+        except InvalidGrammar as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_with_grammar(cls, v: int, info: ValidationInfo) -> int:
+        rf = info.data.get("response_format")
+        if v and spec_from_response_format(rf) is not None:
+            raise unsupported("min_tokens", "it is not combined with response_format (use 0)")
+        return v
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The grammar ``response_format`` asks for (None: plain text)."""
+        return spec_from_response_format(self.response_format)
 
     @field_validator("stop")
     @classmethod
@@ -200,7 +237,6 @@ class _SamplingFields(_Body):
 
 
 _NO_TOOL_CHOICE = ("none", "auto")  # "auto" without tools calls none
-_TEXT_ONLY = ({"type": "text"},)
 _SERVICE_TIERS = ("auto", "default")
 
 
@@ -213,7 +249,6 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # nothing to parallelize without tools
-    response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -243,13 +278,6 @@ class ChatCompletionRequest(_SamplingFields):
     ) -> str | dict[str, Any] | None:
         if v is not None and v not in _NO_TOOL_CHOICE:
             raise unsupported(str(info.field_name), 'no tools are called (use "none")')
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v not in _TEXT_ONLY:
-            raise unsupported("response_format", 'only {"type": "text"} is served')
         return v
 
     @field_validator("audio", "prediction", "web_search_options")
@@ -302,6 +330,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=20)
     echo: bool = False
     suffix: Text | None = None
+    # extension: the prompt's last N ids are the reply so far (a resumed stream's), which a
+    # response_format grammar consumes before the first new token
+    resumed_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
 
     @field_validator("prompt")
     @classmethod

@@ -13,10 +13,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from routing.blocks import BlockEvents
 from routing.fleet.state import EngineTraits, StepCost
+
+if TYPE_CHECKING:
+    from routing.grammar import Grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +34,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # stop token ids do not end the request (it runs to max_tokens)
     min_tokens: int = 0  # stop token ids cannot be sampled before this many tokens were generated
-    # log-probabilities (of the raw logits, before temperature, top-k/top-p and bans): None
-    # returns none; k >= 0 returns each sampled token's and the k most likely at its position
+    # log-probabilities (of the raw logits, before temperature, top-k/top-p, bans and a
+    # grammar's mask): None returns none; k >= 0 returns each sampled token's and the k most
+    # likely at its position
     logprobs: int | None = None
     # the same for every prompt token after the first (None: none); an engine computes them
     # for each prompt position, so it does not serve them from a prefix cache
     prompt_logprobs: int | None = None
+    # the output follows this grammar: its mask is applied before sampling (routing.grammar)
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:

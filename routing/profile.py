@@ -278,7 +278,8 @@ class RequestProfile:
     # (an engine that answered this very prompt: :class:`OutputLengthEstimator`)
     expected_output_by_kind: Mapping[str, float] = field(default_factory=dict)
     choices: int = 1  # n: rows it decodes at once (its choices share the prompt)
-    # what a node must advertise to serve it (``routing.fleet.state.Capability`` names)
+    # what a node must advertise to serve it (``routing.fleet.state.Capability`` names in
+    # ``NodeState.capabilities``): a grammar for response_format, logprobs, prompt logprobs
     needs: frozenset[str] = frozenset()
 
     def expected_output_on(self, kind: str) -> float:
@@ -453,15 +454,22 @@ def _choices(body: Any) -> int:
 
 
 def needed_capabilities(body: Any, route: Route) -> frozenset[str]:
-    """The capabilities a node needs to serve ``body``: logprobs (chat ``logprobs: true``,
+    """What a node must list in ``NodeState.capabilities`` to serve ``body``: a grammar
+    (``response_format`` json_object or json_schema), logprobs (chat ``logprobs: true``,
     completions ``logprobs`` set), and prompt logprobs (completions with ``echo`` too)."""
+    needs: set[str] = set()
+    rf = _get(body, "response_format", None)
+    kind = rf.get("type") if isinstance(rf, Mapping) else None
+    if kind in ("json_object", "json_schema"):
+        needs.add(Capability.GRAMMAR)
     if route == "chat":
-        return frozenset({Capability.LOGPROBS}) if _get(body, "logprobs") else frozenset()
-    if _get(body, "logprobs") is None:
-        return frozenset()
-    if _get(body, "echo"):
-        return frozenset({Capability.LOGPROBS, Capability.PROMPT_LOGPROBS})
-    return frozenset({Capability.LOGPROBS})
+        if _get(body, "logprobs"):
+            needs.add(Capability.LOGPROBS)
+    elif _get(body, "logprobs") is not None:
+        needs.add(Capability.LOGPROBS)
+        if _get(body, "echo"):
+            needs.add(Capability.PROMPT_LOGPROBS)
+    return frozenset(needs)
 
 
 def last_message_key(body: Any) -> int | None:

@@ -10,7 +10,9 @@ A request's life as the router sees it::
         router.finish(ticket, measured)           # learn rates, output length, record errors
 
 Invariants:
-- Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, in the view
+- Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, lists every
+  capability the request needs (``RequestProfile.needs``: grammar, logprobs, prompt
+  logprobs) and takes its ``n`` (``NodeState.max_n``), in the view
   (the store only returns fresh nodes, or its last view when it is unreachable), and not in
   ``exclude`` (open circuits). Nothing else filters; policies only order.
 - Every request this gateway has in flight on a node is replayed as work in hand there
@@ -31,7 +33,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 from routing.blocks import BLOCK_SIZE
-from routing.fleet.state import NodeState
+from routing.fleet.state import Capability, NodeState
 from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyModel, Observation
 from routing.ledger import DispatchLedger
@@ -160,7 +162,7 @@ class Router:
                 left_out[node.id] = "model"
             elif need > node.max_context:
                 left_out[node.id] = "context"
-            elif not profile.needs <= set(node.capabilities) or profile.choices > node.max_n:
+            elif lacking(profile, node):
                 left_out[node.id] = "capability"
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
@@ -232,6 +234,9 @@ class Router:
                     "unsupported",
                     f"no node serving {profile.model!r} serves " + describe_needs(profile),
                     left_out,
+                    param=unmet_param(
+                        profile, [n for n in view.nodes if left_out.get(n.id) == "capability"]
+                    ),
                 )
             if reasons <= {"model", "context"}:
                 raise NoRoute(
@@ -338,9 +343,38 @@ class Router:
         return self.ledger.in_flight(node_id)
 
 
+# each capability a request may need, first to last in a 400's ``param``, and its field
+_NEED_PARAMS = (
+    (Capability.GRAMMAR, "response_format"),
+    (Capability.LOGPROBS, "logprobs"),
+    (Capability.PROMPT_LOGPROBS, "logprobs"),  # with echo
+)
+
+
+def lacking(profile: RequestProfile, node: NodeState) -> list[str]:
+    """What ``node`` lacks to serve ``profile``: capability names, and ``n`` where its
+    ``max_n`` is below the request's choices (empty: it serves it)."""
+    out = sorted(profile.needs - set(node.capabilities))
+    if profile.choices > node.max_n:
+        out.append("n")
+    return out
+
+
+def unmet_param(profile: RequestProfile, nodes: Collection[NodeState]) -> str:
+    """The request field to name when ``nodes`` (those left out for capabilities) cannot
+    serve ``profile``: the first need some of them lack, a grammar's before logprobs, ``n``
+    last."""
+    missing = {m for node in nodes for m in lacking(profile, node)}
+    for cap, param in _NEED_PARAMS:
+        if cap in missing:
+            return param
+    return "n" if "n" in missing else "logprobs"
+
+
 def describe_needs(profile: RequestProfile) -> str:
     """What ``profile`` asks beyond plain sampling, in words (for a NoRoute message)."""
-    parts = sorted(profile.needs)
+    words = {Capability.GRAMMAR: "grammar (response_format)"}
+    parts = [words.get(c, c) for c in sorted(profile.needs)]
     if profile.choices > 1:
         parts.append(f"n={profile.choices}")
     return ", ".join(parts) or "this request"

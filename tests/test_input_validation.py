@@ -308,11 +308,17 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
     ),
     (
         CHAT,
-        lambda m: _chat(m, response_format={"type": "json_object"}),
+        lambda m: _chat(
+            m,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "foo"}},
+            },
+        ),
         "application/json",
         400,
         "response_format",
-        "unsupported_parameter",
+        None,
     ),
     (
         CHAT,

@@ -261,7 +261,7 @@ def test_gateway_routes_by_capability_and_counts_choices(fleet: dict) -> None:
     gw = fleet["served"]["gw"].url
     nodes = httpx.get(gw + "/admin/nodes").json()["nodes"]
     by_kind = {n["kind"]: n for n in nodes}
-    assert set(by_kind["edge"]["capabilities"]) == {"logprobs", "prompt_logprobs"}
+    assert set(by_kind["edge"]["capabilities"]) == {"grammar", "logprobs", "prompt_logprobs"}
     assert by_kind["edge"]["max_n"] == 4 and by_kind["cloud"]["max_n"] >= 8
     client = _client(fleet, "gw")
     reply = client.completions.with_raw_response.create(

@@ -218,9 +218,7 @@ class RequestPath:
                 raise not_found_model(prof.model) from exc
             if exc.code == "unsupported":
                 raise bad_request(
-                    str(exc),
-                    param="n" if prof.choices > 1 and not prof.needs else "logprobs",
-                    code="unsupported_parameter",
+                    str(exc), param=exc.param or "logprobs", code="unsupported_parameter"
                 ) from exc
             if exc.code == "too_long":
                 raise bad_request(

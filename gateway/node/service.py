@@ -11,12 +11,18 @@ One NodeService wraps one engine (edge or cloud) and one model. It owns no HTTP:
   refusal of the engine are 400s naming the field, before anything runs.
 - A request of ``n`` choices is ``n`` engine requests (``routing.choices``), checked for
   admission together before any runs; ``n`` above the engine's ``max_n`` is a 400.
+- A ``response_format`` grammar is compiled here (off the event loop, once per schema:
+  ``routing.grammar.GrammarCompiler``) and travels in ``SamplingParams.grammar`` (one compiled
+  grammar for all ``n`` choices; each engine request starts its own state from it).
+- What the engine does not list in its capabilities (``routing.fleet.state.Capability``: a
+  grammar, logprobs) is a 400 naming the field (``response_format``, ``logprobs``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,6 +48,7 @@ from routing.engine import (
     TokenLogprob,
 )
 from routing.fleet.state import Capability, NodeKind, NodeState
+from routing.grammar import Grammar, GrammarCompiler, GrammarSpec, InvalidGrammar
 from routing.power import EnergyMeter, RaplReader, Watts
 from routing.prompt import PromptFormatter, TemplateError, UnencodableText
 from routing.sampling_limits import InvalidSampling, check_sampling
@@ -108,6 +115,41 @@ class NodeService:
         self.served_names = {config.model_name, config.model_identity, config.model_path.name}
         self.started_at = time.time()
         self.energy = EnergyMeter(config.watts, RaplReader.find(), config.energy_window_s)
+        self._grammars: GrammarCompiler | None = None  # made at the first grammar request
+
+    # ---- grammars ------------------------------------------------------------------------
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The node's compiler (its tokenizer at the model's logits width), made once."""
+        if self._grammars is None:
+            vocab = self.formatter.vocab_size
+            cfg = self.config.model_path / "config.json"
+            if cfg.is_file():
+                vocab = max(vocab, int(json.loads(cfg.read_text()).get("vocab_size") or 0))
+            self._grammars = GrammarCompiler(
+                self.formatter.tokenizer.to_str(), vocab, self.formatter.stop_token_ids
+            )
+        return self._grammars
+
+    async def grammar(self, spec: GrammarSpec | None, prefix: list[int]) -> Grammar | None:
+        """``spec`` compiled for this node, its state checked over ``prefix`` (400s)."""
+        if spec is None:
+            return None
+        if Capability.GRAMMAR not in self.traits.capabilities:
+            raise bad_request(
+                "this node's engine does not serve response_format",
+                param="response_format",
+                code="unsupported_parameter",
+            )
+
+        def build() -> Grammar:
+            g = Grammar(self.grammar_compiler().compile(spec), tuple(prefix))
+            g.start()  # the prefix (a resumed reply) follows the grammar
+            return g
+
+        try:
+            return await anyio.to_thread.run_sync(build)
+        except InvalidGrammar as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
 
     # ---- request preparation -------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -126,7 +168,8 @@ class NodeService:
             ids = await self._encode(self.formatter.encode_chat, req.template_messages())
         except (TemplateError, UnencodableText) as exc:
             raise bad_request(str(exc), param="messages") from exc
-        return self._prepared(req, ids, "chat")
+        grammar = await self.grammar(req.grammar_spec, [])
+        return self._prepared(req, ids, "chat", grammar)
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
@@ -148,10 +191,18 @@ class NodeService:
                 raise bad_request(str(exc), param="prompt") from exc
         if not ids:
             raise bad_request("prompt is empty after tokenization", param="prompt")
-        return self._prepared(req, ids, "completion")
+        if req.resumed_tokens > len(ids) - 1:
+            raise bad_request("resumed_tokens must be less than the prompt's tokens", "prompt")
+        resumed = ids[len(ids) - req.resumed_tokens :] if req.resumed_tokens else []
+        grammar = await self.grammar(req.grammar_spec, resumed)
+        return self._prepared(req, ids, "completion", grammar)
 
     def _prepared(
-        self, req: ChatCompletionRequest | CompletionRequest, ids: list[int], kind: str
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        ids: list[int],
+        kind: str,
+        grammar: Grammar | None = None,
     ) -> Prepared:
         ctx = self.engine.max_context
         requested = req.requested_max_tokens
@@ -194,6 +245,7 @@ class NodeService:
             min_tokens=req.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
+            grammar=grammar,
         )
         try:
             check_sampling(sampling)

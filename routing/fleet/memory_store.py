@@ -169,7 +169,9 @@ class OpenAINodeTracker:
             max_context=c.max_context,
             device=c.device,
             max_batch=slots,
-            capabilities=list(Capability.ALL),  # the upstream is sent the fields as they are
+            # the upstream is sent the logprob fields as they are; not grammars (their schema
+            # is compiled by llguidance here, and a resume's resumed_tokens is ours)
+            capabilities=list(Capability.LOGPROB_KINDS),
             max_n=MAX_CHOICES,
             running=min(self.in_flight, slots),
             waiting=max(0, self.in_flight - slots),
