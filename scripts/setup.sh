@@ -10,25 +10,8 @@ PYTHON="${PYTHON:-python3}"
 EXTRAS=""
 [[ "${1:-}" == "--test" ]] && EXTRAS="[test]"
 
-# step "what (about how long)" command...: one line for the step; the command's output is shown
-# only if it fails.
-step() {
-    local what="$1" log rc t0=$SECONDS
-    shift
-    log="$(mktemp "${TMPDIR:-/tmp}/edgecloud-setup.XXXXXX")"
-    printf '%s... ' "$what"
-    if "$@" >"$log" 2>&1; then
-        printf 'done (%d s)\n' $((SECONDS - t0))
-        rm -f "$log"
-    else
-        rc=$?
-        printf 'FAILED (exit %d)\n' "$rc"
-        echo "---- output of: $* ----" >&2
-        tail -n 60 "$log" >&2
-        echo "---- (whole log: $log) ----" >&2
-        exit "$rc"
-    fi
-}
+# shellcheck source=scripts/_step.sh
+source "scripts/_step.sh"
 
 "$PYTHON" - <<'PY' || { echo "edgecloud needs Python 3.11 or newer (set PYTHON=...)" >&2; exit 1; }
 import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)

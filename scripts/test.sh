@@ -31,3 +31,15 @@ if [[ $# -eq 0 && -z "${EDGECLOUD_SKIP_OPENVINO:-}" ]]; then
         echo "the OpenVINO venv could not be set up: tests/test_openvino.py was not run there" >&2
     fi
 fi
+
+# The QNN plugin EP's tests (onnxruntime-qnn, HTP emulated on x86) in their own small venv: on a
+# full run only, the CI subset (-m "not slow"), where that venv can be set up (about 30 s the
+# first time, then a check of a second or two; the subset a few seconds). EDGECLOUD_SKIP_QNN=1
+# leaves them out; docs/npu.md says how to run the whole file.
+if [[ $# -eq 0 && -z "${EDGECLOUD_SKIP_QNN:-}" ]]; then
+    if scripts/setup_qnn.sh; then
+        .venv-qnn/bin/python -m pytest -q -m "not slow" tests/test_qnn.py
+    else
+        echo "the QNN venv could not be set up: tests/test_qnn.py was not run there" >&2
+    fi
+fi

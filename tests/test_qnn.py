@@ -3,6 +3,11 @@ against the CPU provider, a precompiled context written and reloaded, and the pr
 
 The QNN tests need ``onnxruntime-qnn`` (run them in ``.venv-qnn``, see docs/npu.md); elsewhere
 they skip with the reason, and the chain's skip path is tested instead.
+
+CI (scripts/test.sh) runs ``-m "not slow"`` in ``.venv-qnn``: the plugin registers and runs the
+QDQ block on HTP within tolerance (uint8 and uint16), and a precompiled context round-trips. The
+chain's tests on the plugin are marked ``slow`` (``-m ""`` runs the whole file); the two that need
+no plugin are not, being part of the main suite.
 """
 
 from __future__ import annotations
@@ -138,7 +143,7 @@ def qdq_block(request: pytest.FixtureRequest, fp32_block: Path) -> Iterator[tupl
     yield request.param, quantize_qdq(fp32_block, dst, request.param)
 
 
-@needs_qnn
+@needs_qnn  # CI subset: a session with QNN first proves the plugin registered
 def test_qdq_block_on_htp_matches_cpu(qdq_block: tuple[str, Path], fp32_block: Path) -> None:
     """The QDQ block on HTP, every node on QNN (CPU fallback off), against the CPU provider's
     run of the same QDQ graph.
@@ -168,7 +173,7 @@ def test_qdq_block_on_htp_matches_cpu(qdq_block: tuple[str, Path], fp32_block: P
     )
 
 
-@needs_qnn
+@needs_qnn  # CI subset
 def test_precompiled_context_round_trip(qdq_block: tuple[str, Path], tmp_path: Path) -> None:
     """Compiling with ``ep.context_enable`` writes ``*_ctx.onnx`` (one EPContext node) and the
     context binary beside it; a session on that file gives the compiled session's outputs."""
@@ -191,6 +196,7 @@ def test_precompiled_context_round_trip(qdq_block: tuple[str, Path], tmp_path: P
     np.testing.assert_array_equal(reloaded.run(None, feed)[0], expected)
 
 
+@pytest.mark.slow
 @needs_qnn
 def test_chain_picks_the_qnn_plugin(qdq_block: tuple[str, Path]) -> None:
     """The default chain registers the plugin and puts QNN first (its bare ``libQnnHtp.so``
@@ -209,6 +215,7 @@ def test_chain_picks_the_qnn_plugin(qdq_block: tuple[str, Path]) -> None:
     np.testing.assert_allclose(session.run(None, feed)[0], htp.run(None, feed)[0], atol=3 * step)
 
 
+@pytest.mark.slow
 @needs_qnn
 def test_chain_passes_over_qnn_when_it_takes_no_node(fp32_block: Path, tmp_path: Path) -> None:
     """A graph of dynamic shapes loads with QNN registered but every node on CPU: the chain
