@@ -230,6 +230,49 @@ def test_chat_choices_stream_as_their_whole_reply(fleet: dict, kind: str) -> Non
     assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_grammar_choices_report_raw_logit_logprobs(
+    fleet: dict, reference: LlamaForCausalLM, formatter: PromptFormatter, kind: str
+) -> None:
+    """``response_format`` with logprobs and ``n=2``: each choice follows the grammar (a JSON
+    object when it ends) and has its own logprobs, which are the reference log-softmax of the
+    raw logits, before the grammar's mask (docs/structured-outputs.md): where the mask took
+    the model's favourite away, the chosen token's logprob is below the top alternative's."""
+    client = _client(fleet, kind)
+    messages = [{"role": "user", "content": "Describe a cat as JSON."}]
+    reply = client.chat.completions.create(
+        model=fleet["model"], messages=messages, temperature=0, max_tokens=10, n=2,
+        logprobs=True, top_logprobs=3, response_format={"type": "json_object"},
+    )  # fmt: skip
+    prompt = formatter.encode_chat(messages)
+    texts = TokenTexts(formatter.tokenizer)
+    by_bytes: dict[bytes, list[int]] = {}
+    for tid in range(formatter.vocab_size):
+        by_bytes.setdefault(bytes(texts.get(tid)[1]), []).append(tid)
+    assert len(reply.choices) == 2
+    assert reply.choices[0].message.content == reply.choices[1].message.content  # greedy
+    below_top = 0
+    for choice in reply.choices:
+        text = choice.message.content or ""
+        assert text.startswith("{")
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        content = choice.logprobs.content
+        assert "".join(e.token for e in content) == text
+        ids: list[int] = []
+        for entry in content:
+            row = ref_logprobs(reference, prompt + ids)[-1]
+            same = by_bytes[bytes(entry.bytes)]
+            match = [t for t in same if abs(float(row[t]) - entry.logprob) <= TOL[kind]]
+            assert match, (entry.token, entry.logprob, [float(row[t]) for t in same])
+            ids.append(match[0])
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert tops == pytest.approx(row.topk(3).values.tolist(), abs=TOL[kind])
+            below_top += entry.logprob < tops[0] - 1e-6
+    assert below_top > 0
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.content) for c in reply.choices)
+
+
 def test_best_of_and_bad_logprob_fields_are_400s(fleet: dict) -> None:
     """``best_of`` > 1, ``top_logprobs`` without ``logprobs`` and too many choices are 400s in
     OpenAI's error shape, at the gateway and at the nodes."""

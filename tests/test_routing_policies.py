@@ -233,6 +233,38 @@ def test_capabilities_and_choices_decide_eligibility_and_cost():
     assert four.e2e_ms > one.e2e_ms and four.batch > one.batch
 
 
+def test_one_capability_filter_names_the_field_no_node_serves():
+    """Grammar, logprobs and ``n`` go through one filter; the NoRoute names the request field
+    some node lacked (a grammar's ``response_format`` before ``logprobs``, ``n`` last), and
+    the body's needs are the union of what it asks for."""
+    r = router()
+    gram = edge("e-g", capabilities=["grammar"], max_n=4)
+    lp = edge("e-lp", capabilities=["logprobs", "prompt_logprobs"], max_n=1)
+    both = frozenset({"grammar", "logprobs"})
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(50, needs=both), view(gram, lp))
+    assert err.value.code == "unsupported" and err.value.param == "response_format"
+    assert "grammar (response_format), logprobs" in str(err.value)
+    with pytest.raises(NoRoute) as err:  # e-g lacks logprobs, e-lp takes one choice
+        r.decide(profile(50, needs=frozenset({"logprobs"}), choices=3), view(gram, lp))
+    assert err.value.param == "logprobs"
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(50, choices=8), view(gram, lp))
+    assert err.value.param == "n"
+    all_of = edge("e-all", capabilities=["grammar", "logprobs", "prompt_logprobs"], max_n=4)
+    d = r.decide(profile(50, needs=both, choices=2), view(gram, lp, all_of))
+    assert [c.node.id for c in d.candidates()] == ["e-all"]
+
+    from routing.profile import needed_capabilities
+
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    body = {"response_format": rf, "logprobs": 2, "echo": True}
+    assert needed_capabilities(body, "completions") == {"grammar", "logprobs", "prompt_logprobs"}
+    chat = {"response_format": {"type": "json_object"}, "logprobs": True}
+    assert needed_capabilities(chat, "chat") == {"grammar", "logprobs"}
+    assert needed_capabilities({"response_format": {"type": "text"}}, "chat") == frozenset()
+
+
 def test_threshold_policy_cuts_on_prompt_length_only():
     r = Router(PolicyConfig(policy="threshold", threshold={"prompt_tokens": 100}))
     busy_edge = view(edge(running=4, waiting=8), cloud())
