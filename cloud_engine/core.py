@@ -14,7 +14,8 @@ tokens, its input ids fed on the device from the tokens not yet read (:class:`ru
 the host's commit and planning hide behind the device's work. The look-ahead step is exactly
 the batch the scheduler would plan (every running sequence, one token, same order), minus the
 sequences that end by length; a sequence that turns out to stop on a stop token (or is aborted)
-still runs in it, and its result is dropped. It never preempts: if the pool cannot hold every
+still runs in it, and its result is dropped. A batch with a grammar row is never looked ahead
+(the row's mask needs the token not yet read). It never preempts: if the pool cannot hold every
 next token, the core falls back to a planned step. Blocks and rows a dropped sequence released
 are safe to reuse at once: every later write to them is enqueued after the look-ahead step.
 
@@ -46,7 +47,14 @@ from cloud_engine.sampler import prepare
 from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from cloud_engine.sequence import SeqStatus, Sequence
 from routing.blocks import model_seed
-from routing.engine import EngineError, FinishReason, GenerationRequest, QueueFull, RequestTooLong
+from routing.engine import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    QueueFull,
+    RequestTooLong,
+    TokenLogprob,
+)
 from routing.ewma import Ewma
 from routing.prefill_budget import chunk_beside_decode
 from routing.step_cost import StepCostFit
@@ -68,6 +76,7 @@ class SeqOutput:
     seq: Sequence
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, where the request asks
 
 
 @dataclass(slots=True)
@@ -96,13 +105,20 @@ class CoreCounters:
     kv_waste_at_peak: float = 0.0  # allocated slots holding no token / allocated slots
 
 
-def _live(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, list[int]]:
-    """The items of ``batch`` whose sequence still runs, and their sampled tokens (a look-ahead
-    step may carry sequences that stopped or were aborted after it was launched)."""
+_Lps = list[TokenLogprob | None] | None
+
+
+def _live(
+    batch: ScheduledBatch, sampled: list[int], lps: _Lps = None
+) -> tuple[ScheduledBatch, list[int], _Lps]:
+    """The items of ``batch`` whose sequence still runs, and their sampled tokens and
+    logprobs (a look-ahead step may carry sequences that stopped or were aborted after it was
+    launched)."""
     if all(it.seq.status is SeqStatus.RUNNING for it in batch.items):
-        return batch, sampled
+        return batch, sampled, lps
     items: list[ScheduledSeq] = []
     tokens: list[int] = []
+    kept: list[TokenLogprob | None] = []
     k = 0
     for it in batch.items:
         if it.samples:
@@ -111,7 +127,8 @@ def _live(batch: ScheduledBatch, sampled: list[int]) -> tuple[ScheduledBatch, li
             items.append(it)
             if it.samples:
                 tokens.append(sampled[k - 1])
-    return ScheduledBatch(items), tokens
+                kept.append(lps[k - 1] if lps is not None else None)
+    return ScheduledBatch(items), tokens, (kept if lps is not None else None)
 
 
 class EngineCore:
@@ -215,8 +232,12 @@ class EngineCore:
         if request.request_id in self.seqs:
             raise ValueError(f"duplicate request id {request.request_id}")
         seq = Sequence(request, next(self._order), self.max_context)
+        if request.prefill_with is not None:
+            seq.leader = self.seqs.get(request.prefill_with)
         try:
             seq.generator = prepare(request.sampling, self.pool.device)
+            if request.sampling.grammar is not None:
+                seq.grammar = request.sampling.grammar.start()
             seq.extend_hashes(self.seed, self.blocks.block_size)
         except Exception as exc:  # this request's fault or not, it fails alone
             log.warning("request %s refused: %s", request.request_id, exc)
@@ -241,6 +262,11 @@ class EngineCore:
         ):
             self._ahead = None  # nothing in it is wanted any more
         return seq
+
+    @property
+    def runner_samples_grammar(self) -> bool:
+        """Its runner applies grammar masks (``cloud_engine.grammar_mask``) before sampling."""
+        return bool(getattr(self.runner, "applies_grammar", False))
 
     @property
     def has_ahead(self) -> bool:
@@ -283,8 +309,8 @@ class EngineCore:
         now = time.perf_counter()
         dt = now - max(cur.t0, self._last_collect)  # a look-ahead step started at the last read
         self._last_collect = now
-        batch, sampled = _live(cur.batch, sampled)
-        outputs = self._commit(batch, sampled)
+        batch, sampled, lps = _live(cur.batch, sampled, cur.launched.logprobs)
+        outputs = self._commit(batch, sampled, lps)
         self._account(batch, dt)
         if self.config.debug_checks:
             self.blocks.check_integrity()
@@ -325,6 +351,8 @@ class EngineCore:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             live += 1
+            if seq.grammar is not None:
+                return None  # its mask needs cur's token: grammar rows are never looked ahead
             if seq.num_output + 1 >= seq.max_output:
                 continue  # cur's token is its last
             start = it.start + it.num_new
@@ -344,7 +372,9 @@ class EngineCore:
         t0 = time.perf_counter()
         return _Launch(batch, self.runner.launch(batch, feed), t0)
 
-    def _commit(self, batch: ScheduledBatch, sampled: list[int]) -> list[SeqOutput]:
+    def _commit(
+        self, batch: ScheduledBatch, sampled: list[int], lps: _Lps = None
+    ) -> list[SeqOutput]:
         outputs: list[SeqOutput] = []
         finished: list[Sequence] = []
         k = 0
@@ -355,6 +385,7 @@ class EngineCore:
             if not it.samples:
                 continue
             tok = sampled[k]
+            lp = lps[k] if lps is not None else None
             k += 1
             sp = seq.sampling
             if not sp.ignore_eos and tok in sp.stop_token_ids:
@@ -363,12 +394,14 @@ class EngineCore:
                 finished.append(seq)
                 continue
             seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.advance(tok)
             if seq.num_tokens % bs == 0:
                 seq.extend_hashes(self.seed, bs)
             if seq.num_output >= seq.max_output:
                 seq.finish_reason = FinishReason.LENGTH
                 finished.append(seq)
-            outputs.append(SeqOutput(seq, [tok], seq.finish_reason))
+            outputs.append(SeqOutput(seq, [tok], seq.finish_reason, None if lp is None else [lp]))
         for seq in finished:
             self.scheduler.finish(seq)
             self.runner.release(seq)

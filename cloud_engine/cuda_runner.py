@@ -8,7 +8,9 @@ Decode-only steps of up to ``max_graph_batch`` sequences replay a CUDA graph cap
 next batch size of a ladder (padding rows have slot -1, so they write no KV, and length 1).
 Anything else (prefill chunks, mixed batches) runs eagerly with prefill tiling. Sampling runs on
 the device; greedy batches take the argmax captured inside the graph (fused into the logits
-product for small batches).
+product for small batches). Rows with a grammar run in the graphs like any other; their masks
+are applied to the graph's logits after the replay (``cloud_engine.grammar_mask``), and their
+batch samples from those logits instead of taking the in-graph argmax.
 
 Every size has two graphs, one per *parity*, used alternately replay after replay: the graph of
 parity ``p`` reads its own step-integer tensor and writes its greedy tokens into token buffer
@@ -40,8 +42,10 @@ import numpy as np
 import torch
 
 from cloud_engine.attention_torch import make_meta
+from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
 from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
+from cloud_engine.logprobs import collect_prompt_logprobs, sampled_logprobs
 from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.runner import Feed, Launched, generated_before
@@ -90,6 +94,8 @@ class _DecodeGraph:
 
 
 class CudaRunner:
+    applies_grammar = True  # grammar rows' masks are applied before sampling
+
     def __init__(
         self,
         model: LlamaForCausalLM | ShardedLlama,
@@ -187,22 +193,31 @@ class CudaRunner:
         if batch.is_decode_only and self.graph_sizes and s <= self.graph_sizes[-1]:
             logits, greedy = self._replay(inp, rows, fed)
         else:
-            logits, greedy = self._eager(inp, rows, fed), None
+            logits, greedy = self._eager(inp, rows, fed, batch), None
         if not inp.sample_items:
             return self._to_host(self._arange[:0].long())
         items = [batch.items[i] for i in inp.sample_items]
         seqs = [it.seq for it in items]
         params = [q.sampling for q in seqs]
+        wants = [p.logprobs for p in params]
         banned = banned_stops(params, [generated_before(it) for it in items])
-        if greedy is not None and banned is None and all(p.greedy for p in params):
-            return self._to_host(greedy[: len(seqs)], self._download_stream)
+        grammars = grammar_states(seqs)
+        plain = banned is None and not any(grammars)
+        if greedy is not None and plain and all(p.greedy for p in params):
+            launched = self._to_host(greedy[: len(seqs)], self._download_stream)
+            launched.logprobs = sampled_logprobs(logits[: len(seqs)], launched.tokens, wants)
+            return launched
         gens = []
         for q in seqs:
             if q.generator is None and not q.sampling.greedy:
                 q.generator = make_generator(q.sampling, self.device)
             gens.append(q.generator)
-        tokens = sample_batch(logits[: len(seqs)], params, gens, banned)  # type: ignore[arg-type]
-        return self._to_host(tokens)
+        masked = apply_grammar_masks(logits[: len(seqs)], grammars)
+        tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
+        launched = self._to_host(tokens)
+        # of the raw logits, as without a grammar (SamplingParams.logprobs)
+        launched.logprobs = sampled_logprobs(logits[: len(seqs)], tokens, wants)
+        return launched
 
     def _to_host(self, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Launched:
         """Start the copy of ``tokens`` into the next of two host buffers, each with its event
@@ -220,7 +235,15 @@ class CudaRunner:
                 done.record()
         return Launched(tokens, host, done)
 
-    def _eager(self, inp: StepInputs, rows: np.ndarray, fed: torch.Tensor | None) -> torch.Tensor:
+    def _eager(
+        self,
+        inp: StepInputs,
+        rows: np.ndarray,
+        fed: torch.Tensor | None,
+        batch: ScheduledBatch | None = None,
+    ) -> torch.Tensor:
+        """The sampled rows' logits; ``batch``: the prompt logprobs its chunks ask for are
+        collected from the same hidden states (``cloud_engine.logprobs``)."""
         shape = tile_shape(self.group, inp.max_q_len)
         tile_seq, tile_q0 = make_tiles(inp.q_start, shape.block_q)
         parts = [
@@ -244,6 +267,8 @@ class CudaRunner:
             )
         a = AttnInputs(slots, self.tables, seq_rows, seq_lens, q_start, t_seq, t_q0, shape, meta)
         hidden = self.fm.forward(ids, pos, a)
+        if batch is not None and any(it.seq.needs_prompt_logprobs for it in batch.items):
+            collect_prompt_logprobs(batch, inp.q_start.tolist(), hidden, self.fm.logits)
         return self.fm.logits(hidden[sample_idx.long()])
 
     def _decode_forward(

@@ -32,6 +32,7 @@ from cloud_engine.block_manager import BlockEvents
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore, SeqOutput
 from cloud_engine.sequence import Sequence
+from routing.choices import MAX_CHOICES
 from routing.engine import (
     EngineStats,
     EngineTraits,
@@ -39,7 +40,9 @@ from routing.engine import (
     GenerationRequest,
     QueueFull,
     TokenEvent,
+    TokenLogprob,
 )
+from routing.fleet.state import Capability
 from routing.handoff import Handoff
 from routing.token_stream import relay_events
 
@@ -48,7 +51,17 @@ log = logging.getLogger(__name__)
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[TokenEvent]"]
 
 
-def _event(seq: Sequence, tokens: list[int], reason: FinishReason | None) -> TokenEvent:
+def _event(
+    seq: Sequence,
+    tokens: list[int],
+    reason: FinishReason | None,
+    logprobs: list[TokenLogprob] | None = None,
+) -> TokenEvent:
+    """The event of ``tokens``; the request's first carries its prompt logprobs."""
+    prompt_lps = None
+    if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+        seq.prompt_logprobs_sent = True
+        prompt_lps = seq.prompt_logprobs
     return TokenEvent(
         request_id=seq.request_id,
         token_ids=tokens,
@@ -57,6 +70,8 @@ def _event(seq: Sequence, tokens: list[int], reason: FinishReason | None) -> Tok
         cached_tokens=max(seq.num_cached, 0),
         finish_reason=reason,
         prefill_ms=seq.prefill_ms,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_lps,
     )
 
 
@@ -199,6 +214,15 @@ class CloudEngine:
         self._wake.set()
 
     # -- observation -----------------------------------------------------------------------
+    def _capabilities(self) -> list[str]:
+        """Grammars where its runner applies their masks (one process: the parallel runners'
+        sampler applies none); logprobs from the single-process runners (not the parallel
+        ones yet)."""
+        caps = [Capability.GRAMMAR] if self.core.runner_samples_grammar else []
+        if not self.parallel:
+            caps += Capability.LOGPROB_KINDS
+        return caps
+
     def stats(self) -> EngineStats:
         c = self.core
         traits = EngineTraits(
@@ -207,6 +231,9 @@ class CloudEngine:
             prefix_cache=True,
             prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
             prefill_chunk_decoding=c.chunk_beside_decode() or 0,  # its prompt tokens beside rows
+            capabilities=self._capabilities(),
+            # the choices share the prompt's blocks; those beyond the running rows wait
+            max_n=min(MAX_CHOICES, c.scheduler.config.max_running + c.config.max_waiting),
             **self.parallel,
         )
         return EngineStats(
@@ -258,7 +285,10 @@ class CloudEngine:
                     ]
                 self._deliver_threadsafe(
                     [
-                        (o.seq.request_id, _event(o.seq, o.new_token_ids, o.finish_reason))
+                        (
+                            o.seq.request_id,
+                            _event(o.seq, o.new_token_ids, o.finish_reason, o.logprobs),
+                        )
                         for o in outs
                     ]
                 )

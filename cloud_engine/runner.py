@@ -20,12 +20,15 @@ import numpy as np
 import torch
 
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
+from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
 from cloud_engine.kv_pool import KVPool
+from cloud_engine.logprobs import collect_prompt_logprobs, sampled_logprobs
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.sampler import banned_stops, make_generator, sample_batch
 from cloud_engine.scheduler import ScheduledBatch, ScheduledSeq
 from cloud_engine.sequence import Sequence
 from cloud_engine.step_inputs import build_step_inputs, padded_block_tables
+from routing.engine import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -47,6 +50,8 @@ class Launched:
     tokens: torch.Tensor  # [M] int64 on the device
     host: torch.Tensor  # [>= M] int64 host buffer the copy lands in
     done: torch.cuda.Event | None  # None: the copy already happened (CPU)
+    # per sampled token, its log-probabilities where its sequence asks (None: no row asks)
+    logprobs: list[TokenLogprob | None] | None = None
 
     def read(self) -> list[int]:
         if self.done is not None:
@@ -68,6 +73,8 @@ class ModelRunner(Protocol):
 
 
 class TorchRunner:
+    applies_grammar = True  # grammar rows' masks are applied before sampling
+
     def __init__(self, model: LlamaForCausalLM, pool: KVPool) -> None:
         self.model = model
         self.pool = pool
@@ -93,6 +100,8 @@ class TorchRunner:
         ids = ids.unsqueeze(0)
         pos = torch.from_numpy(inp.positions).to(dev).unsqueeze(0)
         hidden = self.model.hidden_states(ids, pos, TorchPagedBackend(self.pool, meta))
+        if any(it.seq.needs_prompt_logprobs for it in batch.items):
+            collect_prompt_logprobs(batch, inp.q_start.tolist(), hidden[0], self.model.lm_head)
         if not inp.sample_items:
             return _no_tokens(dev)
         last = hidden[0, torch.from_numpy(inp.sample_idx).to(dev)]
@@ -106,8 +115,11 @@ class TorchRunner:
             gens.append(s.generator)
         params = [s.sampling for s in seqs]
         banned = banned_stops(params, [generated_before(it) for it in items])
-        tokens = sample_batch(logits, params, gens, banned)  # type: ignore[arg-type]
-        return Launched(tokens, tokens.cpu(), None)
+        masked = apply_grammar_masks(logits, grammar_states(seqs))
+        tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
+        # of the raw logits, grammar or not (SamplingParams.logprobs)
+        lps = sampled_logprobs(logits, tokens, [p.logprobs for p in params])
+        return Launched(tokens, tokens.cpu(), None, lps)
 
 
 def generated_before(item: ScheduledSeq) -> int:

@@ -11,7 +11,9 @@ One :meth:`Scheduler.schedule` call plans one forward pass under a token budget:
 2. If nothing was preempted, waiting sequences in (priority, arrival) order are admitted while
    the budget, ``max_running`` and the pool allow: each reuses every leading block found in the
    prefix cache and prefills (a chunk of) the rest. The first sequence that does not fit stops
-   admission (no overtaking), so the queue order is honoured.
+   admission (no overtaking), so the queue order is honoured. A choice of an ``n > 1`` request
+   waits until its leader (the first choice) has computed the prompt, then reuses its blocks;
+   a sequence that asks for prompt logprobs reuses none (it needs every position's logits).
 
 While any running sequence decodes, the prompt tokens of a batch (chunks of running prompts
 and admissions) are capped at ``prefill_beside_decode`` when the engine sets it (the stall
@@ -178,9 +180,11 @@ class Scheduler:
         return batch
 
     def _admit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> bool:
+        if seq.waits_for_leader:  # another choice computes the prompt; its blocks come next
+            return False
         # Reuse leading cached blocks, but always leave at least one token to compute: its
-        # logits give the next token.
-        usable = (seq.num_tokens - 1) // self.bs
+        # logits give the next token. Prompt logprobs need every prompt position's logits.
+        usable = 0 if seq.needs_prompt_logprobs else (seq.num_tokens - 1) // self.bs
         matched = self.blocks.match_prefix(seq.hashes[:usable], seq.token_ids)
         cached = len(matched) * self.bs
         n = min(seq.num_tokens - cached, budget)

@@ -5,6 +5,8 @@ Invariants:
   preempted sequence keeps its output and recomputes its KV from the whole of it).
 - ``num_computed`` tokens of ``token_ids`` have their KV in the blocks of ``block_table``
   (``len(block_table) * block_size >= num_computed``); it is 0 whenever ``block_table`` is empty.
+- ``prompt_logprobs`` (a request that asks for them) holds the entries of prompt tokens
+  ``0..len - 1`` (None for token 0); it only grows, so a recompute adds none twice.
 - ``hashes[i]`` is the chained ``routing.blocks`` hash of full block ``i`` of ``token_ids``;
   the first ``num_registered`` blocks of ``block_table`` are published in the prefix cache (or
   were found there).
@@ -14,9 +16,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from routing.blocks import BLOCK_SIZE, hash_block
-from routing.engine import FinishReason, GenerationRequest, SamplingParams
+from routing.engine import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from routing.grammar import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -45,11 +51,34 @@ class Sequence:
     generator: object | None = None  # the runner's per-request RNG (seeded sampling)
     in_flight: bool = False  # in a launched, not yet collected batch (pipeline parallelism)
     prefill_ms: float = 0.0  # its share of the steps that computed its prompt (EngineCore)
+    # n > 1: the sibling whose prompt this one waits for and then reuses (one prefill)
+    leader: Sequence | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+    # its grammar's state (routing.grammar), advanced by the core with each committed token
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.request.prompt_token_ids)
             self.num_prompt = len(self.token_ids)
+        if self.request.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and has not all of them yet (no prefix reuse then)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """Its leader is still to compute the prompt they share."""
+        lead = self.leader
+        return (
+            lead is not None
+            and lead.status is not SeqStatus.FINISHED
+            and lead.num_computed < lead.num_prompt
+        )
 
     @property
     def request_id(self) -> str:

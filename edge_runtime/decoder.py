@@ -98,6 +98,7 @@ class Decoder:
         self._keep: list[np.ndarray] = []  # inputs bound for the current run
         # an overridable initializer: IOBinding accepts it only as an OrtValue
         self._keep_last = ort.OrtValue.ortvalue_from_numpy(np.ones(1, np.int64))
+        self._keep_all = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.int64))
         if self.vocab:
             self._logits = np.zeros((slots, self.vocab), self.logits_dtype)
         # decode inputs: bound once per binding, rewritten in place per step
@@ -211,6 +212,30 @@ class Decoder:
         if self.info.attention == "concat":
             self._cur[slot] ^= 1
         return out
+
+    def prefill_all(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
+        """As :meth:`prefill`, but the logits ``[len(tokens), vocab]`` after every one of them
+        (prompt logprobs): ``logits_to_keep`` is fed 0, which keeps every position."""
+        t = len(tokens)
+        if t == 0 or start + t > self.context:
+            raise ValueError(f"prefill of {t} tokens at {start} exceeds context {self.context}")
+        ids = np.asarray(tokens, np.int64).reshape(1, t)
+        mask = np.ones((1, start + t), np.int64)
+        positions = np.arange(start, start + t, dtype=np.int64).reshape(1, t)
+        if self.info.attention == "gqa":
+            io = self._gqa_binding(slot, 1, "prefill")
+        else:
+            io = self._concat_binding(slot, start, t)
+        self._bind_step(io, ids, mask, positions, None)
+        if self.info.has_logits_to_keep:
+            io.bind_ortvalue_input("logits_to_keep", self._keep_all)
+        self.session.run_with_iobinding(io)
+        out = io.get_outputs()[len(self._names)].numpy()[0]
+        if self.info.attention == "concat":
+            self._cur[slot] ^= 1
+        if out.shape[0] != t:
+            raise RuntimeError(f"the graph returned {out.shape[0]} logits rows for {t} tokens")
+        return out.astype(np.float32, copy=False)
 
     def decode(
         self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray, first: int = 0

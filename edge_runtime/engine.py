@@ -50,6 +50,7 @@ from routing.engine import (
     SamplingParams,
     TokenEvent,
 )
+from routing.fleet.state import Capability
 from routing.handoff import Handoff
 from routing.token_stream import relay_events
 
@@ -314,6 +315,9 @@ class EdgeEngine:
             weights=self.weights,
             prefill_chunk=cfg.prefill_chunk,
             prefill_chunk_decoding=cfg.prefill_chunk,
+            # grammar masks and logprobs: numpy over the logits ORT returns
+            capabilities=list(Capability.ALL),
+            max_n=cfg.slots,  # each choice takes a slot
         )
         if self._scheduler is None:
             return EngineStats(traits, 0, 0, 0, 0, 0.0, 0.0)

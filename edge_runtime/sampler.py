@@ -17,6 +17,10 @@ Invariants:
   on the submitting thread: parameters it could not sample with raise ``InvalidSampling``
   (an ``EngineError``) there, for that request alone, never later in the generation loop,
   where one row's error would abort every running request.
+- With a grammar (``SamplingParams.grammar``), its state is made with the sampler and each
+  call samples from the logits with the grammar's disallowed tokens at -inf, then advances the
+  state with the chosen token; ``greedy`` is then False, so the loop never takes the argmax of
+  an unmasked row itself.
 """
 
 from __future__ import annotations
@@ -37,14 +41,26 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(None if params.seed is None else seed_u64(params.seed))
         self.generated = 0  # calls so far: the tokens generated before the next one
+        self.grammar = params.grammar.start() if params.grammar is not None else None
 
     @property
     def greedy(self) -> bool:
         """True while a token is plain argmax(logits), whoever computes it."""
-        return self.params.greedy and not self.params.banned_stops(self.generated)
+        return (
+            self.params.greedy
+            and self.grammar is None
+            and not self.params.banned_stops(self.generated)
+        )
 
     def __call__(self, logits: np.ndarray) -> int:
-        """One token id from a ``[vocab]`` logits row."""
+        """One token id from a ``[vocab]`` logits row (advancing the grammar, if any)."""
+        if self.grammar is None:
+            return self._choose(logits)
+        token = self._choose(self.grammar.apply(logits))
+        self.grammar.advance(token)
+        return token
+
+    def _choose(self, logits: np.ndarray) -> int:
         banned = self.params.banned_stops(self.generated)
         self.generated += 1
         if banned:

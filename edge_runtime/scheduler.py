@@ -28,6 +28,9 @@ Invariants:
   copied prefix, is ``edge_runtime.admission``'s choice. Copies run after the lock is released
   and before anything else runs on the loop thread. A decode step's dummy row of a free slot
   writes at that slot's kept length, never inside its kept KV.
+- Logprobs (``edge_runtime.logprobs``) come from the very logits a token was sampled from, for
+  the requests that ask; a request that asks for prompt logprobs computes its whole prompt
+  (every position's logits), reusing no kept or copied KV.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ import numpy as np
 
 from edge_runtime.admission import Admission, Copy
 from edge_runtime.decoder import Decoder
+from edge_runtime.logprobs import next_token_logprobs, token_logprob
 from edge_runtime.slot_cache import SlotCache
 from edge_runtime.slot_request import SlotRequest
 from routing.blocks import BLOCK_SIZE
-from routing.engine import FinishReason, QueueFull
+from routing.engine import FinishReason, QueueFull, TokenLogprob
 from routing.ewma import Ewma
 from routing.prefill_budget import chunk_beside_decode
 
@@ -270,6 +274,11 @@ class SlotScheduler:
                     len(self.admission),
                 )  # fmt: skip
             r.slot, r.filled = place.slot, place.blocks * BLOCK_SIZE
+            if r.wants_prompt_logprobs and place.copy is not None:  # every position computed
+                self._copies.remove(place.copy)
+                self.copied_tokens -= place.copied * BLOCK_SIZE
+            if r.wants_prompt_logprobs:
+                r.filled = 0
             r.cached = r.filled
             self.slots[place.slot] = r
             self.prompt_tokens += r.prompt_len
@@ -277,7 +286,10 @@ class SlotScheduler:
 
     def _catch_up(self, r: SlotRequest) -> None:
         """Under the lock: before ``r``'s next chunk, the blocks of its prompt another slot
-        holds beyond what it has filled are queued to copy, and count as cached."""
+        holds beyond what it has filled are queued to copy, and count as cached (none for a
+        request that asks for prompt logprobs)."""
+        if r.wants_prompt_logprobs:
+            return
         copy = self.admission.catch_up(r)
         if copy is None:
             return
@@ -296,13 +308,24 @@ class SlotScheduler:
 
     def _prefill_chunk(self, r: SlotRequest, size: int) -> None:
         start = r.filled
-        chunk = r.request.prompt_token_ids[start : start + size]
+        prompt = r.request.prompt_token_ids
+        chunk = prompt[start : start + size]
         t0 = time.perf_counter()
-        logits = self.decoder.prefill(r.slot, chunk, start)
+        prompt_lps = None
+        if r.prompt_logprobs is not None:  # every position's logits: prompt logprobs
+            rows = self.decoder.prefill_all(r.slot, chunk, start)
+            k = r.request.sampling.prompt_logprobs or 0
+            prompt_lps = next_token_logprobs(rows, prompt[start + 1 : start + len(chunk) + 1], k)
+            logits = rows[-1]
+        else:
+            logits = self.decoder.prefill(r.slot, chunk, start)
         dt = time.perf_counter() - t0
         done = start + len(chunk) == r.prompt_len
         token = r.sampler(logits) if done else -1
+        lp = self._logprob(r, logits, token) if done else None
         with self.lock:
+            if prompt_lps is not None and r.prompt_logprobs is not None:
+                r.prompt_logprobs.extend(prompt_lps)
             self.prefilled_tokens += len(chunk)
             if self.slots[r.slot] is not r:
                 return  # cancelled while the chunk ran
@@ -312,7 +335,7 @@ class SlotScheduler:
                 self.cache.grow(r.slot, r.request.prompt_token_ids[: r.filled], r.hashes)
             self.prefill_tps.add(len(chunk) / max(dt, 1e-9))
             if done:
-                self._accept(r, token)
+                self._accept(r, token, lp)
 
     def _oldest_prefilling(self) -> SlotRequest | None:
         """Under the lock: the request whose prompt goes next (priority, then arrival)."""
@@ -367,32 +390,46 @@ class SlotScheduler:
         for i, r in decoding:
             row = i - first
             greedy_row = greedy is not None and r.sampler.greedy
-            sampled.append((r, int(greedy[row]) if greedy_row else r.sampler(logits[row])))
+            token = int(greedy[row]) if greedy_row else r.sampler(logits[row])
+            sampled.append((r, token, self._logprob(r, logits[row], token)))
         with self.lock:
             self.decode_ms.add(dt * 1e3)
-            for r, token in sampled:
+            for r, token, lp in sampled:
                 if self.slots[r.slot] is r:
                     r.filled += 1
-                    self._accept(r, token)
+                    self._accept(r, token, lp)
             return not self._changed
 
-    def _accept(self, r: SlotRequest, token: int) -> None:
+    @staticmethod
+    def _logprob(r: SlotRequest, logits: np.ndarray, token: int) -> TokenLogprob | None:
+        """``token``'s log-probabilities where ``r`` asks for them (edge_runtime.logprobs)."""
+        k = r.request.sampling.logprobs
+        return None if k is None else token_logprob(logits, token, k)
+
+    def _accept(self, r: SlotRequest, token: int, lp: TokenLogprob | None = None) -> None:
         """Under the lock: a sampled token -> an event; frees the slot when r finishes."""
         if token in r.stops:
             self._finish(r, [], FinishReason.STOP)
             return
         r.generated += 1
         r.output.append(token)
+        lps = None if lp is None else [lp]
         if r.generated >= r.budget or r.filled >= self.decoder.context:
-            self._finish(r, [token], FinishReason.LENGTH)
+            self._finish(r, [token], FinishReason.LENGTH, lps)
             return
         r.last_token = token
-        r.emit(r.event([token], None))
+        r.emit(r.event([token], None, lps))
 
-    def _finish(self, r: SlotRequest, tokens: list[int], reason: FinishReason) -> None:
+    def _finish(
+        self,
+        r: SlotRequest,
+        tokens: list[int],
+        reason: FinishReason,
+        lps: list[TokenLogprob] | None = None,
+    ) -> None:
         self._vacate(r)
         self._changed = True
-        r.emit(r.event(tokens, reason))
+        r.emit(r.event(tokens, reason, lps))
 
     def _abort_running(self) -> None:
         with self.lock:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edge_runtime.sampler import Sampler
-from routing.engine import FinishReason, GenerationRequest, TokenEvent
+from routing.engine import FinishReason, GenerationRequest, TokenEvent, TokenLogprob
 
 
 @dataclass
@@ -30,11 +30,17 @@ class SlotRequest:
     prefill_ms: float = 0.0  # compute time of its own prompt chunks
     output: list[int] = field(default_factory=list)  # generated tokens (no stop token)
     passed: int = 0  # times a later request was admitted before it (prefix first)
+    # prompt logprobs (when asked): entries of prompt tokens 0..len-1, None for token 0; sent
+    # with the request's first event
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    sent_first: bool = False
 
     def __post_init__(self) -> None:
         params = self.request.sampling
         self.sampler = Sampler(params)
         self.stops = frozenset() if params.ignore_eos else frozenset(params.stop_token_ids)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def prompt_len(self) -> int:
@@ -53,8 +59,21 @@ class SlotRequest:
         """Queue order: priority (lower first), then arrival."""
         return (self.request.priority, self.request.arrival_time)
 
-    def event(self, tokens: list[int], reason: FinishReason | None) -> TokenEvent:
-        """An event carrying ``tokens``, with the request's counts so far."""
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs: its prompt is computed whole, no kept KV reused."""
+        return self.prompt_logprobs is not None
+
+    def event(
+        self,
+        tokens: list[int],
+        reason: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> TokenEvent:
+        """An event carrying ``tokens``, with the request's counts so far; the first one
+        carries its prompt logprobs."""
+        prompt_lps = None if self.sent_first else self.prompt_logprobs
+        self.sent_first = True
         return TokenEvent(
             request_id=self.request.request_id,
             token_ids=tokens,
@@ -63,4 +82,6 @@ class SlotRequest:
             cached_tokens=self.cached,
             finish_reason=reason,
             prefill_ms=self.prefill_ms,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
         )

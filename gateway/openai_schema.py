@@ -13,13 +13,20 @@ Invariants:
   ordinary seed (``routing.sampling_limits``).
 - No string contains a lone surrogate (``"\\ud800"`` in JSON): such text has no UTF-8 form and
   no tokenization; it is a 400 naming the field, as at OpenAI.
+- ``logprobs`` / ``top_logprobs`` (chat, at most 20; ``top_logprobs`` above 0 needs
+  ``logprobs: true``), ``logprobs`` (completions, at most 5) with ``echo``, and ``n`` are served.
+- ``response_format`` (chat and completions): ``text``, ``json_object`` or ``json_schema``
+  (with ``strict``); a schema the grammar library cannot compile is a 400 naming
+  ``response_format`` here, before any tokenizing or routing (``routing.grammar``). It is not
+  combined with ``min_tokens`` (a grammar may complete before it). ``resumed_tokens`` (an
+  extension the gateway's resume sends to ``/v1/completions``): the prompt's last N token ids
+  are the reply's own so far, which the grammar consumes first.
 - Known OpenAI fields we cannot honour (``tools``, ``tool_choice``, ``functions``,
-  ``function_call``, ``response_format`` other than text, ``logit_bias``, ``logprobs``,
-  ``top_logprobs``, non-zero penalties, ``n`` or ``best_of`` > 1, ``audio``, ``modalities``
-  other than text, ``prediction``, ``store: true``, ``reasoning_effort``,
-  ``web_search_options``, ``service_tier`` other than auto/default, ``echo``, ``suffix``) are
+  ``function_call``, ``logit_bias``, non-zero penalties, ``best_of`` > 1, ``audio``,
+  ``modalities`` other than text, ``prediction``, ``store: true``, ``reasoning_effort``,
+  ``web_search_options``, ``service_tier`` other than auto/default, ``suffix``) are
   accepted only with their default, no-op values (``null``, ``false``, ``0``, ``[]``, ``{}``,
-  ``{"type": "text"}``, ``"none"``, ...) and otherwise rejected with a 400 naming the field and
+  ``"none"``, ...) and otherwise rejected with a 400 naming the field and
   ``code: "unsupported_parameter"``, never silently ignored. ``parallel_tool_calls``,
   ``metadata``, ``user`` and other hints that change nothing without tools or storage are
   accepted.
@@ -46,13 +53,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from routing.choices import MAX_CHOICES
+from routing.grammar import GrammarSpec, InvalidGrammar, check_spec, spec_from_response_format
 from routing.sampling_limits import API_SEED_MAX, API_SEED_MIN, MAX_TOP_K
 
 MAX_STOP_SEQUENCES = 4
 INT32_MAX = 2**31 - 1
 MAX_TOKENS_LIMIT = INT32_MAX  # max_tokens / max_completion_tokens; the node's context decides
 MAX_TOKEN_ID = INT32_MAX  # token ids in a prompt; the node checks its model's vocabulary
-MAX_N = 128  # OpenAI's bound on n (only 1 is served)
+MAX_N = MAX_CHOICES  # OpenAI's bound on n; a node serves up to its engine's ``max_n``
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -129,9 +138,40 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Any] | None = None
     user: Text | None = None
+    # before min_tokens: its check reads it
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        description='{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema", "strict"}}: the reply follows it (compact JSON)',
+    )
     # extensions, as in vLLM: run past the end-of-sequence token; no stop before min_tokens
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A format the grammar library compiles (its schema checked here, no tokenizer)."""
+        try:
+            spec = spec_from_response_format(v)
+            if spec is not None:
+                check_spec(spec)
+        except InvalidGrammar as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_with_grammar(cls, v: int, info: ValidationInfo) -> int:
+        rf = info.data.get("response_format")
+        if v and spec_from_response_format(rf) is not None:
+            raise unsupported("min_tokens", "it is not combined with response_format (use 0)")
+        return v
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The grammar ``response_format`` asks for (None: plain text)."""
+        return spec_from_response_format(self.response_format)
 
     @field_validator("stop")
     @classmethod
@@ -152,13 +192,6 @@ class _SamplingFields(_Body):
     def _stream_options(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise unsupported("n", "one choice per request is served (use 1)")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -204,7 +237,6 @@ class _SamplingFields(_Body):
 
 
 _NO_TOOL_CHOICE = ("none", "auto")  # "auto" without tools calls none
-_TEXT_ONLY = ({"type": "text"},)
 _SERVICE_TIERS = ("auto", "default")
 
 
@@ -217,7 +249,6 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # nothing to parallelize without tools
-    response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -226,18 +257,11 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: dict[str, Any] | None = None
     service_tier: str | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise unsupported("logprobs", "log probabilities are not returned (use false)")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise unsupported("top_logprobs", "log probabilities are not returned (use 0)")
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):  # 0 asks for nothing: accepted alone
+            raise ValueError("logprobs must be true when top_logprobs is above 0")
         return v
 
     @field_validator("tools", "functions")
@@ -254,13 +278,6 @@ class ChatCompletionRequest(_SamplingFields):
     ) -> str | dict[str, Any] | None:
         if v is not None and v not in _NO_TOOL_CHOICE:
             raise unsupported(str(info.field_name), 'no tools are called (use "none")')
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v not in _TEXT_ONLY:
-            raise unsupported("response_format", 'only {"type": "text"} is served')
         return v
 
     @field_validator("audio", "prediction", "web_search_options")
@@ -307,16 +324,25 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] = Field()
+    prompt: str | list[str] | list[int] | list[list[int]] = Field()
     max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = Field(default=None, ge=1, le=20)
     echo: bool = False
     suffix: Text | None = None
+    # extension: the prompt's last N ids are the reply so far (a resumed stream's), which a
+    # response_format grammar consumes before the first new token
+    resumed_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def _one_prompt(
+        cls, v: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], list):  # a batch of token id lists
+            if len(v) != 1:
+                raise ValueError("one prompt per request is supported")
+            v = v[0]  # type: ignore[assignment]
         if isinstance(v, list):
             if not v:
                 raise ValueError("prompt must not be empty")
@@ -334,25 +360,13 @@ class CompletionRequest(_SamplingFields):
             check_text(v)
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:  # 0 still asks for the sampled token's log probability
-            raise unsupported("logprobs", "log probabilities are not returned (send null)")
-        return v
-
     @field_validator("best_of")
     @classmethod
     def _one_candidate(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise unsupported("best_of", "one candidate per request is generated (use 1)")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise unsupported("echo", "the prompt is not echoed (use false)")
+            raise unsupported(
+                "best_of", "candidates are not ranked server-side (use n for several choices)"
+            )
         return v
 
     @field_validator("suffix")
@@ -361,6 +375,14 @@ class CompletionRequest(_SamplingFields):
         if v:
             raise unsupported("suffix", "insertion is not supported (send null)")
         return v
+
+
+def resumable(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Whether a broken stream of ``req`` can be resumed from its token ids on another node
+    (``gateway.front.resume``): one choice, no logprobs, no echo."""
+    if req.n != 1 or req.logprobs:
+        return False
+    return not (isinstance(req, CompletionRequest) and (req.echo or req.logprobs is not None))
 
 
 class Usage(BaseModel):

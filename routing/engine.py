@@ -13,10 +13,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from routing.blocks import BlockEvents
 from routing.fleet.state import EngineTraits, StepCost
+
+if TYPE_CHECKING:
+    from routing.grammar import Grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # stop token ids do not end the request (it runs to max_tokens)
     min_tokens: int = 0  # stop token ids cannot be sampled before this many tokens were generated
+    # log-probabilities (of the raw logits, before temperature, top-k/top-p, bans and a
+    # grammar's mask): None returns none; k >= 0 returns each sampled token's and the k most
+    # likely at its position
+    logprobs: int | None = None
+    # the same for every prompt token after the first (None: none); an engine computes them
+    # for each prompt position, so it does not serve them from a prefix cache
+    prompt_logprobs: int | None = None
+    # the output follows this grammar: its mask is applied before sampling (routing.grammar)
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -44,15 +56,30 @@ class SamplingParams:
         return ()
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability under the raw logits at its position, and the ``top`` most
+    likely ``(token id, log-probability)`` pairs there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass(slots=True)
 class GenerationRequest:
-    """A request as an engine sees it: prompt token ids and sampling, nothing textual."""
+    """A request as an engine sees it: prompt token ids and sampling, nothing textual.
+
+    ``prefill_with``: the id of a request submitted just before with the same prompt (another
+    choice of one ``n > 1`` request); an engine with a prefix cache may hold this one back
+    until that one's prompt is computed, and then reuse its blocks (one prefill)."""
 
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     priority: int = 0  # lower value is served first; ties FCFS by arrival_time
     arrival_time: float = field(default_factory=time.monotonic)
+    prefill_with: str | None = None
 
 
 class FinishReason(enum.StrEnum):
@@ -71,6 +98,9 @@ class TokenEvent:
     prompt chunks (not its wait, nor other requests' work between them), valid from the first
     event on (the cloud engine's: the request's token share of what each step that ran its
     chunks took beyond the step's decode rows); None from an engine that does not measure it.
+    ``logprobs`` (when the request asks, ``SamplingParams.logprobs``): one entry per id of
+    ``token_ids``. ``prompt_logprobs`` (``SamplingParams.prompt_logprobs``): on the request's
+    first event only, one entry per prompt token, None for the first.
     """
 
     request_id: str
@@ -80,6 +110,8 @@ class TokenEvent:
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     prefill_ms: float | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,8 @@ Invariants:
   prediction; one not finished is still decoding, however late.
 - Recent finishes are kept ``keep_finished_s``: a node's state taken before they finished
   still counts them as running.
+- A request of ``n`` choices is ``n`` rows, as a node counts it: ``n`` items of ``work`` (its
+  own first, the others decoding beside it from its first token) and ``n`` in the counts.
 """
 
 from __future__ import annotations
@@ -32,14 +34,18 @@ class _InFlight:
     first_token_at: float | None = None
     tokens_seen: int = 0  # completion tokens the gateway has relayed (streams), 0: none seen
     hashes: Sequence[int] = ()  # its prompt's leading block hashes, as far as a node reuses
+    rows: int = 1  # its choices (n): rows it decodes at once, sharing its prompt
 
 
 def _holders(entries: Iterable[_InFlight]) -> dict[int, int]:
-    """Block hash -> the index (in ``entries``' order) of the first entry whose prompt has it."""
+    """Block hash -> the index in :meth:`DispatchLedger.work` (where each entry is its
+    ``rows`` items, its own first) of the first entry whose prompt has it."""
     held: dict[int, int] = {}
-    for i, e in enumerate(entries):
+    i = 0
+    for e in entries:
         for h in e.hashes:
             held.setdefault(h, i)
+        i += e.rows
     return held
 
 
@@ -64,15 +70,16 @@ class DispatchLedger:
     def __init__(self, keep_finished_s: float = 30.0) -> None:
         self._times: dict[str, list[tuple[float, int]]] = {}
         self._entries: dict[int, _InFlight] = {}
-        # (dispatched at, finished at) of recent finishes per node: a node's state taken before
-        # they finished still counts them as running
-        self._finished: dict[str, collections.deque[tuple[float, float]]] = {}
+        # (dispatched at, finished at, rows) of recent finishes per node: a node's state taken
+        # before they finished still counts them as running
+        self._finished: dict[str, collections.deque[tuple[float, float, int]]] = {}
         self.keep_finished_s = keep_finished_s
         # (dispatched at, prefill work tokens, decode steps, prompt tokens) of recent dispatches
         # per node: its typical newcomer (``typical``)
         self._sent: dict[str, collections.deque[tuple[float, float, float, float]]] = {}
         # (finished at, its prompt's block hashes) of recent finishes per node, in that order
         self._left: dict[str, collections.deque[tuple[float, Sequence[int]]]] = {}
+        self._rows: dict[int, int] = {}  # ticket -> its rows, while in flight
 
     def add(
         self,
@@ -82,16 +89,22 @@ class DispatchLedger:
         estimate: Estimate | None = None,
         output_tokens: float = 0.0,
         hashes: Sequence[int] = (),
+        rows: int = 1,
     ) -> None:
+        """Count a dispatch; ``rows``: its choices, each a row on the node (``n``)."""
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
+        self._rows[ticket_id] = rows
         if estimate is not None:
-            self._entries[ticket_id] = _InFlight(at, estimate, output_tokens, hashes=hashes)
+            self._entries[ticket_id] = _InFlight(
+                at, estimate, output_tokens, hashes=hashes, rows=rows
+            )
             work = estimate.basis.prefill_work_tokens or float(estimate.uncached_tokens)
             sent = self._sent.setdefault(node_id, collections.deque(maxlen=1024))
             sent.append((at, work, max(0.0, output_tokens - 1.0), float(estimate.prompt_tokens)))
 
     def remove(self, node_id: str, at: float, ticket_id: int, now: float | None = None) -> bool:
         entry = self._entries.pop(ticket_id, None)
+        rows = self._rows.pop(ticket_id, 1)
         items = self._times.get(node_id)
         if not items:
             return False
@@ -103,42 +116,44 @@ class DispatchLedger:
                 left.append((now, entry.hashes))
             if now is not None:
                 done = self._finished.setdefault(node_id, collections.deque())
-                done.append((at, now))
+                done.append((at, now, rows))
                 while done and (now - done[0][1] > self.keep_finished_s or len(done) > 4096):
                     done.popleft()
             return True
         return False
 
     def mean_in_flight(self, node_id: str, start: float, end: float) -> float:
-        """The mean number of this gateway's requests the node had in hand over
+        """The mean number of rows of this gateway's requests the node had in hand over
         ``[start, end]`` (clock seconds): each one dispatched before ``end`` and not finished
-        before ``start`` counts for the part of the span it was there (finishes older than
-        ``keep_finished_s`` are forgotten). 0 for an empty span."""
+        before ``start`` counts its rows for the part of the span it was there (finishes older
+        than ``keep_finished_s`` are forgotten). 0 for an empty span."""
         span = end - start
         if span <= 0:
             return 0.0
         held = 0.0
-        for at, _ in self._times.get(node_id, ()):
+        for at, ticket_id in self._times.get(node_id, ()):
             if at >= end:  # sorted by dispatch time
                 break
-            held += end - max(at, start)
-        for at, finished in reversed(self._finished.get(node_id, ())):
+            held += (end - max(at, start)) * self._rows.get(ticket_id, 1)
+        for at, finished, rows in reversed(self._finished.get(node_id, ())):
             if finished <= start:  # appended in finishing order: the rest finished earlier
                 break
             if at < end:
-                held += min(finished, end) - max(at, start)
+                held += (min(finished, end) - max(at, start)) * rows
         return held / span
 
     def in_flight_at(self, node_id: str, t: float) -> int:
-        """Requests of ours the node had in hand at time ``t`` (a NodeState's timestamp):
-        dispatched before it, and still in flight or finished after it."""
+        """Rows of our requests the node had in hand at time ``t`` (a NodeState's timestamp,
+        whose counts are rows): dispatched before it, and still in flight or finished after
+        it; a request of ``n`` choices counts ``n``."""
         items = self._times.get(node_id, ())
-        n = bisect.bisect_right(items, (t, float("inf"))) if items else 0
-        for at, finished in reversed(self._finished.get(node_id, ())):
+        k = bisect.bisect_right(items, (t, float("inf"))) if items else 0
+        n = sum(self._rows.get(ticket_id, 1) for _, ticket_id in items[:k])
+        for at, finished, rows in reversed(self._finished.get(node_id, ())):
             if finished <= t:  # appended in finishing order: every older one finished before t
                 break
             if at <= t:
-                n += 1
+                n += rows
         return n
 
     def _queue(self, node_id: str) -> list[_InFlight]:
@@ -239,7 +254,7 @@ class DispatchLedger:
                 elif done >= steps:  # past its predicted last token, not finished: still at it
                     done = steps * (1.0 - overrun_left)
                 left = max(1.0, steps - done) if steps else 0.0
-                out.append(Work(0.0, left, context=prompt + 1.0 + steps - left))
+                out += [Work(0.0, left, context=prompt + 1.0 + steps - left)] * e.rows
             else:
                 left = (t_first - elapsed) / max(est.own_prefill_ms, 1e-3)
                 if left <= 0:  # past its predicted first token, none seen: still prefilling
@@ -255,6 +270,8 @@ class DispatchLedger:
                 # the step it rides: an eager pass on a GPU, 12-20 ms)
                 prefill = max(min(1.0, tokens), tokens * min(1.0, left))
                 out.append(Work(prefill, steps, started, prompt, shared))
+                # its other choices decode beside it from its first token (one prefill)
+                out += [Work(0.0, steps, True, prompt)] * (e.rows - 1)
         return out
 
     def shared_prefix(self, node_id: str, hashes: Sequence[int]) -> SharedPrefix | None:

@@ -29,13 +29,22 @@ class NoRoute(LookupError):
     """No node can take the request. ``reasons`` maps node id to why it was left out.
 
     ``code`` is ``unknown_model`` (no node serves it), ``too_long`` (no node that serves it has
-    the context), or ``unavailable`` (they exist but are down, open or excluded by the policy).
+    the context), ``unsupported`` (none that serves it lists what it needs: ``param`` names
+    the request field, e.g. ``response_format``, ``logprobs`` or ``n``), or ``unavailable``
+    (they exist but are down, open or excluded by the policy).
     """
 
-    def __init__(self, code: str, message: str, reasons: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        reasons: dict[str, str] | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.reasons = reasons or {}
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.blocks import BLOCK_SIZE, block_hashes, model_seed, reusable_blocks
-from routing.fleet.state import NodeKind
+from routing.choices import MAX_CHOICES
+from routing.fleet.state import Capability, NodeKind
 from routing.prompt import PromptFormatter, UnencodableText
 
 Route = Literal["chat", "completions"]
@@ -276,6 +277,10 @@ class RequestProfile:
     # node kind -> expected output there, where it differs from ``expected_output_tokens``
     # (an engine that answered this very prompt: :class:`OutputLengthEstimator`)
     expected_output_by_kind: Mapping[str, float] = field(default_factory=dict)
+    choices: int = 1  # n: rows it decodes at once (its choices share the prompt)
+    # what a node must advertise to serve it (``routing.fleet.state.Capability`` names in
+    # ``NodeState.capabilities``): a grammar for response_format, logprobs, prompt logprobs
+    needs: frozenset[str] = frozenset()
 
     def expected_output_on(self, kind: str) -> float:
         """The expected completion tokens on a node of ``kind``."""
@@ -350,6 +355,16 @@ def prompt_token_ids(body: Any, formatter: PromptFormatter, route: Route) -> lis
                 raise ProfileError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
         elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             ids = formatter.encode(prompt[0])
+        elif (
+            isinstance(prompt, list)
+            and len(prompt) == 1
+            and isinstance(prompt[0], list)
+            and prompt[0]
+            and all(type(t) is int for t in prompt[0])
+        ):  # one prompt of token ids in a batch of one (evaluation harnesses send these)
+            ids = list(prompt[0])
+            if min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+                raise ProfileError(f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
         else:
             raise ProfileError("prompt must be a string, one string in a list, or token ids")
     except UnencodableText as exc:
@@ -428,7 +443,33 @@ def build_profile(
         prompt_key=whole,
         last_message_key=last,
         expected_output_by_kind=by_kind,
+        choices=_choices(body),
+        needs=needed_capabilities(body, route),
     )
+
+
+def _choices(body: Any) -> int:
+    n = _get(body, "n", 1)
+    return n if type(n) is int and 1 <= n <= MAX_CHOICES else 1
+
+
+def needed_capabilities(body: Any, route: Route) -> frozenset[str]:
+    """What a node must list in ``NodeState.capabilities`` to serve ``body``: a grammar
+    (``response_format`` json_object or json_schema), logprobs (chat ``logprobs: true``,
+    completions ``logprobs`` set), and prompt logprobs (completions with ``echo`` too)."""
+    needs: set[str] = set()
+    rf = _get(body, "response_format", None)
+    kind = rf.get("type") if isinstance(rf, Mapping) else None
+    if kind in ("json_object", "json_schema"):
+        needs.add(Capability.GRAMMAR)
+    if route == "chat":
+        if _get(body, "logprobs"):
+            needs.add(Capability.LOGPROBS)
+    elif _get(body, "logprobs") is not None:
+        needs.add(Capability.LOGPROBS)
+        if _get(body, "echo"):
+            needs.add(Capability.PROMPT_LOGPROBS)
+    return frozenset(needs)
 
 
 def last_message_key(body: Any) -> int | None:

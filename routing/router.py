@@ -10,7 +10,9 @@ A request's life as the router sees it::
         router.finish(ticket, measured)           # learn rates, output length, record errors
 
 Invariants:
-- Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, in the view
+- Eligible = serves the model, ``prompt + max_tokens`` fits the node's context, lists every
+  capability the request needs (``RequestProfile.needs``: grammar, logprobs, prompt
+  logprobs) and takes its ``n`` (``NodeState.max_n``), in the view
   (the store only returns fresh nodes, or its last view when it is unreachable), and not in
   ``exclude`` (open circuits). Nothing else filters; policies only order.
 - Every request this gateway has in flight on a node is replayed as work in hand there
@@ -31,7 +33,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 from routing.blocks import BLOCK_SIZE
-from routing.fleet.state import NodeState
+from routing.fleet.state import Capability, NodeState
 from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyModel, Observation
 from routing.ledger import DispatchLedger
@@ -160,6 +162,8 @@ class Router:
                 left_out[node.id] = "model"
             elif need > node.max_context:
                 left_out[node.id] = "context"
+            elif lacking(profile, node):
+                left_out[node.id] = "capability"
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
             else:
@@ -208,6 +212,7 @@ class Router:
             if node.prefix_cache
             else None,
             newcomer=self.ledger.typical(node.id, now),
+            choices=profile.choices,
         )
 
     def decide(
@@ -224,6 +229,15 @@ class Router:
             reasons = set(left_out.values())
             if not left_out or reasons == {"model"}:
                 raise NoRoute("unknown_model", f"no node serves model {profile.model!r}", left_out)
+            if "capability" in reasons and reasons <= {"model", "context", "capability"}:
+                raise NoRoute(
+                    "unsupported",
+                    f"no node serving {profile.model!r} serves " + describe_needs(profile),
+                    left_out,
+                    param=unmet_param(
+                        profile, [n for n in view.nodes if left_out.get(n.id) == "capability"]
+                    ),
+                )
             if reasons <= {"model", "context"}:
                 raise NoRoute(
                     "too_long",
@@ -252,7 +266,8 @@ class Router:
         ticket = Ticket(next(self._ids), cand.node, cand.estimate, now, profile, cand.shadow)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         hashes = profile.reusable_hashes if profile is not None else ()
-        self.ledger.add(cand.node.id, now, ticket.id, cand.estimate, out, hashes)
+        rows = profile.choices if profile is not None else 1
+        self.ledger.add(cand.node.id, now, ticket.id, cand.estimate, out, hashes, rows)
         return ticket
 
     def first_token(self, ticket: Ticket) -> None:
@@ -279,6 +294,10 @@ class Router:
         # (itself included, at most the node's slots)
         ttft = measured.ttft_ms if measured.ttft_ms is not None else ticket.estimate.ttft_ms
         span_s = (measured.e2e_ms - ttft) / 1000.0
+        # n choices: usage counts every choice's tokens; each row decoded its share, beside
+        # the others (the latency model and the output lengths learn per row)
+        choices = ticket.profile.choices if ticket.profile is not None else 1
+        completion = -(-measured.completion_tokens // choices)
         decode_batch = None
         if span_s > 0:
             rows = self.ledger.mean_in_flight(ticket.node.id, now - span_s, now)
@@ -291,7 +310,7 @@ class Router:
             kind=ticket.node.kind,
             prompt_tokens=measured.prompt_tokens,
             cached_tokens=measured.cached_tokens,
-            completion_tokens=measured.completion_tokens,
+            completion_tokens=completion,
             e2e_ms=measured.e2e_ms,
             ttft_ms=measured.ttft_ms,
             net_rtt_ms=net,
@@ -310,7 +329,7 @@ class Router:
             self.outputs.observe(
                 p.api_key,
                 p.route,
-                measured.completion_tokens,
+                completion,
                 p.max_tokens,
                 p.first_block,
                 p.prompt_key,
@@ -322,3 +341,40 @@ class Router:
 
     def in_flight(self, node_id: str) -> int:
         return self.ledger.in_flight(node_id)
+
+
+# each capability a request may need, first to last in a 400's ``param``, and its field
+_NEED_PARAMS = (
+    (Capability.GRAMMAR, "response_format"),
+    (Capability.LOGPROBS, "logprobs"),
+    (Capability.PROMPT_LOGPROBS, "logprobs"),  # with echo
+)
+
+
+def lacking(profile: RequestProfile, node: NodeState) -> list[str]:
+    """What ``node`` lacks to serve ``profile``: capability names, and ``n`` where its
+    ``max_n`` is below the request's choices (empty: it serves it)."""
+    out = sorted(profile.needs - set(node.capabilities))
+    if profile.choices > node.max_n:
+        out.append("n")
+    return out
+
+
+def unmet_param(profile: RequestProfile, nodes: Collection[NodeState]) -> str:
+    """The request field to name when ``nodes`` (those left out for capabilities) cannot
+    serve ``profile``: the first need some of them lack, a grammar's before logprobs, ``n``
+    last."""
+    missing = {m for node in nodes for m in lacking(profile, node)}
+    for cap, param in _NEED_PARAMS:
+        if cap in missing:
+            return param
+    return "n" if "n" in missing else "logprobs"
+
+
+def describe_needs(profile: RequestProfile) -> str:
+    """What ``profile`` asks beyond plain sampling, in words (for a NoRoute message)."""
+    words = {Capability.GRAMMAR: "grammar (response_format)"}
+    parts = [words.get(c, c) for c in sorted(profile.needs)]
+    if profile.choices > 1:
+        parts.append(f"n={profile.choices}")
+    return ", ".join(parts) or "this request"

@@ -155,6 +155,37 @@ def test_concat_graph_batches_decode_rows(tiny_model_path: Path, onnx_root: Path
         lengths = lengths + 1
 
 
+@pytest.mark.parametrize("attention", ["gqa", "concat"])
+def test_prefill_all_gives_every_position_and_the_same_cache(
+    tiny_model_path: Path, onnx_root: Path, tiny_torch, attention: str
+) -> None:  # type: ignore[no-untyped-def]
+    """``prefill_all`` (``logits_to_keep`` fed 0): one logits row per token, equal to the
+    torch reference's at every position, its last row what ``prefill`` returns, and it leaves
+    the slot's cache as ``prefill`` does (the next chunk and a decode step agree), in two
+    chunks from a nonzero start too."""
+    import torch
+
+    from cloud_engine.model.dense import DenseKVCache
+
+    folder = ensure_export(tiny_model_path, "fp32", attention, root=onnx_root).folder
+    dec = EdgeEngine(folder, _config(slots=2, warmup=False))._load().decoder
+    (prompt,) = _prompts([40])
+    first = dec.prefill_all(0, prompt[:24], 0)
+    rest = dec.prefill_all(0, prompt[24:], 24)
+    assert first.shape == (24, dec.vocab) and rest.shape == (16, dec.vocab)
+    dec.prefill(1, prompt[:24], 0)
+    np.testing.assert_allclose(dec.prefill(1, prompt[24:], 24), rest[-1], rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        cache = DenseKVCache(tiny_torch, 1, 40)
+        ref = tiny_torch(torch.tensor([prompt]), torch.arange(40).unsqueeze(0), cache)[0]
+    got = np.concatenate([first, rest])
+    np.testing.assert_allclose(got, ref.numpy(), rtol=1e-3, atol=1e-3)
+    tokens = np.array([7, 7], np.int64)
+    lengths = np.array([40, 40], np.int64)
+    both = dec.decode(tokens, lengths, np.ones(2, bool))
+    np.testing.assert_allclose(both[0], both[1], rtol=1e-4, atol=1e-4)
+
+
 def test_decode_public_wrapper_path_matches(tiny_gqa: Path) -> None:
     """Decode through onnxruntime's public wrappers (a session that does not expose its pybind
     object) gives the logits of the pybind fast path, for one row and for several."""

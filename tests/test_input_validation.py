@@ -308,11 +308,17 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
     ),
     (
         CHAT,
-        lambda m: _chat(m, response_format={"type": "json_object"}),
+        lambda m: _chat(
+            m,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "foo"}},
+            },
+        ),
         "application/json",
         400,
         "response_format",
-        "unsupported_parameter",
+        None,
     ),
     (
         CHAT,
@@ -322,21 +328,14 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
         "logit_bias",
         "unsupported_parameter",
     ),
+    (CHAT, lambda m: _chat(m, top_logprobs=3), "application/json", 400, "top_logprobs", None),
     (
         CHAT,
-        lambda m: _chat(m, logprobs=True),
-        "application/json",
-        400,
-        "logprobs",
-        "unsupported_parameter",
-    ),
-    (
-        CHAT,
-        lambda m: _chat(m, top_logprobs=3),
+        lambda m: _chat(m, logprobs=True, top_logprobs=21),
         "application/json",
         400,
         "top_logprobs",
-        "unsupported_parameter",
+        None,
     ),
     (
         CHAT,
@@ -354,7 +353,6 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
         "frequency_penalty",
         "unsupported_parameter",
     ),
-    (CHAT, lambda m: _chat(m, n=2), "application/json", 400, "n", "unsupported_parameter"),
     (
         CHAT,
         lambda m: _chat(m, audio={"voice": "alloy", "format": "wav"}),
@@ -379,13 +377,14 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
         "prediction",
         "unsupported_parameter",
     ),
+    (COMPLETIONS, lambda m: _completion(m, logprobs=6), "application/json", 400, "logprobs", None),
     (
         COMPLETIONS,
-        lambda m: _completion(m, logprobs=0),
+        lambda m: _completion(m, prompt=[[1, 2], [3, 4]]),
         "application/json",
         400,
-        "logprobs",
-        "unsupported_parameter",
+        "prompt",
+        None,
     ),
     (
         COMPLETIONS,
@@ -393,14 +392,6 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
         "application/json",
         400,
         "best_of",
-        "unsupported_parameter",
-    ),
-    (
-        COMPLETIONS,
-        lambda m: _completion(m, echo=True),
-        "application/json",
-        400,
-        "echo",
         "unsupported_parameter",
     ),
     # bodies not declared JSON
@@ -444,6 +435,12 @@ GOOD: list[tuple[str, Any, str | None]] = [
     (CHAT, lambda m: _chat(m, temperature=1.0, seed=2**63 - 1), "APPLICATION/JSON"),
     (COMPLETIONS, lambda m: _completion(m, prompt=[1, VOCAB - 1], best_of=1), "application/json"),
     (COMPLETIONS, lambda m: _completion(m, max_completion_tokens=3), "application/json"),
+    (CHAT, lambda m: _chat(m, logprobs=True, top_logprobs=20, n=2), "application/json"),
+    (
+        COMPLETIONS,
+        lambda m: _completion(m, prompt=[[1, 2]], echo=True, logprobs=5, best_of=1),
+        "application/json",
+    ),
     (CHAT, lambda m: _chat(m, ignore_eos=True, min_tokens=2), "application/json"),
     (COMPLETIONS, lambda m: _raw(_completion(m), extra=_nested(60)), "application/json"),
     (CHAT, lambda m: _chat(m, content="caf\u00e9 \U0001f600 ok"), "application/json"),

@@ -161,7 +161,7 @@ BAD = [
         "temperature",
     ),
     ({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
-    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, None),
+    ({"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 200}, 400, "n"),
     (
         {"model": "M", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5},
         400,

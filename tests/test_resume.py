@@ -165,6 +165,32 @@ async def test_chat_stream_resumes_with_the_unbroken_answer(gw, fleet, cut_after
     assert_idle(gateway, ["c1", "c2"])
 
 
+@pytest.mark.parametrize("route", ["chat", "completion"])
+async def test_a_grammar_stream_resumes_with_its_state_rebuilt(gw, fleet, route: str) -> None:
+    """With response_format, the next node's grammar state is rebuilt from the tokens already
+    streamed (``resumed_tokens``): the answer is the unbroken one, not a second object."""
+    gateway, client = gw
+    note = {"type": "object", "properties": {"note": {"type": "string", "minLength": 300}}}
+    rf = {
+        "type": "json_schema",
+        "json_schema": {"name": "n", "schema": {**note, "required": ["note"]}},
+    }
+    chat = route == "chat"
+    body = _chat_body(fleet["model"]) if chat else {
+        "model": fleet["model"], "prompt": "A note:", "max_tokens": MAX_TOKENS,
+        "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    body["response_format"] = rf
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    _, ref = await _stream(client, path, body)
+    assert _text(ref, chat).startswith('{"note":"')
+    fleet["proxy"].cut_after(5)
+    _, got = await _stream(client, path, body)
+    assert _usage(got)["edgecloud"]["resumed"] == 1  # type: ignore[index]
+    assert _text(got, chat) == _text(ref, chat)
+    assert_idle(gateway, ["c1", "c2"])
+
+
 async def test_completion_stream_without_usage_says_so_in_a_comment(gw, fleet) -> None:
     gateway, client = gw
     body = {

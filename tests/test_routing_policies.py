@@ -213,6 +213,58 @@ def test_no_route_explains_why():
     assert err.value.code == "unknown_model"
 
 
+def test_capabilities_and_choices_decide_eligibility_and_cost():
+    """A request needing logprobs goes only to nodes advertising them, ``n`` only to nodes
+    whose ``max_n`` takes it (else a NoRoute ``unsupported``), and ``n`` rows decode at a
+    larger batch: a later end on the same node."""
+    r = router()
+    lp = frozenset({"logprobs"})
+    able = edge("e-lp", capabilities=["logprobs", "prompt_logprobs"], max_n=4)
+    plain = edge("e-plain")
+    cands, left_out = r.candidates(profile(50, needs=lp), view(able, plain))
+    assert [c.node.id for c in cands] == ["e-lp"] and left_out == {"e-plain": "capability"}
+    _, left_out = r.candidates(profile(50, choices=5), view(able, plain))
+    assert left_out == {"e-lp": "capability", "e-plain": "capability"}
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(50, choices=5), view(able, plain))
+    assert err.value.code == "unsupported" and "n=5" in str(err.value)
+    one = r.candidates(profile(50, out=64), view(able))[0][0].estimate
+    four = r.candidates(profile(50, out=64, choices=4), view(able))[0][0].estimate
+    assert four.e2e_ms > one.e2e_ms and four.batch > one.batch
+
+
+def test_one_capability_filter_names_the_field_no_node_serves():
+    """Grammar, logprobs and ``n`` go through one filter; the NoRoute names the request field
+    some node lacked (a grammar's ``response_format`` before ``logprobs``, ``n`` last), and
+    the body's needs are the union of what it asks for."""
+    r = router()
+    gram = edge("e-g", capabilities=["grammar"], max_n=4)
+    lp = edge("e-lp", capabilities=["logprobs", "prompt_logprobs"], max_n=1)
+    both = frozenset({"grammar", "logprobs"})
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(50, needs=both), view(gram, lp))
+    assert err.value.code == "unsupported" and err.value.param == "response_format"
+    assert "grammar (response_format), logprobs" in str(err.value)
+    with pytest.raises(NoRoute) as err:  # e-g lacks logprobs, e-lp takes one choice
+        r.decide(profile(50, needs=frozenset({"logprobs"}), choices=3), view(gram, lp))
+    assert err.value.param == "logprobs"
+    with pytest.raises(NoRoute) as err:
+        r.decide(profile(50, choices=8), view(gram, lp))
+    assert err.value.param == "n"
+    all_of = edge("e-all", capabilities=["grammar", "logprobs", "prompt_logprobs"], max_n=4)
+    d = r.decide(profile(50, needs=both, choices=2), view(gram, lp, all_of))
+    assert [c.node.id for c in d.candidates()] == ["e-all"]
+
+    from routing.profile import needed_capabilities
+
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    body = {"response_format": rf, "logprobs": 2, "echo": True}
+    assert needed_capabilities(body, "completions") == {"grammar", "logprobs", "prompt_logprobs"}
+    chat = {"response_format": {"type": "json_object"}, "logprobs": True}
+    assert needed_capabilities(chat, "chat") == {"grammar", "logprobs"}
+    assert needed_capabilities({"response_format": {"type": "text"}}, "chat") == frozenset()
+
+
 def test_threshold_policy_cuts_on_prompt_length_only():
     r = Router(PolicyConfig(policy="threshold", threshold={"prompt_tokens": 100}))
     busy_edge = view(edge(running=4, waiting=8), cloud())
@@ -324,6 +376,33 @@ def test_finish_learns_output_length_and_records_errors():
     assert r.outputs.expected("team-a", "chat") == 40.0
     assert r.outputs.expected("team-b", "chat") == 128.0
     assert r.model.errors.get("e2e", "edge").count == 1
+
+
+def test_choices_in_hand_count_as_rows_for_later_decisions():
+    """A request of n=3 in flight is three rows: the ledger's counts and work in hand say so,
+    so the next request on that node is predicted to decode beside three rows, not one."""
+    lone, many = router(), router()
+    node = edge(max_n=4)
+    for r, n in ((lone, 1), (many, 3)):
+        p = profile(40, out=32, choices=n)
+        r.begin(r.decide(p, view(node)), profile=p)
+    assert lone.ledger.in_flight_at("edge-eu", NOW + 2) == 1
+    assert many.ledger.in_flight_at("edge-eu", NOW + 2) == 3
+    assert len(many.ledger.work("edge-eu", NOW + 1)) == 3
+    after_lone = lone.candidates(profile(40, out=32), view(node))[0][0].estimate
+    after_many = many.candidates(profile(40, out=32), view(node))[0][0].estimate
+    assert after_many.batch > after_lone.batch and after_many.e2e_ms > after_lone.e2e_ms
+
+
+def test_a_reply_of_n_choices_teaches_the_length_of_one():
+    """Usage counts every choice's tokens; the output length learned is one choice's."""
+    r = router()
+    p = profile(40, api_key="team-n", choices=4)
+    r.finish(
+        r.begin(r.decide(p, view(edge(max_n=4), cloud(max_n=64))), profile=p),
+        Measured(ttft_ms=100.0, e2e_ms=900.0, prompt_tokens=40, completion_tokens=160),
+    )
+    assert r.outputs.expected("team-n", "chat") == 40.0
 
 
 def test_shadow_models_predict_each_candidate_and_learn_from_the_same_replies(tmp_path):

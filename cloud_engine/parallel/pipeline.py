@@ -65,7 +65,7 @@ class PipelineCore(EngineCore):
         now = time.perf_counter()
         dt = now - max(cur.t0, self._last_collect)
         self._last_collect = now
-        batch, sampled = _live(cur.batch, sampled)
+        batch, sampled, _ = _live(cur.batch, sampled)  # no logprobs: none are computed here
         outputs = self._commit(batch, sampled)
         self._account(batch, dt)
         if self.config.debug_checks:

@@ -155,6 +155,7 @@ class _Pending:
     recv_from: int | None = None  # the rank the result comes from (None: computed here)
     buf: torch.Tensor | None = None
     tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    logprobs: None = None  # as ``runner.Launched``'s: the parallel runners compute none
 
     def read(self) -> list[int]:
         if self.meta.num_samples == 0:

@@ -44,6 +44,7 @@ from gateway.front.request_path import (
 from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
 from gateway.metrics import GatewayMetrics
+from gateway.openai_schema import resumable
 from gateway.ratelimit import InProcessRateLimiter, RateLimiter
 from gateway.request_log import RequestLog
 from routing.fleet.block_feed import BlockFeedPage
@@ -265,7 +266,8 @@ class Gateway:
         prof, view = await self.path.profile(data, route, model, region, identity.key_id)
         decision = self.path.decide(prof, view)
         self.metrics.observe_decision(decision.policy, decision.reason)
-        estimate = prof.prompt_tokens + int(prof.max_tokens or prof.expected_output_tokens)
+        completion = int(prof.max_tokens or prof.expected_output_tokens) * prof.choices
+        estimate = prof.prompt_tokens + completion
         rate = await enforce_rate_limit(
             self.limiter, identity, estimate, on_limited=self.metrics.observe_rate_limited
         )
@@ -284,7 +286,8 @@ class Gateway:
             stream=req.stream,
             include_usage=req.include_usage,
             t_start=t_start,
-            resume=req.stream and self.resume_streams,
+            # a stream is resumed from its token ids: one choice, no logprobs, no echo
+            resume=req.stream and self.resume_streams and resumable(req),
         )
         opened, cand = await d.open(plan)
         hdrs = d.headers_of(opened, cand)

@@ -53,10 +53,38 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str = Field(description="the token's text (`bytes:\\xNN` when not UTF-8 alone)")
+    logprob: float = Field(description="log-softmax of the model's raw logits (no temperature)")
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the `top_logprobs` most likely, sorted")
+
+
+class ChatLogprobs(BaseModel):
+    """With ``logprobs: true``: one entry per generated token."""
+
+    content: list[TokenLogprobEntry]
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """With ``logprobs: k``: one position per token (with ``echo``, the prompt's first, whose
+    logprob is null); ``top_logprobs`` maps the k most likely and the chosen token's text to
+    their logprobs."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -77,9 +105,9 @@ class ChunkDelta(BaseModel):
 
 
 class ChunkChoice(BaseModel):
-    index: int = 0
+    index: int = Field(default=0, description="the choice (of `n`) this chunk belongs to")
     delta: ChunkDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -99,7 +127,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

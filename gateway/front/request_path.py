@@ -216,6 +216,10 @@ class RequestPath:
         except NoRoute as exc:
             if exc.code == "unknown_model" and view.nodes:
                 raise not_found_model(prof.model) from exc
+            if exc.code == "unsupported":
+                raise bad_request(
+                    str(exc), param=exc.param or "logprobs", code="unsupported_parameter"
+                ) from exc
             if exc.code == "too_long":
                 raise bad_request(
                     str(exc), param="max_tokens", code="context_length_exceeded"

@@ -9,8 +9,10 @@ the completion token ids already streamed (``gateway.token_ids``) to another nod
 Invariants:
 - The continuation asks for what was left: ``max_tokens`` less the tokens already sent (none
   given: the node fills its context, as the first node would have), ``min_tokens`` less them
-  too, with the request's own sampling fields, ``ignore_eos`` and stop strings; a greedy
-  request continues with exactly the tokens an unbroken run gives.
+  too, with the request's own sampling fields, ``ignore_eos``, stop strings and
+  ``response_format`` (with ``resumed_tokens``: the node's grammar state is rebuilt over the
+  tokens already sent); a greedy request continues with exactly the tokens an unbroken run
+  gives.
 - The client's stream keeps its shape: the continuation's events are rewritten in the
   client's format (chat chunks for a chat request) with the first node's ``id``,
   ``created`` and ``model``; its role chunk and empty chunks are dropped.
@@ -29,7 +31,16 @@ from gateway.front import fastjson
 from gateway.sse import sse_event
 
 # sampling fields carried to the continuation (both routes accept them)
-_CARRIED = ("temperature", "top_p", "top_k", "seed", "stop", "user", "ignore_eos")
+_CARRIED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "user",
+    "ignore_eos",
+    "response_format",
+)
 
 
 @dataclass(slots=True)
@@ -94,6 +105,8 @@ def continuation_body(
     for k in _CARRIED:
         if body.get(k) is not None:
             out[k] = body[k]
+    if body.get("response_format") is not None and sent_ids:
+        out["resumed_tokens"] = len(sent_ids)  # the grammar's state is rebuilt over them
     min_left = (body.get("min_tokens") or 0) - len(sent_ids)
     if min_left > 0:  # no stop before the request's min_tokens, counting what was sent
         out["min_tokens"] = min_left

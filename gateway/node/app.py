@@ -23,14 +23,16 @@ from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
+from gateway.node.logprob_format import TokenTexts
 from gateway.node.publisher import StatePublisher
+from gateway.node.replies import Reply
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.node_headers import (
     HEADERS_AT_FIRST_TOKEN,
     NODE_TTFT_HEADER,
     PREFILL_MS_HEADER,
 )
-from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card, usage
+from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
 from gateway.sse import sse_event
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
 from routing.engine import PrefixCacheEngine
@@ -41,38 +43,6 @@ from routing.prompt import TOKENIZER_FILES
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _chunk(
-    prep: Prepared, text: str | None, finish: str | None, role: bool = False
-) -> dict[str, Any]:
-    rid = prep.gen.request_id
-    if prep.kind == "chat":
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": prep.created,
-            "model": prep.model,
-            "choices": [choice],
-        }
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": prep.created,
-        "model": prep.model,
-        "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}],
-    }
 
 
 def create_node_app(
@@ -130,10 +100,13 @@ def create_node_app(
                 h[PREFILL_MS_HEADER] = f"{first.event.prefill_ms:.1f}"
         return h
 
+    texts = TokenTexts(service.formatter.tokenizer)
+
     async def respond(prep: Prepared, stream: bool, request: Request) -> Response:
         t0 = time.perf_counter()
-        with_ids = stream and request.headers.get(TOKEN_IDS_HEADER) == "1"
-        deltas = service.run(prep, with_ids=with_ids)
+        plain = len(prep.choices) == 1 and prep.logprobs is None and prep.echo is None
+        with_ids = stream and plain and request.headers.get(TOKEN_IDS_HEADER) == "1"
+        deltas = service.run_choices(prep, with_ids=with_ids)
         if stream:
             return await stream_response(prep, deltas, request, t0, with_ids)
         return await full_response(prep, deltas, request, t0)
@@ -170,32 +143,31 @@ def create_node_app(
         if first is None:
             await deltas.aclose()  # type: ignore[attr-defined]
             return Response(status_code=499)
+        reply = Reply(prep, texts)
 
-        def content(d: Delta) -> bytes:
-            ev = sse_event(_chunk(prep, d.text, None))
-            return ids_line(d.token_ids, d.clean) + ev if with_ids else ev
+        def events(d: Delta) -> list[bytes]:
+            out = [sse_event(obj) for obj in reply.chunks(d)]
+            if with_ids and d.text and out:
+                out[0] = ids_line(d.token_ids, d.clean) + out[0]
+            return out
 
         async def body() -> AsyncIterator[bytes]:
-            last = first
             try:
-                yield sse_event(_chunk(prep, "", None, role=True))
-                if first.text:
-                    yield content(first)
-                if first.finish_reason is None:
-                    async for d in deltas:
-                        last = d
-                        if d.text:
-                            yield content(d)
-                        if d.finish_reason is not None:
-                            break
-                yield sse_event(_chunk(prep, None, last.finish_reason or "stop"))
-                if prep.include_usage:
-                    ev = last.event
-                    u = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
-                    obj = _chunk(prep, None, None)
-                    obj["choices"] = []
-                    obj["usage"] = u.model_dump()
+                for obj in reply.opening():
                     yield sse_event(obj)
+                for ev in events(first):
+                    yield ev
+                if not reply.done:
+                    async for d in deltas:
+                        for ev in events(d):
+                            yield ev
+                        if reply.done:
+                            break
+                for i, c in enumerate(reply.choices):
+                    if c.finish is None:  # its stream ended without a finish: say so
+                        yield sse_event(reply.envelope([reply.choice_chunk(i, None, "stop")]))
+                if prep.include_usage:
+                    yield sse_event(reply.usage_chunk())
                 yield b"data: [DONE]\n\n"
             except APIError as exc:
                 yield sse_event(exc.body())
@@ -226,49 +198,21 @@ def create_node_app(
         t_first = time.perf_counter()
 
         async def body() -> AsyncIterator[bytes]:
-            parts, last = [first.text], first
+            reply = Reply(prep, texts)
+            reply.take(first)
             try:
-                if first.finish_reason is None:
+                if not reply.done:
                     async for d in deltas:
-                        parts.append(d.text)
-                        last = d
-                        if d.finish_reason is not None:
+                        reply.take(d)
+                        if reply.done:
                             break
             finally:
                 await deltas.aclose()  # type: ignore[attr-defined]
-            obj = whole_body(prep, "".join(parts), last)
+            obj = reply.whole()
             yield json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
         hdrs = {**headers(prep, first, t0, t_first), HEADERS_AT_FIRST_TOKEN: "1"}
         return StreamingResponse(body(), media_type="application/json", headers=hdrs)
-
-    def whole_body(prep: Prepared, text: str, last: Delta) -> dict[str, Any]:
-        ev = last.event
-        u = usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens).model_dump()
-        if prep.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": last.finish_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": last.finish_reason,
-            }
-            obj = "text_completion"
-        return {
-            "id": prep.gen.request_id,
-            "object": obj,
-            "created": prep.created,
-            "model": prep.model,
-            "choices": [choice],
-            "usage": u,
-        }
 
     # Bodies are read and validated here, not by FastAPI: Content-Type and nesting depth are
     # checked first (gateway.json_limits), so every bad body is a 4xx naming what is wrong.

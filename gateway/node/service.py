@@ -9,14 +9,24 @@ One NodeService wraps one engine (edge or cloud) and one model. It owns no HTTP:
   on top of that, token ids outside the model's vocabulary, text the tokenizer cannot encode,
   sampling parameters an engine cannot honour (``routing.sampling_limits``) and any admission
   refusal of the engine are 400s naming the field, before anything runs.
+- A request of ``n`` choices is ``n`` engine requests (``routing.choices``), checked for
+  admission together before any runs; ``n`` above the engine's ``max_n`` is a 400.
+- A ``response_format`` grammar is compiled here (off the event loop, once per schema:
+  ``routing.grammar.GrammarCompiler``) and travels in ``SamplingParams.grammar`` (one compiled
+  grammar for all ``n`` choices; each engine request starts its own state from it).
+- What the engine does not list in its capabilities (``routing.fleet.state.Capability``: a
+  grammar, logprobs) is a 400 naming the field (``response_format``, ``logprobs``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import anyio
@@ -24,17 +34,21 @@ import anyio
 from gateway.errors import APIError, bad_request, not_found_model, too_many_requests
 from gateway.node.textstream import TextStreamer
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from routing.choices import choice_request_id, choice_seed
 from routing.engine import (
     Engine,
     EngineError,
+    EngineTraits,
     FinishReason,
     GenerationRequest,
     QueueFull,
     RequestTooLong,
     SamplingParams,
     TokenEvent,
+    TokenLogprob,
 )
-from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.state import Capability, NodeKind, NodeState
+from routing.grammar import Grammar, GrammarCompiler, GrammarSpec, InvalidGrammar
 from routing.power import EnergyMeter, RaplReader, Watts
 from routing.prompt import PromptFormatter, TemplateError, UnencodableText
 from routing.sampling_limits import InvalidSampling, check_sampling
@@ -59,7 +73,8 @@ class NodeConfig:
 
 @dataclass
 class Prepared:
-    """A validated request, tokenized and ready for the engine."""
+    """A validated request, tokenized and ready for the engine: one engine request per choice
+    (``choices[0]`` is ``gen``; the others share its prompt, see ``routing.choices``)."""
 
     gen: GenerationRequest
     stop: list[str]
@@ -67,6 +82,13 @@ class Prepared:
     include_usage: bool
     kind: str  # "chat" or "completion"
     created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[GenerationRequest] = field(default_factory=list)
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    echo: str | None = None  # completions with echo: the prompt's text, sent before the answer
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            self.choices = [self.gen]
 
 
 @dataclass
@@ -78,6 +100,11 @@ class Delta:
     # the streamer holds back no text after it (see gateway.token_ids)
     token_ids: list[int] = field(default_factory=list)
     clean: bool = True
+    index: int = 0  # the choice it belongs to
+    # logprobs of the tokens consumed since the previous delta (the request asks), and on a
+    # choice's first delta the prompt's (echo)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class NodeService:
@@ -88,6 +115,41 @@ class NodeService:
         self.served_names = {config.model_name, config.model_identity, config.model_path.name}
         self.started_at = time.time()
         self.energy = EnergyMeter(config.watts, RaplReader.find(), config.energy_window_s)
+        self._grammars: GrammarCompiler | None = None  # made at the first grammar request
+
+    # ---- grammars ------------------------------------------------------------------------
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The node's compiler (its tokenizer at the model's logits width), made once."""
+        if self._grammars is None:
+            vocab = self.formatter.vocab_size
+            cfg = self.config.model_path / "config.json"
+            if cfg.is_file():
+                vocab = max(vocab, int(json.loads(cfg.read_text()).get("vocab_size") or 0))
+            self._grammars = GrammarCompiler(
+                self.formatter.tokenizer.to_str(), vocab, self.formatter.stop_token_ids
+            )
+        return self._grammars
+
+    async def grammar(self, spec: GrammarSpec | None, prefix: list[int]) -> Grammar | None:
+        """``spec`` compiled for this node, its state checked over ``prefix`` (400s)."""
+        if spec is None:
+            return None
+        if Capability.GRAMMAR not in self.traits.capabilities:
+            raise bad_request(
+                "this node's engine does not serve response_format",
+                param="response_format",
+                code="unsupported_parameter",
+            )
+
+        def build() -> Grammar:
+            g = Grammar(self.grammar_compiler().compile(spec), tuple(prefix))
+            g.start()  # the prefix (a resumed reply) follows the grammar
+            return g
+
+        try:
+            return await anyio.to_thread.run_sync(build)
+        except InvalidGrammar as exc:
+            raise bad_request(str(exc), param=exc.param) from exc
 
     # ---- request preparation -------------------------------------------------------------
     def check_model(self, model: str) -> None:
@@ -106,7 +168,8 @@ class NodeService:
             ids = await self._encode(self.formatter.encode_chat, req.template_messages())
         except (TemplateError, UnencodableText) as exc:
             raise bad_request(str(exc), param="messages") from exc
-        return self._prepared(req, ids, "chat")
+        grammar = await self.grammar(req.grammar_spec, [])
+        return self._prepared(req, ids, "chat", grammar)
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
@@ -128,10 +191,18 @@ class NodeService:
                 raise bad_request(str(exc), param="prompt") from exc
         if not ids:
             raise bad_request("prompt is empty after tokenization", param="prompt")
-        return self._prepared(req, ids, "completion")
+        if req.resumed_tokens > len(ids) - 1:
+            raise bad_request("resumed_tokens must be less than the prompt's tokens", "prompt")
+        resumed = ids[len(ids) - req.resumed_tokens :] if req.resumed_tokens else []
+        grammar = await self.grammar(req.grammar_spec, resumed)
+        return self._prepared(req, ids, "completion", grammar)
 
     def _prepared(
-        self, req: ChatCompletionRequest | CompletionRequest, ids: list[int], kind: str
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        ids: list[int],
+        kind: str,
+        grammar: Grammar | None = None,
     ) -> Prepared:
         ctx = self.engine.max_context
         requested = req.requested_max_tokens
@@ -152,6 +223,17 @@ class NodeService:
                 code="context_length_exceeded",
             )
         max_tokens = requested if requested is not None else ctx - len(ids)
+        n = req.n
+        if n > 1 and n > self.max_n:
+            raise bad_request(f"n must be at most {self.max_n} on this node", param="n")
+        logprobs = _logprobs_asked(req)
+        echo = isinstance(req, CompletionRequest) and req.echo
+        if logprobs is not None and Capability.LOGPROBS not in self.traits.capabilities:
+            raise bad_request(
+                "this node's engine returns no log probabilities",
+                param="logprobs",
+                code="unsupported_parameter",
+            )
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
@@ -161,25 +243,96 @@ class NodeService:
             stop_token_ids=self.formatter.stop_token_ids,
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
+            grammar=grammar,
         )
         try:
             check_sampling(sampling)
         except InvalidSampling as exc:
             raise bad_request(str(exc), param=exc.param) from exc
-        gen = GenerationRequest(
-            prompt_token_ids=ids,
-            sampling=sampling,
-            request_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
-        )
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        choices = [
+            GenerationRequest(
+                prompt_token_ids=ids,
+                sampling=replace(sampling, seed=choice_seed(sampling.seed, i)),
+                request_id=choice_request_id(rid, i),
+                prefill_with=None if i == 0 else rid,
+            )
+            for i in range(n)
+        ]
         try:
-            self.engine.check(gen)
+            for gen in choices:
+                self.engine.check(gen)
         except RequestTooLong as exc:
             raise bad_request(str(exc), param="max_tokens", code="context_length_exceeded") from exc
         except QueueFull as exc:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
         except EngineError as exc:  # any other admission refusal is the request's fault
             raise bad_request(str(exc), param="prompt") from exc
-        return Prepared(gen, req.stop_list, req.model, req.include_usage, kind)
+        echo_text = None
+        if echo:
+            assert isinstance(req, CompletionRequest)
+            p = req.prompt
+            echo_text = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else None
+            if echo_text is None:
+                echo_text = self.formatter.tokenizer.decode(ids, skip_special_tokens=False)
+        return Prepared(
+            choices[0],
+            req.stop_list,
+            req.model,
+            req.include_usage,
+            kind,
+            choices=choices,
+            logprobs=logprobs,
+            echo=echo_text,
+        )
+
+    @functools.cached_property
+    def traits(self) -> EngineTraits:
+        """The engine's traits (what it serves: ``capabilities``, ``max_n``)."""
+        return self.engine.stats().traits
+
+    @property
+    def max_n(self) -> int:
+        """The most choices one request may ask for here (the engine's ``max_n``)."""
+        return self.traits.max_n
+
+    async def run_choices(self, prep: Prepared, with_ids: bool = False) -> AsyncIterator[Delta]:
+        """The deltas of every choice of ``prep``, as they come (``Delta.index``); one choice
+        runs as :meth:`run`. Leaving early releases every choice's engine request; a choice's
+        error ends them all."""
+        if len(prep.choices) == 1:
+            async for d in self.run(prep, with_ids=with_ids):
+                yield d
+            return
+        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, gen: GenerationRequest) -> None:
+            try:
+                async for d in self.run(replace(prep, gen=gen, choices=[gen])):
+                    d.index = i
+                    await queue.put(d)
+            except Exception as exc:  # handed to the consumer
+                await queue.put(exc)
+                return
+            await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(prep.choices)]
+        left = len(tasks)
+        try:
+            while left:
+                item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- running -----------------------------------------------------------------------------
     async def run(self, prep: Prepared, with_ids: bool = False) -> AsyncIterator[Delta]:
@@ -197,11 +350,26 @@ class NodeService:
         finished = False
         self.energy.started()
         waiting: list[int] = []  # ids whose text has not gone out yet (with_ids)
+        lps: list[TokenLogprob] = []  # logprobs of tokens consumed, not yet in a delta
+        prompt_lps: list[TokenLogprob | None] | None = None
+
+        def delta(
+            text: str, ev: TokenEvent, reason: str | None, ids: list[int], clean: bool
+        ) -> Delta:
+            nonlocal lps, prompt_lps
+            out = Delta(text, ev, reason, ids, clean, 0, lps, prompt_lps)
+            lps, prompt_lps = [], None
+            return out
+
         try:
             async for ev in agen:
                 ids = ev.token_ids
                 if ev.finish_reason is FinishReason.STOP and ids and ids[-1] in stops:
                     ids = ids[:-1]
+                if ev.logprobs is not None:
+                    lps.extend(ev.logprobs[: len(ids)])
+                if ev.prompt_logprobs is not None:
+                    prompt_lps = ev.prompt_logprobs
                 done_ids: list[int] = []
                 if with_ids:
                     text = ""
@@ -216,7 +384,7 @@ class NodeService:
                     text = streamer.push(ids)
                 if streamer.stopped:
                     finished = True
-                    yield Delta(text, ev, "stop", done_ids, False)
+                    yield delta(text, ev, "stop", done_ids, False)
                     return
                 if ev.finish_reason is not None:
                     finished = True
@@ -226,10 +394,10 @@ class NodeService:
                         raise APIError(
                             503, "the request was aborted by the node", type_="server_error"
                         )
-                    yield Delta(text, ev, reason, done_ids, False)
+                    yield delta(text, ev, reason, done_ids, False)
                     return
                 if text:
-                    yield Delta(text, ev, None, done_ids, not streamer.holding)
+                    yield delta(text, ev, None, done_ids, not streamer.holding)
         except QueueFull as exc:
             raise too_many_requests(str(exc), exc.retry_after_s) from exc
         except RequestTooLong as exc:
@@ -260,3 +428,10 @@ class NodeService:
             **self.energy.fields(),
             ttl_s=self.config.ttl_s,
         )
+
+
+def _logprobs_asked(req: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The top alternatives per token the request asks for; None: no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs

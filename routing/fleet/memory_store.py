@@ -31,9 +31,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.choices import MAX_CHOICES
 from routing.ewma import Ewma
 from routing.fleet.block_feed import BlockFeedPage
-from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.state import Capability, NodeKind, NodeState
 from routing.fleet.store import FleetStore, FleetView
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,10 @@ class OpenAINodeTracker:
             max_context=c.max_context,
             device=c.device,
             max_batch=slots,
+            # the upstream is sent the logprob fields as they are; not grammars (their schema
+            # is compiled by llguidance here, and a resume's resumed_tokens is ours)
+            capabilities=list(Capability.LOGPROB_KINDS),
+            max_n=MAX_CHOICES,
             running=min(self.in_flight, slots),
             waiting=max(0, self.in_flight - slots),
             prefill_tokens_per_s=self._prefill_tps.value or c.prefill_tokens_per_s,

@@ -75,6 +75,21 @@ class EngineTraits(BaseModel):
     # the kind's default is assumed (for the latter: as prefill_chunk)
     prefill_chunk: int = 0
     prefill_chunk_decoding: int = 0
+    # what it serves beyond plain sampling (``Capability``: grammars, logprobs), and the most
+    # choices (``n``) one request may ask for; the router sends a request that needs one only
+    # to nodes that list it, and a node that reports none is sent no such request
+    capabilities: list[str] = Field(default_factory=list)
+    max_n: int = 1
+
+
+class Capability:
+    """The names of what a node may advertise in ``EngineTraits.capabilities``."""
+
+    GRAMMAR = "grammar"  # response_format: a grammar's mask before sampling (routing.grammar)
+    LOGPROBS = "logprobs"  # sampled tokens' log-probabilities, top alternatives up to 20
+    PROMPT_LOGPROBS = "prompt_logprobs"  # the prompt's too (completions with echo)
+    LOGPROB_KINDS = (LOGPROBS, PROMPT_LOGPROBS)
+    ALL = (GRAMMAR, LOGPROBS, PROMPT_LOGPROBS)
 
 
 class NodeState(EngineTraits):

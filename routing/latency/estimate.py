@@ -105,6 +105,7 @@ def predict(
     ahead: Sequence[Work] | None = None,
     newcomer: Work | None = None,
     shared_prefix: SharedPrefix | None = None,
+    choices: int = 1,
 ) -> Estimate:
     """Predict one request's timings on ``node`` from the rates in ``book``.
 
@@ -116,6 +117,9 @@ def predict(
     population it holds now, a newcomer joining behind this request whenever one leaves.
     ``shared_prefix``: the leading blocks a request in ``ahead`` shares with this one; on a
     node with a prefix cache those beyond the credit are cached once that one has prefilled.
+    ``choices``: its ``n``; the other choices decode beside it from its first token (one
+    prefill: the cloud shares the prompt's blocks, the edge copies them between slots), as
+    rows in hand, so its decode runs at their batch and they take slots.
     """
     blocks = min(cached_tokens // BLOCK_SIZE, reusable_blocks(prompt_tokens))
     cached = blocks * BLOCK_SIZE
@@ -145,6 +149,8 @@ def predict(
         typical = Work(0.0, half, context=book.mean_prompt_tokens(node.id) + half)
         work = [typical] * unknown + work
     out = max(1.0, expected_output_tokens)
+    if choices > 1:
+        work = work + [Work(0.0, out - 1.0, started=True, context=prompt_tokens)] * (choices - 1)
     if node.kv_blocks_total > 0 and work:
         need = math.ceil((prompt_tokens + out) / BLOCK_SIZE) - blocks
         if need > node.kv_blocks_total - node.kv_blocks_used:
