@@ -197,17 +197,7 @@ class Decoder:
 
     def prefill(self, slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
         """Feed ``tokens`` at positions ``start..``; the logits ``[vocab]`` after the last one."""
-        t = len(tokens)
-        if t == 0 or start + t > self.context:
-            raise ValueError(f"prefill of {t} tokens at {start} exceeds context {self.context}")
-        ids = np.asarray(tokens, np.int64).reshape(1, t)
-        mask = np.ones((1, start + t), np.int64)
-        positions = np.arange(start, start + t, dtype=np.int64).reshape(1, t)
-        if self.info.attention == "gqa":
-            io = self._gqa_binding(slot, 1, "prefill")
-        else:
-            io = self._concat_binding(slot, start, t)
-        self._bind_step(io, ids, mask, positions, 1)
+        io = self._prefill_binding(slot, tokens, start, 1)
         out = self._run(io, 1)[0]
         if self.info.attention == "concat":
             self._cur[slot] ^= 1
@@ -217,16 +207,7 @@ class Decoder:
         """As :meth:`prefill`, but the logits ``[len(tokens), vocab]`` after every one of them
         (prompt logprobs): ``logits_to_keep`` is fed 0, which keeps every position."""
         t = len(tokens)
-        if t == 0 or start + t > self.context:
-            raise ValueError(f"prefill of {t} tokens at {start} exceeds context {self.context}")
-        ids = np.asarray(tokens, np.int64).reshape(1, t)
-        mask = np.ones((1, start + t), np.int64)
-        positions = np.arange(start, start + t, dtype=np.int64).reshape(1, t)
-        if self.info.attention == "gqa":
-            io = self._gqa_binding(slot, 1, "prefill")
-        else:
-            io = self._concat_binding(slot, start, t)
-        self._bind_step(io, ids, mask, positions, None)
+        io = self._prefill_binding(slot, tokens, start, None)
         if self.info.has_logits_to_keep:
             io.bind_ortvalue_input("logits_to_keep", self._keep_all)
         self.session.run_with_iobinding(io)
@@ -236,6 +217,23 @@ class Decoder:
         if out.shape[0] != t:
             raise RuntimeError(f"the graph returned {out.shape[0]} logits rows for {t} tokens")
         return out.astype(np.float32, copy=False)
+
+    def _prefill_binding(
+        self, slot: int, tokens: Sequence[int], start: int, logits_rows: int | None
+    ) -> ort.IOBinding:
+        """The binding of one slot's prompt chunk at positions ``start..`` (inputs bound)."""
+        t = len(tokens)
+        if t == 0 or start + t > self.context:
+            raise ValueError(f"prefill of {t} tokens at {start} exceeds context {self.context}")
+        ids = np.asarray(tokens, np.int64).reshape(1, t)
+        mask = np.ones((1, start + t), np.int64)
+        positions = np.arange(start, start + t, dtype=np.int64).reshape(1, t)
+        if self.info.attention == "gqa":
+            io = self._gqa_binding(slot, 1, "prefill")
+        else:
+            io = self._concat_binding(slot, start, t)
+        self._bind_step(io, ids, mask, positions, logits_rows)
+        return io
 
     def decode(
         self, tokens: np.ndarray, lengths: np.ndarray, active: np.ndarray, first: int = 0
