@@ -79,11 +79,13 @@ class Reply:
         return completion_logprobs(ids, entries, self.texts, offset)
 
     # ---- streaming ---------------------------------------------------------------------------
-    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def envelope(self, choices: list[dict[str, Any]], chunk: bool = True) -> dict[str, Any]:
+        """The reply object around ``choices``: a stream's chunk, or (``chunk`` False) the whole."""
         p = self.prep
+        chat_object = "chat.completion.chunk" if chunk else "chat.completion"
         return {
             "id": p.gen.request_id,
-            "object": "chat.completion.chunk" if p.kind == "chat" else "text_completion",
+            "object": chat_object if p.kind == "chat" else "text_completion",
             "created": p.created,
             "model": p.model,
             "choices": choices,
@@ -159,11 +161,4 @@ class Reply:
                 choices.append(
                     {"index": i, "text": text, "logprobs": lps, "finish_reason": c.finish}
                 )
-        return {
-            "id": p.gen.request_id,
-            "object": "chat.completion" if p.kind == "chat" else "text_completion",
-            "created": p.created,
-            "model": p.model,
-            "choices": choices,
-            "usage": self.usage(),
-        }
+        return {**self.envelope(choices, chunk=False), "usage": self.usage()}
