@@ -21,15 +21,17 @@ Invariants:
   combined with ``min_tokens`` (a grammar may complete before it). ``resumed_tokens`` (an
   extension the gateway's resume sends to ``/v1/completions``): the prompt's last N token ids
   are the reply's own so far, which the grammar consumes first.
-- Known OpenAI fields we cannot honour (``tools``, ``tool_choice``, ``functions``,
-  ``function_call``, ``logit_bias``, non-zero penalties, ``best_of`` > 1, ``audio``,
+- ``tools`` (function tools) with ``tool_choice`` and ``parallel_tool_calls``; assistant
+  messages with ``tool_calls`` and ``tool`` messages (``tool_call_id``) in the history
+  (``routing.tools``). Not combined with ``min_tokens``.
+- Known OpenAI fields we cannot honour (``functions`` and ``function_call``, the deprecated
+  form of tools, ``logit_bias``, non-zero penalties, ``best_of`` > 1, ``audio``,
   ``modalities`` other than text, ``prediction``, ``store: true``, ``reasoning_effort``,
   ``web_search_options``, ``service_tier`` other than auto/default, ``suffix``) are
   accepted only with their default, no-op values (``null``, ``false``, ``0``, ``[]``, ``{}``,
   ``"none"``, ...) and otherwise rejected with a 400 naming the field and
-  ``code: "unsupported_parameter"``, never silently ignored. ``parallel_tool_calls``,
-  ``metadata``, ``user`` and other hints that change nothing without tools or storage are
-  accepted.
+  ``code: "unsupported_parameter"``, never silently ignored. ``metadata``, ``user`` and other
+  hints that change nothing without storage are accepted.
 - Extensions, as in vLLM: ``top_k``, ``ignore_eos`` (the end-of-sequence token does not end
   the completion) and ``min_tokens`` (no stop before that many tokens; at most the budget).
 - Unknown fields (none of the above: newer SDKs' additions) are accepted and ignored, as
@@ -56,6 +58,7 @@ from pydantic_core import PydanticCustomError
 from routing.choices import MAX_CHOICES
 from routing.grammar import GrammarSpec, InvalidGrammar, check_spec, spec_from_response_format
 from routing.sampling_limits import API_SEED_MAX, API_SEED_MIN, MAX_TOP_K
+from routing.tools import InvalidTools, ToolCalling, calling_of, parse_tool_calling
 
 MAX_STOP_SEQUENCES = 4
 INT32_MAX = 2**31 - 1
@@ -94,10 +97,23 @@ class TextPart(_Body):
     text: Text
 
 
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: Text | None = None  # tool: the call this result answers
 
     def text(self) -> str:
         if self.content is None:
@@ -115,6 +131,10 @@ class ChatMessage(_Body):
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for role '{self.role}'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool messages need tool_call_id (the call they answer)")
         return self
 
 
@@ -248,7 +268,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # nothing to parallelize without tools
+    parallel_tool_calls: bool | None = None  # false: at most one call
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -264,21 +284,55 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("logprobs must be true when top_logprobs is above 0")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
-        if v:
-            raise unsupported(str(info.field_name), "no tools are called (send none)")
+    def _no_functions(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and v not in _NO_TOOL_CHOICE:
+            raise unsupported(
+                str(info.field_name), "the deprecated functions API is not served (use tools)"
+            )
         return v
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tools")
     @classmethod
-    def _no_tool_choice(
-        cls, v: str | dict[str, Any] | None, info: ValidationInfo
-    ) -> str | dict[str, Any] | None:
-        if v is not None and v not in _NO_TOOL_CHOICE:
-            raise unsupported(str(info.field_name), 'no tools are called (use "none")')
+    def _tools(cls, v: list[Any] | None) -> list[Any] | None:
+        """Function tools whose schemas compile (their grammar checked without a tokenizer)."""
+        calling = _parse_tools(v, "auto", None)
+        if calling is not None:
+            try:
+                check_spec(calling.grammar_spec(), param="tools")
+            except InvalidGrammar as exc:
+                raise ValueError(str(exc)) from None
         return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: Any, info: ValidationInfo) -> Any:
+        """``auto``, ``none``, ``required`` or a named function among the tools."""
+        if "tools" in info.data:  # the tools were valid
+            _parse_tools(info.data["tools"], v, None)
+        return v
+
+    @model_validator(mode="after")
+    def _no_min_tokens_with_tools(self) -> ChatCompletionRequest:
+        if self.tools and self.min_tokens:
+            raise unsupported("min_tokens", "it is not combined with tools (use 0)")
+        return self
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        """The tool calling this request asks for (None: no tools)."""
+        return calling_of(self)
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The reply's grammar: tool calls (with ``response_format`` as the text in ``auto``),
+        else the one ``response_format`` asks for (None: plain text)."""
+        rf = spec_from_response_format(self.response_format)
+        calling = calling_of(self)
+        if calling is None:
+            return rf
+        return calling.grammar_spec(rf if calling.mode in ("auto", "none") else None)
 
     @field_validator("audio", "prediction", "web_search_options")
     @classmethod
@@ -315,12 +369,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise unsupported("service_tier", 'one tier is served (use "auto" or "default")')
         return v
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as chat templates expect them (content flattened to text)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+
+def _parse_tools(tools: Any, choice: Any, parallel: bool | None) -> ToolCalling | None:
+    try:
+        return parse_tool_calling(tools, choice, parallel)
+    except InvalidTools as exc:
+        raise ValueError(str(exc)) from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -379,8 +433,8 @@ class CompletionRequest(_SamplingFields):
 
 def resumable(req: ChatCompletionRequest | CompletionRequest) -> bool:
     """Whether a broken stream of ``req`` can be resumed from its token ids on another node
-    (``gateway.front.resume``): one choice, no logprobs, no echo."""
-    if req.n != 1 or req.logprobs:
+    (``gateway.front.resume``): one choice, no logprobs, no echo, no tools."""
+    if req.n != 1 or req.logprobs or (isinstance(req, ChatCompletionRequest) and req.tools):
         return False
     return not (isinstance(req, CompletionRequest) and (req.echo or req.logprobs is not None))
 

@@ -6,8 +6,8 @@ logits ORT returns; the cloud engine copies :meth:`GrammarState.fill` rows to th
 device (``cloud_engine.grammar_mask``). Nothing here imports torch.
 
 Invariants:
-- A :class:`GrammarSpec` is what a request asked for (JSON object, JSON schema, or a
-  structural tag: free text, then ``begin`` + JSON following a schema + ``end``), hashable and
+- A :class:`GrammarSpec` is what a request asked for (JSON object, JSON schema, or tool calls:
+  text and Hermes calls whose arguments follow each function's schema), hashable and
   free of library objects; :func:`check_spec` turns every schema llguidance cannot compile
   into :class:`InvalidGrammar` (HTTP 400) without a tokenizer, so the gateway refuses it
   before any tokenizing or routing.
@@ -41,7 +41,7 @@ from routing.engine import EngineError
 from routing.fleet.state import Capability
 
 GRAMMAR_CAPABILITY = Capability.GRAMMAR  # what a node lists in its capabilities to take grammars
-GrammarKind = Literal["json_object", "json_schema", "structural_tag"]
+GrammarKind = Literal["json_object", "json_schema", "tool_calls"]
 _LIMITS = llg.LLParserLimits(verbose_errors=False)  # errors name no parser state
 
 
@@ -54,20 +54,11 @@ class InvalidGrammar(EngineError):
 
 
 @dataclass(frozen=True, slots=True)
-class StructuralTag:
-    """One call form: ``begin``, then JSON following ``schema``, then ``end``."""
-
-    begin: str  # e.g. '<tool_call>{"name": "get_weather", "arguments": '
-    schema: str  # canonical JSON of the schema the JSON part follows
-    end: str  # e.g. "}</tool_call>"
-
-
-@dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What a request asked its output to follow; ``source`` is canonical JSON."""
 
     kind: GrammarKind
-    source: str = ""  # the schema (json_schema) or the tags (structural_tag)
+    source: str = ""  # the schema (json_schema) or the functions and options (tool_calls)
     strict: bool = True  # a schema keyword llguidance does not implement is an error
 
     @property
@@ -84,7 +75,7 @@ class GrammarSpec:
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
         if self.kind == "json_schema":
             return llg.LLMatcher.grammar_from_json_schema(self.source, overrides=options)
-        return _structural_tag_lark(json.loads(self.source), options)
+        return _tool_calls_lark(json.loads(self.source))
 
 
 def canonical(obj: Any) -> str:
@@ -101,41 +92,73 @@ def json_object_spec() -> GrammarSpec:
     return GrammarSpec("json_object")
 
 
-def structural_tag_spec(
-    tags: Sequence[StructuralTag], *, required: bool = False, text: bool = True
+def tool_calls_spec(
+    functions: Sequence[tuple[str, str, bool]],
+    *,
+    text: bool,
+    calls: bool,
+    parallel: bool,
+    content: GrammarSpec | None = None,
 ) -> GrammarSpec:
-    """Free text (unless ``text`` is False) and calls in the forms of ``tags``; with
-    ``required`` at least one call. The seam tool calling builds ``tool_choice`` on."""
-    if not tags:
-        raise InvalidGrammar("a structural tag needs at least one tag")
+    """Replies of text and Hermes calls (``routing.tools``): each function is (name, schema as
+    canonical JSON, strict). ``text``: text may come first (lazy: ``<tool_call>`` ends it and
+    only calls follow); ``calls``: calls are allowed (without ``text``, at least one is needed);
+    ``parallel``: more than one; ``content``: a JSON spec the text must follow instead."""
+    if calls and not functions:
+        raise InvalidGrammar("tool calls need at least one function", "tools")
+    if not calls and content is not None:
+        return content
     src = {
-        "tags": [{"begin": t.begin, "schema": t.schema, "end": t.end} for t in tags],
-        "required": required,
+        "functions": [{"name": n, "schema": sch, "strict": st} for n, sch, st in functions],
         "text": text,
+        "calls": calls,
+        "parallel": parallel,
+        "content": None if content is None else [content.kind, content.source, content.strict],
     }
-    return GrammarSpec("structural_tag", canonical(src))
+    return GrammarSpec("tool_calls", canonical(src))
 
 
-def _structural_tag_lark(src: Mapping[str, Any], options: Mapping[str, Any]) -> str:
-    """A Lark grammar: calls in the tags' forms (at least one when required), each led by
-    free text when ``text`` (lazy: a tag's ``begin`` ends it), then free text."""
-    text = bool(src.get("text", True))
+def _json_lark(schema: Any, strict: bool) -> str:
+    options = {"whitespace_flexible": False, "lenient": not strict}
+    obj = json.loads(schema) if isinstance(schema, str) else dict(schema)
+    return f"%json {canonical({**obj, 'x-guidance': options})}"
+
+
+# free text without the call opener: once the text writes it, a call must follow
+_FREE_TEXT = "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"
+
+
+def _tool_calls_lark(src: Mapping[str, Any]) -> str:
+    """The Lark grammar of a ``tool_calls`` spec (see :func:`tool_calls_spec`)."""
     lines = ["%llguidance {}"]
-    names = []
-    for i, t in enumerate(src["tags"]):
-        schema = json.loads(t["schema"])
-        schema["x-guidance"] = dict(options)
-        body = f"%json {canonical(schema)} {json.dumps(t['end'])}" if t["end"] else ""
-        body = body or f"%json {canonical(schema)}"
-        if text:
-            lines.append(f"call_{i}_head[lazy]: TEXT {json.dumps(t['begin'])}")
-            lines.append(f"call_{i}: call_{i}_head {body}")
-        else:
-            lines.append(f"call_{i}: {json.dumps(t['begin'])} {body}")
-        names.append(f"call_{i}")
-    many = "+" if src.get("required") else "*"
-    lines.append(f"start: ({' | '.join(names)}){many}{' TEXT' if text else ''}")
-    lines.append("TEXT: /(.|\\n)*/")
+    content = src.get("content")
+    if content is not None:
+        kind, source, strict = content
+        lines.append(
+            f"content: {_json_lark(source if kind == 'json_schema' else {'type': 'object'}, strict)}"
+        )
+    else:
+        lines.append(_FREE_TEXT)
+    if not src["calls"]:
+        lines.insert(1, "start: TEXT")
+        return llg.LLMatcher.grammar_from_lark("\n".join(lines))
+    bodies = []
+    for i, fn in enumerate(src["functions"]):
+        head = json.dumps(f'\n{{"name": {json.dumps(fn["name"])}, "arguments": ')
+        tail = json.dumps("}\n</tool_call>")
+        lines.append(f"call_{i}: {head} {_json_lark(fn['schema'], fn['strict'])} {tail}")
+        bodies.append(f"call_{i}")
+    lines.append(f"body: {' | '.join(bodies)}")
+    more = ' ("\\n<tool_call>" body)*' if src["parallel"] else ""
+    lines.append(f"calls: body{more}")
+    if not src["text"]:
+        start = '"<tool_call>" calls'
+    elif content is not None:
+        start = 'content | "<tool_call>" calls'
+    else:
+        lines.append('head[lazy]: TEXT "<tool_call>"')
+        start = "TEXT | head calls"
+    lines.insert(1, f"start: {start}")
     return llg.LLMatcher.grammar_from_lark("\n".join(lines))
 
 
@@ -148,11 +171,12 @@ def _check_key(spec: GrammarSpec) -> str:
     return llg.LLMatcher.validate_grammar(text)
 
 
-def check_spec(spec: GrammarSpec) -> None:
-    """Raise :class:`InvalidGrammar` when ``spec`` cannot compile (no tokenizer needed)."""
+def check_spec(spec: GrammarSpec, param: str = "response_format") -> None:
+    """Raise :class:`InvalidGrammar` naming ``param`` when ``spec`` cannot compile (no
+    tokenizer needed)."""
     err = _check_key(spec)
     if err:
-        raise InvalidGrammar(f"invalid schema for response_format: {err}")
+        raise InvalidGrammar(f"invalid schema for {param}: {err}", param)
 
 
 def spec_from_response_format(rf: Mapping[str, Any] | None) -> GrammarSpec | None:

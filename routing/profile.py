@@ -28,6 +28,7 @@ from routing.blocks import BLOCK_SIZE, block_hashes, model_seed, reusable_blocks
 from routing.choices import MAX_CHOICES
 from routing.fleet.state import Capability, NodeKind
 from routing.prompt import PromptFormatter, UnencodableText
+from routing.tools import InvalidTools, calling_of, template_inputs
 
 Route = Literal["chat", "completions"]
 
@@ -281,6 +282,7 @@ class RequestProfile:
     # what a node must advertise to serve it (``routing.fleet.state.Capability`` names in
     # ``NodeState.capabilities``): a grammar for response_format, logprobs, prompt logprobs
     needs: frozenset[str] = frozenset()
+    tools: bool = False  # chat ``tools`` ask for the grammar (the field a 400 names)
 
     def expected_output_on(self, kind: str) -> float:
         """The expected completion tokens on a node of ``kind``."""
@@ -322,30 +324,25 @@ def _message_text(content: Any) -> str:
     return "".join(parts)
 
 
-def template_messages(body: Any) -> list[dict[str, Any]]:
-    """Chat messages as chat templates expect them, flattened like the node app does."""
-    method = getattr(body, "template_messages", None)
-    if callable(method):
-        return list(method())
-    out = []
-    for m in _get(body, "messages") or []:
-        role = _get(m, "role")
-        out.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _message_text(_get(m, "content")),
-            }
-        )
-    if not out:
+def chat_prompt(
+    body: Any, formatter: PromptFormatter
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A chat body's messages and template variables (its tools), as the node renders them."""
+    messages = _get(body, "messages") or []
+    if not messages:
         raise ProfileError("messages must not be empty")
-    return out
+    try:
+        return template_inputs(messages, calling_of(body), formatter.chat_template)
+    except InvalidTools as exc:
+        raise ProfileError(str(exc)) from exc
 
 
 def prompt_token_ids(body: Any, formatter: PromptFormatter, route: Route) -> list[int]:
     """The prompt's token ids, as the node will compute them."""
     try:
         if route == "chat":
-            return formatter.encode_chat(template_messages(body))
+            messages, extra = chat_prompt(body, formatter)
+            return formatter.encode_chat(messages, **extra)
         prompt = _get(body, "prompt")
         if isinstance(prompt, str):
             ids = formatter.encode(prompt)
@@ -445,6 +442,7 @@ def build_profile(
         expected_output_by_kind=by_kind,
         choices=_choices(body),
         needs=needed_capabilities(body, route),
+        tools=route == "chat" and bool(_get(body, "tools")),
     )
 
 
@@ -455,12 +453,12 @@ def _choices(body: Any) -> int:
 
 def needed_capabilities(body: Any, route: Route) -> frozenset[str]:
     """What a node must list in ``NodeState.capabilities`` to serve ``body``: a grammar
-    (``response_format`` json_object or json_schema), logprobs (chat ``logprobs: true``,
+    (``response_format`` json_object or json_schema, or chat ``tools``), logprobs (chat ``logprobs: true``,
     completions ``logprobs`` set), and prompt logprobs (completions with ``echo`` too)."""
     needs: set[str] = set()
     rf = _get(body, "response_format", None)
     kind = rf.get("type") if isinstance(rf, Mapping) else None
-    if kind in ("json_object", "json_schema"):
+    if kind in ("json_object", "json_schema") or (route == "chat" and _get(body, "tools")):
         needs.add(Capability.GRAMMAR)
     if route == "chat":
         if _get(body, "logprobs"):

@@ -2,7 +2,8 @@
 
 Invariants:
 - ``render`` produces exactly what Hugging Face's ``apply_chat_template(..., tokenize=False)``
-  produces for the same messages (same jinja2 settings: trim_blocks, lstrip_blocks, sandboxed).
+  produces for the same messages and ``tools`` (same jinja2 settings: trim_blocks,
+  lstrip_blocks, sandboxed; the same ``tojson`` filter and ``strftime_now``).
 - ``encode`` never adds a BOS of its own: chat templates place their own markers, and special
   tokens written in the text (``<|im_start|>``) map to their single ids.
 - ``stop_token_ids`` are the ids generation ends on (generation_config's eos list, else config's).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -46,8 +48,21 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Hugging Face's ``tojson`` filter (its arguments and defaults)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _token_str(value: Any) -> str | None:
@@ -114,6 +129,7 @@ class PromptFormatter:
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
         return env.from_string(self.chat_template)
 
     def render(

@@ -367,13 +367,15 @@ def unmet_param(profile: RequestProfile, nodes: Collection[NodeState]) -> str:
     missing = {m for node in nodes for m in lacking(profile, node)}
     for cap, param in _NEED_PARAMS:
         if cap in missing:
-            return param
+            return "tools" if cap == Capability.GRAMMAR and profile.tools else param
     return "n" if "n" in missing else "logprobs"
 
 
 def describe_needs(profile: RequestProfile) -> str:
     """What ``profile`` asks beyond plain sampling, in words (for a NoRoute message)."""
-    words = {Capability.GRAMMAR: "grammar (response_format)"}
+    words = {
+        Capability.GRAMMAR: "grammar (tools)" if profile.tools else "grammar (response_format)"
+    }
     parts = [words.get(c, c) for c in sorted(profile.needs)]
     if profile.choices > 1:
         parts.append(f"n={profile.choices}")

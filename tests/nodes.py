@@ -168,3 +168,48 @@ def tiny_fleet(model: Path, suffix: str, **gateway_config: Any) -> Iterator[dict
     finally:
         for s in served.values():
             s.stop()
+
+
+def gateway_over(node_url: str, **config: Any) -> Served:
+    """A real gateway (in-process store) in front of one node, once it sees that node."""
+    from gateway.front.app import create_gateway_app
+    from gateway.front.config import GatewayConfig
+
+    gw = Served(create_gateway_app(GatewayConfig(nodes=[node_url], poll_interval_s=1.0, **config)))
+    deadline = time.monotonic() + 30
+    while not httpx.get(gw.url + "/admin/nodes").json()["nodes"]:
+        assert time.monotonic() < deadline, "the gateway never saw its node"
+        time.sleep(0.05)
+    return gw
+
+
+@contextlib.contextmanager
+def default_model_tiers(model: Path, suffix: str) -> Iterator[dict[str, Any]]:
+    """An edge node (fp32, 4 slots) and a CPU cloud node on the default model, each behind a
+    gateway of its own (so a test picks the tier); yields ``{"model", "gw": {tier: url},
+    "node": {tier: url}}``."""
+    from cloud_engine.config import EngineConfig
+    from cloud_engine.engine import CloudEngine
+    from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
+    from routing.model_store import resolve
+
+    served: list[Served] = []
+    try:
+        edge = EdgeEngine.from_model(
+            model, "fp32", config=EdgeEngineConfig(slots=4, threads=2, huge_pages=False)
+        )
+        served.append(serve_node(edge, model, f"edge-{suffix}"))
+        cloud = CloudEngine.from_model(
+            model, "cpu", config=EngineConfig(device="cpu", kv_memory_bytes=96 << 20)
+        )
+        served.append(serve_node(cloud, model, f"cloud-{suffix}"))
+        gws = {"edge": gateway_over(served[0].url), "cloud": gateway_over(served[1].url)}
+        served += gws.values()
+        yield {
+            "model": resolve(model).name,
+            "gw": {k: v.url for k, v in gws.items()},
+            "node": {"edge": served[0].url, "cloud": served[1].url},
+        }
+    finally:
+        for s in reversed(served):
+            s.stop()

@@ -7,7 +7,6 @@ reply, generated schemas (tests/json_schemas.py) whose replies end on their own 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.json_schemas import prompt, schema
-from tests.nodes import Served, serve_node
+from tests.nodes import Served, default_model_tiers
 
 
 class Pet(BaseModel):
@@ -34,49 +33,11 @@ class Person(BaseModel):
     pets: list[Pet] = Field(max_length=3)
 
 
-def _gateway(node_url: str) -> Served:
-    from gateway.front.app import create_gateway_app
-    from gateway.front.config import GatewayConfig
-
-    gw = Served(create_gateway_app(GatewayConfig(nodes=[node_url], poll_interval_s=1.0)))
-    deadline = time.monotonic() + 30
-    while not httpx.get(gw.url + "/admin/nodes").json()["nodes"]:
-        assert time.monotonic() < deadline, "the gateway never saw its node"
-        time.sleep(0.05)
-    return gw
-
-
 @pytest.fixture(scope="module")
 def tiers(default_model_path: Path) -> Iterator[dict[str, Any]]:
-    """An edge node and a cloud node on the default model, each behind a gateway of its own
-    (so a test picks the tier), and the model's name."""
-    from cloud_engine.config import EngineConfig
-    from cloud_engine.engine import CloudEngine
-    from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
-    from routing.model_store import resolve
-
-    served: list[Served] = []
-    try:
-        edge = EdgeEngine.from_model(
-            default_model_path,
-            "fp32",
-            config=EdgeEngineConfig(slots=4, threads=2, huge_pages=False),
-        )
-        served.append(serve_node(edge, default_model_path, "edge-so"))
-        cloud = CloudEngine.from_model(
-            default_model_path, "cpu", config=EngineConfig(device="cpu", kv_memory_bytes=96 << 20)
-        )
-        served.append(serve_node(cloud, default_model_path, "cloud-so"))
-        gws = {"edge": _gateway(served[0].url), "cloud": _gateway(served[1].url)}
-        served += gws.values()
-        yield {
-            "model": resolve(default_model_path).name,
-            "gw": {k: v.url for k, v in gws.items()},
-            "node": {"edge": served[0].url, "cloud": served[1].url},
-        }
-    finally:
-        for s in reversed(served):
-            s.stop()
+    """An edge node and a cloud node on the default model, each behind its own gateway."""
+    with default_model_tiers(default_model_path, "so") as t:
+        yield t
 
 
 def _sdk(base: str) -> openai.OpenAI:

@@ -3,7 +3,11 @@
 Invariants: every chunk names its choice (``index``); a choice's text and logprobs, streamed,
 concatenate to what the whole reply gives; completions with ``echo`` start each choice with
 the prompt's text (and, with logprobs, the prompt's entries: the first ``null``); usage counts
-the prompt once and the tokens of every choice.
+the prompt once and the tokens of every choice. A chat reply that may hold tool calls
+(``Prepared.tools``) is parsed as it streams (``routing.tool_parser``): its calls go out as
+``tool_calls`` deltas (the first of a call with its ``id``, ``type`` and name) and in the whole
+message, its other text as ``content``; a choice that made a call and stopped finishes with
+``tool_calls``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from gateway.node.logprob_format import TokenTexts, chat_logprobs, completion_lo
 from gateway.node.service import Delta, Prepared
 from gateway.openai_schema import usage
 from routing.engine import TokenLogprob
+from routing.tool_parser import ArgsDelta, CallStart, ContentDelta, Piece, ToolCallParser
 
 
 @dataclass
@@ -26,6 +31,13 @@ class _Choice:
     started: bool = False  # its first delta came (the echo went out)
     finish: str | None = None
     last: Delta | None = None
+    parser: ToolCallParser | None = None  # the reply may hold tool calls
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish reason: ``tool_calls`` for a stop after a complete call."""
+        if reason == "stop" and self.parser is not None and self.parser.complete_calls:
+            return "tool_calls"
+        return reason
 
 
 @dataclass
@@ -37,7 +49,10 @@ class Reply:
     choices: list[_Choice] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.choices = [_Choice() for _ in self.prep.choices]
+        tools = self.prep.tools is not None
+        self.choices = [
+            _Choice(parser=ToolCallParser() if tools else None) for _ in self.prep.choices
+        ]
 
     @property
     def done(self) -> bool:
@@ -45,7 +60,8 @@ class Reply:
 
     # ---- taking deltas ---------------------------------------------------------------------
     def _take(self, d: Delta) -> tuple[str, list[int], list[TokenLogprob | None]]:
-        """Record ``d``: the text, ids and entries it adds to its choice (echo included)."""
+        """Record ``d``: the text, ids and entries it adds to its choice (echo included; a
+        parsed choice's text goes to its parser, :meth:`_pieces` gives it)."""
         c = self.choices[d.index]
         c.last = d
         text = d.text
@@ -66,8 +82,26 @@ class Reply:
         c.ids += ids
         c.entries += entries
         if d.finish_reason is not None:
-            c.finish = d.finish_reason
+            c.finish = c.finish_reason(d.finish_reason)
         return text, ids, entries
+
+    @staticmethod
+    def _pieces(c: _Choice, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        """A parsed choice's new content and ``tool_calls`` delta entries for ``text``."""
+        assert c.parser is not None
+        pieces: list[Piece] = c.parser.feed(text)
+        if finished:
+            pieces += c.parser.finish()
+        content = "".join(p.text for p in pieces if isinstance(p, ContentDelta))
+        calls: dict[int, dict[str, Any]] = {}
+        for p in pieces:
+            if isinstance(p, CallStart):
+                fn = {"name": p.name, "arguments": ""}
+                calls[p.index] = {"index": p.index, "id": p.id, "type": "function", "function": fn}
+            elif isinstance(p, ArgsDelta):
+                entry = calls.setdefault(p.index, {"index": p.index, "function": {"arguments": ""}})
+                entry["function"]["arguments"] += p.text
+        return content, list(calls.values())
 
     def _logprobs(
         self, c: _Choice, ids: list[int], entries: list[TokenLogprob | None], offset: int
@@ -98,6 +132,7 @@ class Reply:
         finish: str | None,
         logprobs: dict[str, Any] | None = None,
         role: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         if self.prep.kind == "chat":
             delta: dict[str, Any] = {}
@@ -105,6 +140,8 @@ class Reply:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
@@ -121,12 +158,18 @@ class Reply:
         offset = c.chars
         text, ids, entries = self._take(d)
         c.chars += len(text)
+        calls: list[dict[str, Any]] = []
+        if c.parser is not None:
+            text, calls = self._pieces(c, text, d.finish_reason is not None)
         out = []
-        if text or ids:
+        if text or ids or calls:
             lps = self._logprobs(c, ids, entries, offset)
-            out.append(self.envelope([self.choice_chunk(d.index, text, None, lps)]))
+            chunk = self.choice_chunk(d.index, text if text or not calls else None, None, lps)
+            if calls:
+                chunk["delta"]["tool_calls"] = calls
+            out.append(self.envelope([chunk]))
         if d.finish_reason is not None:
-            out.append(self.envelope([self.choice_chunk(d.index, None, d.finish_reason)]))
+            out.append(self.envelope([self.choice_chunk(d.index, None, c.finish)]))
         return out
 
     def usage(self) -> dict[str, Any]:
@@ -144,7 +187,10 @@ class Reply:
     # ---- whole ---------------------------------------------------------------------------
     def take(self, d: Delta) -> None:
         """Record ``d`` for :meth:`whole`."""
-        self._take(d)
+        text, _, _ = self._take(d)
+        c = self.choices[d.index]
+        if c.parser is not None:
+            self._pieces(c, text, d.finish_reason is not None)
 
     def whole(self) -> dict[str, Any]:
         p = self.prep
@@ -153,7 +199,15 @@ class Reply:
             text = "".join(c.text)
             lps = self._logprobs(c, c.ids, c.entries, 0)
             if p.kind == "chat":
-                msg = {"role": "assistant", "content": text}
+                msg: dict[str, Any] = {"role": "assistant", "content": text}
+                if c.parser is not None:
+                    if c.last is None or c.last.finish_reason is None:
+                        self._pieces(c, "", True)  # a stream that ended without a finish
+                    calls = [call.as_openai() for call in c.parser.calls]
+                    content = "".join(c.parser.content)
+                    msg = {"role": "assistant", "content": content or (None if calls else "")}
+                    if calls:
+                        msg["tool_calls"] = calls
                 choices.append(
                     {"index": i, "message": msg, "logprobs": lps, "finish_reason": c.finish}
                 )

@@ -14,8 +14,11 @@ One NodeService wraps one engine (edge or cloud) and one model. It owns no HTTP:
 - A ``response_format`` grammar is compiled here (off the event loop, once per schema:
   ``routing.grammar.GrammarCompiler``) and travels in ``SamplingParams.grammar`` (one compiled
   grammar for all ``n`` choices; each engine request starts its own state from it).
+- Chat ``tools`` render through the model's template (``routing.tools.template_inputs``) and
+  their grammar travels as a response_format's does; replies that may hold calls are parsed
+  into ``tool_calls`` (``gateway.node.replies``).
 - What the engine does not list in its capabilities (``routing.fleet.state.Capability``: a
-  grammar, logprobs) is a 400 naming the field (``response_format``, ``logprobs``).
+  grammar, logprobs) is a 400 naming the field (``response_format``/``tools``, ``logprobs``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from routing.grammar import Grammar, GrammarCompiler, GrammarSpec, InvalidGramma
 from routing.power import EnergyMeter, RaplReader, Watts
 from routing.prompt import PromptFormatter, TemplateError, UnencodableText
 from routing.sampling_limits import InvalidSampling, check_sampling
+from routing.tools import InvalidTools, ToolCalling, template_inputs
 
 # Prompts longer than this many characters are tokenized off the event loop.
 _OFFLOAD_CHARS = 2000
@@ -85,6 +89,7 @@ class Prepared:
     choices: list[GenerationRequest] = field(default_factory=list)
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     echo: str | None = None  # completions with echo: the prompt's text, sent before the answer
+    tools: ToolCalling | None = None  # chat with tools that may be called: replies are parsed
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -130,14 +135,17 @@ class NodeService:
             )
         return self._grammars
 
-    async def grammar(self, spec: GrammarSpec | None, prefix: list[int]) -> Grammar | None:
-        """``spec`` compiled for this node, its state checked over ``prefix`` (400s)."""
+    async def grammar(
+        self, spec: GrammarSpec | None, prefix: list[int], param: str = "response_format"
+    ) -> Grammar | None:
+        """``spec`` compiled for this node, its state checked over ``prefix`` (400s naming
+        ``param``, the field that asked for it)."""
         if spec is None:
             return None
         if Capability.GRAMMAR not in self.traits.capabilities:
             raise bad_request(
-                "this node's engine does not serve response_format",
-                param="response_format",
+                f"this node's engine does not serve {param}",
+                param=param,
                 code="unsupported_parameter",
             )
 
@@ -164,12 +172,19 @@ class NodeService:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
+        calling = req.tool_calling
         try:
-            ids = await self._encode(self.formatter.encode_chat, req.template_messages())
-        except (TemplateError, UnencodableText) as exc:
+            messages, extra = template_inputs(req.messages, calling, self.formatter.chat_template)
+            encode = functools.partial(self.formatter.encode_chat, **extra)
+            ids = await self._encode(encode, messages)
+        except (TemplateError, UnencodableText, InvalidTools) as exc:
             raise bad_request(str(exc), param="messages") from exc
-        grammar = await self.grammar(req.grammar_spec, [])
-        return self._prepared(req, ids, "chat", grammar)
+        grammar = await self.grammar(
+            req.grammar_spec, [], "tools" if calling else "response_format"
+        )
+        prep = self._prepared(req, ids, "chat", grammar)
+        prep.tools = calling if calling is not None and calling.calls_possible else None
+        return prep
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
