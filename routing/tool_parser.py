@@ -8,7 +8,7 @@ Invariants:
 - A call is announced (:class:`CallStart`, with a fresh ``call_`` id) once its name is known;
   its arguments follow as :class:`ArgsDelta` pieces, holding back the ``}`` that may close the
   call's object. At :meth:`ToolCallParser.finish`, what was held back is given: a call cut
-  before its name becomes content, a call cut in its arguments keeps its partial arguments.
+  before its arguments begin becomes content, a call cut in its arguments keeps its partial arguments.
 """
 
 from __future__ import annotations

@@ -20,16 +20,13 @@ from routing.grammar import (
     Grammar,
     GrammarCompiler,
     InvalidGrammar,
-    StructuralTag,
     allowed_bits,
     apply_bitmask,
-    canonical,
     check_spec,
     fill_masks,
     json_object_spec,
     json_schema_spec,
     spec_from_response_format,
-    structural_tag_spec,
 )
 from routing.prompt import PromptFormatter
 
@@ -133,33 +130,48 @@ def test_strict_refuses_unknown_keywords_that_lenient_ignores() -> None:
     assert spec_from_response_format({"type": "text"}) is None
 
 
-def test_structural_tag_auto_required_and_no_text(
+def test_tool_call_grammars_follow_tool_choice(
     fmt: PromptFormatter, compiler: GrammarCompiler
 ) -> None:
-    args = canonical({"type": "object", "properties": {"x": {"type": "integer"}}})
-    tag = StructuralTag('<tool_call>{"name":"f","arguments":', args, "}</tool_call>")
-    call = '<tool_call>{"name":"f","arguments":{"x":3}}</tool_call>'
+    from routing.tools import parse_tool_calling
 
-    def accepts(spec, text: str) -> bool:
-        st = compiler.compile(spec).start()
-        return all(st.advance(t) for t in _ids(fmt, text)) and st.accepting
+    def tool(name: str, props: dict) -> dict:
+        params = {"type": "object", "properties": props, "required": list(props)}
+        return {"type": "function", "function": {"name": name, "parameters": params}}
 
-    auto = structural_tag_spec([tag])
-    required = structural_tag_spec([tag], required=True)
-    named = structural_tag_spec([tag], required=True, text=False)
-    assert accepts(auto, "Just text.") and accepts(auto, "Sure. " + call)
-    assert not accepts(required, "Just text.") and accepts(required, "Sure. " + call)
-    assert accepts(named, call) and not accepts(named, "Sure. " + call)
-    assert not accepts(required, 'Sure. <tool_call>{"name":"f","arguments":{"x":"3"}}</tool_call>')
-    # two functions: each call's arguments follow its own schema; calls may follow each other
-    city = canonical({"type": "object", "properties": {"city": {"type": "string"}}})
-    two = structural_tag_spec(
-        [tag, StructuralTag('<tool_call>{"name":"g","arguments":', city, "}</tool_call>")],
-        required=True,
-    )
-    g_call = '<tool_call>{"name":"g","arguments":{"city":"Paris"}}</tool_call>'
-    assert accepts(two, call + "\n" + g_call)
-    assert not accepts(two, '<tool_call>{"name":"h","arguments":{"x":3}}</tool_call>')
+    tools = [tool("f", {"x": {"type": "integer"}}), tool("g", {"city": {"type": "string"}})]
+    f_call = '<tool_call>\n{"name": "f", "arguments": {"x":3}}\n</tool_call>'
+    g_call = '<tool_call>\n{"name": "g", "arguments": {"city":"Paris"}}\n</tool_call>'
+    replies = {
+        "text": "Just text.",
+        "text+call": "Sure. " + f_call,
+        "call": f_call,
+        "two calls": f_call + "\n" + g_call,
+        "g": g_call,
+        "bad args": '<tool_call>\n{"name": "f", "arguments": {"x":"3"}}\n</tool_call>',
+        "unknown fn": '<tool_call>\n{"name": "h", "arguments": {"x":3}}\n</tool_call>',
+        "text after call": f_call + " and more",
+        "tag in text": "I write <tool_call> here.",
+    }
+    expected = {  # tool_choice, parallel -> replies the grammar accepts
+        ("auto", True): {"text", "text+call", "call", "two calls", "g"},
+        ("auto", False): {"text", "text+call", "call", "g"},
+        ("none", True): {"text"},
+        ("required", True): {"call", "two calls", "g"},
+        ("required", False): {"call", "g"},
+        ("g", True): {"g"},
+    }
+    for (choice, parallel), want in expected.items():
+        named = {"type": "function", "function": {"name": choice}}
+        calling = parse_tool_calling(tools, named if choice == "g" else choice, parallel)
+        assert calling is not None
+        compiled = compiler.compile(calling.grammar_spec())
+        got = set()
+        for key, text in replies.items():
+            st = compiled.start()
+            if all(st.advance(t) for t in _ids(fmt, text)) and st.accepting:
+                got.add(key)
+        assert got == want, (choice, parallel)
 
 
 def test_numpy_and_torch_masks_agree_and_leave_plain_rows_alone(
