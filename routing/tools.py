@@ -98,6 +98,8 @@ def parse_tool_calling(
         if tool_choice is None or tool_choice in ("none", "auto"):
             return None
         raise InvalidTools("tool_choice needs tools", "tool_choice")
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        raise InvalidTools("tools must be a list of function tools")
     parsed = tuple(_function_tool(t, i) for i, t in enumerate(tools))
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):

@@ -284,20 +284,13 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
     # fields we cannot honour
     (
         CHAT,
-        lambda m: _chat(m, tools=[{"type": "function", "function": {"name": "f"}}]),
+        lambda m: _chat(m, tools=[{"type": "function", "function": {"name": "no spaces"}}]),
         "application/json",
         400,
         "tools",
-        "unsupported_parameter",
+        None,
     ),
-    (
-        CHAT,
-        lambda m: _chat(m, tool_choice="required"),
-        "application/json",
-        400,
-        "tool_choice",
-        "unsupported_parameter",
-    ),
+    (CHAT, lambda m: _chat(m, tool_choice="required"), "application/json", 400, "tool_choice", None),
     (
         CHAT,
         lambda m: _chat(m, functions=[{"name": "f"}]),

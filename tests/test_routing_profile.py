@@ -104,22 +104,35 @@ def test_chat_profile_matches_the_nodes_tokens_and_hashes(formatter: PromptForma
     assert set(other.block_hashes).isdisjoint(p.block_hashes)
 
 
-def test_pydantic_requests_use_their_own_flattening(formatter: PromptFormatter):
-    class Req:
-        stream = False
-        max_tokens = None
-        max_completion_tokens = 7
+def test_pydantic_requests_render_as_their_dicts(formatter: PromptFormatter):
+    """The gateway profiles a validated request or its raw body alike (tools and a history
+    of calls included): the node's prompt is the gateway's."""
+    from gateway.openai_schema import ChatCompletionRequest
+    from routing.profile import chat_prompt
 
-        def template_messages(self):
-            return [{"role": "user", "content": "hello there"}]
-
-    p = build_profile(
-        Req(), formatter, model="m", model_identity="i", route="chat", client_region="us-east"
-    )
-    assert list(p.prompt_token_ids) == formatter.encode_chat(
-        [{"role": "user", "content": "hello there"}]
-    )
-    assert p.max_tokens == 7 and p.stream is False
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    body = {
+        "model": "m",
+        "max_completion_tokens": 7,
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "hello there"}]},
+            {"role": "user", "content": "call f"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        ],
+    }
+    kw = dict(model="m", model_identity="i", route="chat", client_region="us-east")
+    p = build_profile(ChatCompletionRequest.model_validate(body), formatter, **kw)
+    assert list(p.prompt_token_ids) == list(build_profile(body, formatter, **kw).prompt_token_ids)
+    messages, extra = chat_prompt(body, formatter)
+    text = formatter.render(messages, **extra)
+    assert list(p.prompt_token_ids) == formatter.encode(text)
+    assert "hello there\n\n# Tools" in text and "<tool_response>\n2\n</tool_response>" in text
+    assert p.max_tokens == 7 and p.stream is False and p.tools
+    assert "grammar" in p.needs
 
 
 def test_completion_prompts(formatter: PromptFormatter):
