@@ -290,7 +290,14 @@ BAD: list[tuple[str, Any, str | None, int, str | None, str | None]] = [
         "tools",
         None,
     ),
-    (CHAT, lambda m: _chat(m, tool_choice="required"), "application/json", 400, "tool_choice", None),
+    (
+        CHAT,
+        lambda m: _chat(m, tool_choice="required"),
+        "application/json",
+        400,
+        "tool_choice",
+        None,
+    ),
     (
         CHAT,
         lambda m: _chat(m, functions=[{"name": "f"}]),
