@@ -170,12 +170,14 @@ def tiny_fleet(model: Path, suffix: str, **gateway_config: Any) -> Iterator[dict
             s.stop()
 
 
-def gateway_over(node_url: str, **config: Any) -> Served:
-    """A real gateway (in-process store) in front of one node, once it sees that node."""
+def gateway_over(node_url: str | None, **config: Any) -> Served:
+    """A real gateway (in-process store) in front of one node (or only the ``openai_nodes`` of
+    ``config``), once it sees it."""
     from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig
 
-    gw = Served(create_gateway_app(GatewayConfig(nodes=[node_url], poll_interval_s=1.0, **config)))
+    nodes = [node_url] if node_url else []
+    gw = Served(create_gateway_app(GatewayConfig(nodes=nodes, poll_interval_s=1.0, **config)))
     deadline = time.monotonic() + 30
     while not httpx.get(gw.url + "/admin/nodes").json()["nodes"]:
         assert time.monotonic() < deadline, "the gateway never saw its node"

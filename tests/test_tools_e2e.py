@@ -6,6 +6,7 @@ SDK reassembles into the whole reply's; auto; and the 400s for bad tools, before
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.nodes import Served, default_model_tiers
+from tests.nodes import Served, default_model_tiers, gateway_over
 from tests.test_tools import ADD, TOOLS, WEATHER
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -106,6 +107,34 @@ def test_streamed_calls_reassemble_to_the_whole_reply(tiers: dict) -> None:
     for i, call in enumerate(want.message.tool_calls):
         args = "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
         assert args == call.function.arguments
+
+
+def test_an_openai_kind_node_gets_the_tools_as_sent(
+    tiers: dict, default_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An external OpenAI-compatible upstream (here the edge node itself, fronted as an
+    ``openai`` node, its tokenizer placed in the gateway's home as an operator does) is sent
+    the tools and returns its own tool_calls through the gateway."""
+    from routing.fleet.memory_store import OpenAINodeConfig
+    from routing.prompt import TOKENIZER_FILES
+
+    monkeypatch.setenv("EDGECLOUD_HOME", str(tmp_path))
+    folder = tmp_path / "tokenizers" / tiers["model"]
+    folder.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (default_model_path / name).is_file():
+            shutil.copy(default_model_path / name, folder / name)
+    upstream = OpenAINodeConfig(
+        id="upstream", url=tiers["node"]["edge"], region="test", models=[tiers["model"]]
+    )
+    gw = gateway_over(None, openai_nodes=[upstream])
+    try:
+        done = _create({**tiers, "gw": {"up": gw.url}}, "up", tool_choice="required", max_tokens=60)
+        assert done.choices[0].finish_reason == "tool_calls"
+        for call in done.choices[0].message.tool_calls:
+            _valid(call)
+    finally:
+        gw.stop()
 
 
 def test_auto_and_none(tiers: dict) -> None:

@@ -169,9 +169,9 @@ class OpenAINodeTracker:
             max_context=c.max_context,
             device=c.device,
             max_batch=slots,
-            # the upstream is sent the logprob fields as they are; not grammars (their schema
-            # is compiled by llguidance here, and a resume's resumed_tokens is ours)
-            capabilities=list(Capability.LOGPROB_KINDS),
+            # the upstream is sent response_format, tools and the logprob fields as they are
+            # (streams to it are never resumed, so resumed_tokens, ours, never reach it)
+            capabilities=[Capability.GRAMMAR, *Capability.LOGPROB_KINDS],
             max_n=MAX_CHOICES,
             running=min(self.in_flight, slots),
             waiting=max(0, self.in_flight - slots),
