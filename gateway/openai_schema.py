@@ -328,11 +328,7 @@ class ChatCompletionRequest(_SamplingFields):
     def grammar_spec(self) -> GrammarSpec | None:
         """The reply's grammar: tool calls (with ``response_format`` as the text in ``auto``),
         else the one ``response_format`` asks for (None: plain text)."""
-        rf = spec_from_response_format(self.response_format)
-        calling = calling_of(self)
-        if calling is None:
-            return rf
-        return calling.grammar_spec(rf if calling.mode in ("auto", "none") else None)
+        return _grammar_spec(self)
 
     @field_validator("audio", "prediction", "web_search_options")
     @classmethod
@@ -370,6 +366,14 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
 
+def _grammar_spec(req: _SamplingFields) -> GrammarSpec | None:
+    rf = spec_from_response_format(req.response_format)
+    calling = calling_of(req)
+    if calling is None:
+        return rf
+    return calling.grammar_spec(rf if calling.mode in ("auto", "none") else None)
+
+
 def _parse_tools(tools: Any, choice: Any, parallel: bool | None) -> ToolCalling | None:
     try:
         return parse_tool_calling(tools, choice, parallel)
@@ -387,6 +391,28 @@ class CompletionRequest(_SamplingFields):
     # extension: the prompt's last N ids are the reply so far (a resumed stream's), which a
     # response_format grammar consumes before the first new token
     resumed_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+    # extension, with resumed_tokens set (0 too): the tools of the chat a resumed stream continues
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tools_continue_a_chat(self) -> CompletionRequest:
+        if self.tools and "resumed_tokens" not in self.model_fields_set:
+            raise unsupported("tools", "tools are served on /v1/chat/completions")
+        if self.tools:
+            calling = _parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+            assert calling is not None
+            try:
+                check_spec(calling.grammar_spec(), param="tools")
+            except InvalidGrammar as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The continued chat's tool grammar (with its response_format), else response_format's."""
+        return _grammar_spec(self)
 
     @field_validator("prompt")
     @classmethod
@@ -433,8 +459,8 @@ class CompletionRequest(_SamplingFields):
 
 def resumable(req: ChatCompletionRequest | CompletionRequest) -> bool:
     """Whether a broken stream of ``req`` can be resumed from its token ids on another node
-    (``gateway.front.resume``): one choice, no logprobs, no echo, no tools."""
-    if req.n != 1 or req.logprobs or (isinstance(req, ChatCompletionRequest) and req.tools):
+    (``gateway.front.resume``): one choice, no logprobs, no echo."""
+    if req.n != 1 or req.logprobs:
         return False
     return not (isinstance(req, CompletionRequest) and (req.echo or req.logprobs is not None))
 

@@ -17,7 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from routing.tools import CALL_CLOSE, CALL_OPEN
 
@@ -180,3 +180,17 @@ def _closing_suffix(text: str) -> int:
     if tail and not CALL_CLOSE.startswith(tail):
         return 0
     return len(text) - at
+
+
+def tool_call_entries(pieces: list[Piece]) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls`` delta entries for ``pieces``: a call's first entry has its
+    ``id``, ``type`` and name, arguments add up per ``index``."""
+    calls: dict[int, dict[str, Any]] = {}
+    for p in pieces:
+        if isinstance(p, CallStart):
+            fn = {"name": p.name, "arguments": ""}
+            calls[p.index] = {"index": p.index, "id": p.id, "type": "function", "function": fn}
+        elif isinstance(p, ArgsDelta):
+            entry = calls.setdefault(p.index, {"index": p.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += p.text
+    return list(calls.values())

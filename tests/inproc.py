@@ -122,8 +122,8 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
 class CutProxy:
     """A TCP proxy in front of a node, in its own thread: ``kill()`` drops every connection
     at once and refuses new ones, as a node process that died would; ``cut_after(n)`` does
-    so once ``n`` SSE content events (``data:`` lines with ``"content"`` or ``"text"``) of a
-    reply went through."""
+    so once ``n`` SSE content events (``data:`` lines with ``"content"``, ``"text"`` or
+    ``"tool_calls"``) of a reply went through."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -203,7 +203,7 @@ class CutProxy:
                         pos, cut_at = 0, None
                         while (j := data.find(b"\n\n", pos)) >= 0:  # count events as they pass
                             seg = data[pos:j]
-                            if b'"content"' in seg or b'"text"' in seg:
+                            if b'"content"' in seg or b'"text"' in seg or b'"tool_calls"' in seg:
                                 if self._seen >= limit:
                                     cut_at = pos
                                     break

@@ -191,6 +191,51 @@ async def test_a_grammar_stream_resumes_with_its_state_rebuilt(gw, fleet, route:
     assert_idle(gateway, ["c1", "c2"])
 
 
+def _calls(events: list[Any]) -> list[tuple[str, str]]:
+    """The stream's tool calls, reassembled: (name, arguments) by index."""
+    calls: dict[int, list[str]] = {}
+    for e in events:
+        for c in e.get("choices", []) if isinstance(e, dict) else []:
+            for d in c["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(d["index"], ["", ""])
+                entry[0] += d["function"].get("name", "")
+                entry[1] += d["function"].get("arguments", "")
+    return [(n, a) for n, a in (calls[i] for i in sorted(calls))]
+
+
+def _finish(events: list[Any]) -> str | None:
+    return next(
+        (c["finish_reason"] for e in events if isinstance(e, dict)
+         for c in e.get("choices", []) if c.get("finish_reason")),
+        None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("cut_after", [1, 4, 8])
+async def test_a_tool_call_stream_resumes_where_its_call_was_cut(gw, fleet, cut_after: int) -> None:
+    """The next node continues the call under the tools' grammar (rebuilt from the tokens
+    already streamed) and the gateway parses its text with a parser primed by what the client
+    has: the same calls, arguments and finish as an unbroken run, each call started once."""
+    from tests.test_tools import ADD, WEATHER
+
+    gateway, client = gw
+    body = _chat_body(fleet["model"])
+    body.update(tools=[WEATHER, ADD], tool_choice="required", max_tokens=80)
+    _, ref = await _stream(client, "/v1/chat/completions", body)
+    want = _calls(ref)
+    assert want and all(json.loads(args) is not None for _, args in want), want
+    assert _finish(ref) == "tool_calls"
+    fleet["proxy"].cut_after(cut_after)
+    _, got = await _stream(client, "/v1/chat/completions", body)
+    assert _usage(got)["edgecloud"]["resumed"] == 1, got  # type: ignore[index]
+    assert _calls(got) == want and _finish(got) == "tool_calls"
+    ids = [d["id"] for e in got if isinstance(e, dict) for c in e.get("choices", [])
+           for d in c["delta"].get("tool_calls") or [] if "id" in d]  # fmt: skip
+    assert len(ids) == len(want) == len(set(ids))
+    assert _text(got, True) == _text(ref, True)
+    assert_idle(gateway, ["c1", "c2"])
+
+
 async def test_completion_stream_without_usage_says_so_in_a_comment(gw, fleet) -> None:
     gateway, client = gw
     body = {

@@ -296,7 +296,8 @@ class Gateway:
         if not req.stream:
             return await d.read_whole(opened, hdrs)
         d.first_token(opened.node_id)  # the node sent its first token
-        relay = StreamRelay(d, opened, self.stream_stats)
+        fmt = self.path.tokenizers.cached(prof.model_identity)
+        relay = StreamRelay(d, opened, self.stream_stats, fmt)
         return RelayResponse(relay, {**hdrs, **SSE_REPLY_HEADERS})
 
     # ---- informational ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from gateway.front.resume import (
     Resumed,
     StreamIdentity,
     continuation_body,
+    primed_parser,
     rewrite_event,
     tag_comment,
     usage_event,
@@ -47,6 +48,9 @@ from gateway.proxy import Opened, SSEReader, split_events, sse_error, usage_of
 from gateway.token_ids import PREFIX as IDS_PREFIX
 from gateway.token_ids import TOKEN_IDS_HEADER, take_ids
 from routing.fleet.state import NodeKind
+from routing.prompt import PromptFormatter
+from routing.tool_parser import ToolCallParser
+from routing.tools import calling_of
 
 MAX_RESUMES = 2
 _FINISH = b'"finish_reason":"'
@@ -63,8 +67,15 @@ class StreamStats:
 class StreamRelay:
     """One streamed reply, leg by leg (see the module's docstring)."""
 
-    def __init__(self, dispatch: Dispatch, opened: Opened, stats: StreamStats) -> None:
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        opened: Opened,
+        stats: StreamStats,
+        formatter: PromptFormatter | None = None,
+    ) -> None:
         assert dispatch.plan is not None
+        self.formatter = formatter  # the model's: decodes what was streamed, for a tools resume
         self.dispatch = dispatch
         self.plan = dispatch.plan
         self.stats = stats
@@ -86,6 +97,7 @@ class StreamRelay:
         self.failed: str | None = None  # the stream broke for good
         self.resumed: Resumed | None = None
         self.ident: StreamIdentity | None = None
+        self.calls: ToolCallParser | None = None  # a chat with tools, once resumed
         self._earlier_completion = 0
 
     def _take_leg(self, opened: Opened) -> None:
@@ -166,7 +178,7 @@ class StreamRelay:
                 out.append(ev)
                 self.done = True
                 continue
-            conv, usage = rewrite_event(ev, self.chat, self.ident)
+            conv, usage = rewrite_event(ev, self.chat, self.ident, self.calls)
             if usage is not None:
                 self.leg_usage = usage
                 self.usage = whole_usage(
@@ -184,6 +196,8 @@ class StreamRelay:
         await d.aclose_upstream_quietly()
         if not (self.with_ids and self.clean) or self.finished:
             return False
+        if self.chat and self.formatter is None and self._calls_possible():
+            return False  # the streamed text cannot be decoded to continue its calls
         if self.resumed is not None and len(self.resumed.hops) >= MAX_RESUMES:
             return False
         body = continuation_body(
@@ -201,6 +215,9 @@ class StreamRelay:
             return False
         if self.ident is None:
             self.ident = StreamIdentity.of_event(self.first_event, str(plan.body.get("model")))
+        if self.calls is None and self.chat and self._calls_possible():
+            assert self.formatter is not None
+            self.calls = primed_parser(self.formatter.decode(self.sent_ids))
         if self.resumed is None:
             self.resumed = Resumed(self.node_id)
         self.resumed.hops.append(opened.node_id)
@@ -213,6 +230,10 @@ class StreamRelay:
         self.stats.resumed += 1
         d.first_token(opened.node_id)
         return True
+
+    def _calls_possible(self) -> bool:
+        calling = calling_of(self.plan.body)
+        return calling is not None and calling.calls_possible
 
     # ---- the end ------------------------------------------------------------------------------
     async def finish(self) -> None:

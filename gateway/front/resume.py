@@ -10,12 +10,14 @@ Invariants:
 - The continuation asks for what was left: ``max_tokens`` less the tokens already sent (none
   given: the node fills its context, as the first node would have), ``min_tokens`` less them
   too, with the request's own sampling fields, ``ignore_eos``, stop strings and
-  ``response_format`` (with ``resumed_tokens``: the node's grammar state is rebuilt over the
-  tokens already sent); a greedy request continues with exactly the tokens an unbroken run
-  gives.
+  ``response_format`` and a chat's ``tools`` (with ``resumed_tokens``: the node's grammar
+  state is rebuilt over the tokens already sent); a greedy request continues with exactly the
+  tokens an unbroken run gives.
 - The client's stream keeps its shape: the continuation's events are rewritten in the
   client's format (chat chunks for a chat request) with the first node's ``id``,
-  ``created`` and ``model``; its role chunk and empty chunks are dropped.
+  ``created`` and ``model``; its role chunk and empty chunks are dropped. A chat with tools
+  parses the continuation's text with a parser primed by the text already streamed, so calls
+  continue where they were cut (same index) and new calls get new ids.
 - The final usage counts the whole answer (the original prompt, every completion token from
   every node) and says what happened: ``"edgecloud": {"resumed": n, "from": ..., "to": ...}``.
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 from gateway.front import fastjson
 from gateway.sse import sse_event
+from routing.tool_parser import ContentDelta, ToolCallParser, tool_call_entries
 
 # sampling fields carried to the continuation (both routes accept them)
 _CARRIED = (
@@ -40,6 +43,9 @@ _CARRIED = (
     "user",
     "ignore_eos",
     "response_format",
+    "tools",  # a chat's tools: the continuation follows their grammar
+    "tool_choice",
+    "parallel_tool_calls",
 )
 
 
@@ -105,8 +111,9 @@ def continuation_body(
     for k in _CARRIED:
         if body.get(k) is not None:
             out[k] = body[k]
-    if body.get("response_format") is not None and sent_ids:
-        out["resumed_tokens"] = len(sent_ids)  # the grammar's state is rebuilt over them
+    grammar = body.get("response_format") is not None or bool(body.get("tools"))
+    if grammar:  # the grammar's state is rebuilt over the tokens sent (none: a fresh state)
+        out["resumed_tokens"] = len(sent_ids)
     min_left = (body.get("min_tokens") or 0) - len(sent_ids)
     if min_left > 0:  # no stop before the request's min_tokens, counting what was sent
         out["min_tokens"] = min_left
@@ -114,10 +121,12 @@ def continuation_body(
 
 
 def rewrite_event(
-    event: bytes, chat: bool, ident: StreamIdentity
+    event: bytes, chat: bool, ident: StreamIdentity, calls: ToolCallParser | None = None
 ) -> tuple[bytes, dict[str, Any] | None]:
     """One continuation event as the client's stream carries it, and its usage (if it is the
-    usage chunk, returned unconverted for the caller to fix). ``b""``: nothing to send."""
+    usage chunk, returned unconverted for the caller to fix). ``b""``: nothing to send.
+    ``calls``: the chat's tool-call parser, primed with the text already streamed; the text
+    goes through it into content and ``tool_calls`` deltas."""
     if not event.startswith(b"data: {"):
         return event, None  # [DONE], comments
     try:
@@ -137,7 +146,9 @@ def rewrite_event(
     if not text and finish is None:
         return b"", None
     if chat:
-        delta = {"content": text} if text else {}
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if calls is not None:
+            delta, finish = tool_delta(calls, text, finish)
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         out = {
             "id": ident.id,
@@ -156,6 +167,31 @@ def rewrite_event(
             "choices": [choice],
         }
     return sse(out), None
+
+
+def primed_parser(streamed_text: str) -> ToolCallParser:
+    """A tool-call parser that has consumed the text the client's stream already carried."""
+    parser = ToolCallParser()
+    parser.feed(streamed_text)
+    return parser
+
+
+def tool_delta(
+    calls: ToolCallParser, text: str, finish: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """The chat delta of ``text`` parsed by ``calls`` (content, ``tool_calls``), and the finish
+    reason (``tool_calls`` for a stop after a complete call)."""
+    pieces = calls.feed(text) + (calls.finish() if finish is not None else [])
+    delta: dict[str, Any] = {}
+    content = "".join(p.text for p in pieces if isinstance(p, ContentDelta))
+    if content:
+        delta["content"] = content
+    entries = tool_call_entries(pieces)
+    if entries:
+        delta["tool_calls"] = entries
+    if finish == "stop" and calls.complete_calls:
+        finish = "tool_calls"
+    return delta, finish
 
 
 def usage_event(

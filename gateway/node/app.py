@@ -144,11 +144,15 @@ def create_node_app(
             await deltas.aclose()  # type: ignore[attr-defined]
             return Response(status_code=499)
         reply = Reply(prep, texts)
+        pending: list[int] = []  # ids of deltas whose text a tool-call parser held back
 
         def events(d: Delta) -> list[bytes]:
             out = [sse_event(obj) for obj in reply.chunks(d)]
-            if with_ids and d.text and out:
-                out[0] = ids_line(d.token_ids, d.clean) + out[0]
+            if with_ids and d.text:
+                pending.extend(d.token_ids)
+                if out:  # the ids of every delta up to here go with the first chunk after it
+                    out[0] = ids_line(pending, d.clean) + out[0]
+                    pending.clear()
             return out
 
         async def body() -> AsyncIterator[bytes]:

@@ -19,7 +19,7 @@ from gateway.node.logprob_format import TokenTexts, chat_logprobs, completion_lo
 from gateway.node.service import Delta, Prepared
 from gateway.openai_schema import usage
 from routing.engine import TokenLogprob
-from routing.tool_parser import ArgsDelta, CallStart, ContentDelta, Piece, ToolCallParser
+from routing.tool_parser import ContentDelta, Piece, ToolCallParser, tool_call_entries
 
 
 @dataclass
@@ -93,15 +93,7 @@ class Reply:
         if finished:
             pieces += c.parser.finish()
         content = "".join(p.text for p in pieces if isinstance(p, ContentDelta))
-        calls: dict[int, dict[str, Any]] = {}
-        for p in pieces:
-            if isinstance(p, CallStart):
-                fn = {"name": p.name, "arguments": ""}
-                calls[p.index] = {"index": p.index, "id": p.id, "type": "function", "function": fn}
-            elif isinstance(p, ArgsDelta):
-                entry = calls.setdefault(p.index, {"index": p.index, "function": {"arguments": ""}})
-                entry["function"]["arguments"] += p.text
-        return content, list(calls.values())
+        return content, tool_call_entries(pieces)
 
     def _logprobs(
         self, c: _Choice, ids: list[int], entries: list[TokenLogprob | None], offset: int

@@ -209,7 +209,9 @@ class NodeService:
         if req.resumed_tokens > len(ids) - 1:
             raise bad_request("resumed_tokens must be less than the prompt's tokens", "prompt")
         resumed = ids[len(ids) - req.resumed_tokens :] if req.resumed_tokens else []
-        grammar = await self.grammar(req.grammar_spec, resumed)
+        grammar = await self.grammar(
+            req.grammar_spec, resumed, "tools" if req.tools else "response_format"
+        )
         return self._prepared(req, ids, "completion", grammar)
 
     def _prepared(
