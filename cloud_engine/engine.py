@@ -215,9 +215,8 @@ class CloudEngine:
 
     # -- observation -----------------------------------------------------------------------
     def _capabilities(self) -> list[str]:
-        """Grammars where its runner applies their masks (one process: the parallel runners'
-        sampler applies none); logprobs from the single-process runners (not the parallel
-        ones yet)."""
+        """Grammars where its runner applies their masks (every runner does); logprobs from the
+        single-process runners (not the parallel ones yet)."""
         caps = [Capability.GRAMMAR] if self.core.runner_samples_grammar else []
         if not self.parallel:
             caps += Capability.LOGPROB_KINDS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
 from routing.engine import GenerationRequest, SamplingParams
+from routing.grammar import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,27 @@ class Job:
     arrivals: list[int]
     config: EngineConfig = field(default_factory=EngineConfig)
     abandon_after: int | None = None  # stop the world after this many steps, batches in flight
+    grammar: GrammarSpec | None = None  # every other request follows it (compiled by the driver)
+
+
+def with_grammar(
+    folder: str, reqs: list[GenerationRequest], spec: GrammarSpec
+) -> list[GenerationRequest]:
+    """``reqs`` with every other one following ``spec``, compiled for ``folder``'s tokenizer
+    at its model's vocabulary."""
+    import json
+    from pathlib import Path
+
+    from routing.grammar import Grammar, GrammarCompiler
+    from routing.prompt import PromptFormatter
+
+    fmt = PromptFormatter.from_folder(folder)
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    compiled = GrammarCompiler(fmt.tokenizer.to_str(), vocab, fmt.stop_token_ids).compile(spec)
+    return [
+        replace(r, sampling=replace(r.sampling, grammar=Grammar(compiled))) if i % 2 == 0 else r
+        for i, r in enumerate(reqs)
+    ]
 
 
 def drive(
@@ -98,7 +120,10 @@ def jobs_rank(rank_idx: int, world: int, init: str, jobs: list[Job]) -> list[dic
                     stats = core.runner.stop()  # type: ignore[attr-defined]
                     results.append(dict(in_flight_at_stop=in_flight, stats=stats))
                     continue
-                tokens = drive(core, job.requests, job.arrivals)
+                reqs = job.requests
+                if job.grammar is not None:
+                    reqs = with_grammar(job.folder, reqs, job.grammar)
+                tokens = drive(core, reqs, job.arrivals)
                 c = core.counters
                 stats = core.runner.stop()  # type: ignore[attr-defined]
                 results.append(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parallel_jobs import Job, drive, jobs_rank, mixed_requests
+from parallel_jobs import Job, drive, jobs_rank, mixed_requests, with_grammar
 
 from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
@@ -106,6 +106,34 @@ def test_tp2_and_pp2_match_one_process(models: dict[str, Path]) -> None:
             len(r["stats"]) == 2 and r["stats"][1][2] == r["stats"][0][2]
         )  # same steps everywhere
     assert [r["executor"] for r in results[5:]] == ["FusedStage"] * 3
+
+
+def test_grammar_rows_in_tp2_and_pp2_match_one_process(
+    tmp_path: Path, default_model_path: Path
+) -> None:
+    """Rows following a JSON-schema grammar beside plain rows (greedy and sampled): the
+    driver masks the last stage's logits as one process masks its own, token for token."""
+    from routing.grammar import json_schema_spec
+    from routing.prompt import PromptFormatter
+
+    folder = save_random_model(
+        tmp_path / "m", tiny_config(vocab_size=49152), seed=5, tokenizer_from=default_model_path
+    )
+    spec = json_schema_spec(
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}}
+    )
+    reqs, arrivals = mixed_requests(8, 49152, seed=2)
+    with torch.inference_mode():
+        ref = reference(folder, LARGE, with_grammar(str(folder), reqs, spec), arrivals)
+    jobs = [
+        Job(str(folder), tp, pp, reqs, arrivals, LARGE, grammar=spec) for tp, pp in ((2, 1), (1, 2))
+    ]
+    results = run_world(jobs_rank, 2, jobs, timeout_s=240)
+    check(results, [("tp2", ref), ("pp2", ref)])
+    fmt = PromptFormatter.from_folder(folder)
+    texts = {r.request_id: fmt.decode(ref[0][r.request_id]) for r in reqs}
+    assert all(texts[r.request_id].startswith("{") for r in reqs[::2])  # the grammar's rows
+    assert not all(texts[r.request_id].startswith("{") for r in reqs[1::2])  # the plain rows
 
 
 @pytest.mark.slow

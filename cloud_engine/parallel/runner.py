@@ -3,8 +3,8 @@
 The driver (rank 0) plans a batch, packs its metadata (``protocol``), sends it to the other
 TP ranks of stage 0 (non-blocking point-to-point sends) and runs stage 0; each stage sends ``(header, payload, hidden)`` to
 the same TP rank of the next stage with a non-blocking send; TP rank 0 of the last stage sends
-the step's result (greedy token ids, or the whole vocabulary's logits when some row samples)
-back to the driver, which samples. The driver does not wait for a step's result before it
+the step's result (greedy token ids, or the whole vocabulary's logits when some row samples or
+follows a grammar) back to the driver, which applies the grammar rows' masks and samples. The driver does not wait for a step's result before it
 launches the next: with ``pp`` stages up to ``pp`` batches are in flight
 (``cloud_engine.parallel.pipeline``).
 
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
 from cloud_engine.config import EngineConfig
+from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
 from cloud_engine.kv_pool import KVPool, KVSpec
 from cloud_engine.parallel.dist import Rank, min_over_world
 from cloud_engine.parallel.model import ShardedLlama
@@ -169,6 +170,7 @@ class _Pending:
         if self.meta.greedy:
             toks = res
         else:
+            res = apply_grammar_masks(res, grammar_states(self.seqs))
             gens = []
             for s in self.seqs:
                 if s.generator is None and not s.sampling.greedy:
@@ -181,6 +183,8 @@ class _Pending:
 
 class DistRunner:
     """The driver's :class:`cloud_engine.runner.ModelRunner` over the whole world."""
+
+    applies_grammar = True  # grammar rows' masks are applied before sampling (on the driver)
 
     def __init__(
         self, model: ShardedLlama, pool: KVPool, rank: Rank, cfg: EngineConfig | None = None
@@ -228,7 +232,8 @@ class DistRunner:
             inp.seq_lens,
             padded_block_tables(batch),
             inp.sample_idx,
-            all(s.sampling.greedy for s in seqs),
+            # token ids from the last stage only when no row samples or follows a grammar
+            all(s.sampling.greedy for s in seqs) and not any(grammar_states(seqs)),
         )
         head, payload = meta.pack()
         meta = unpack(head, payload)  # run exactly what the workers run
