@@ -69,8 +69,10 @@ def test_gateway_without_torch_or_onnxruntime_serves_a_node(
     port = free_port()
     args = [sys.executable, "-m", "tests.light_env", str(modules_file)]
     args += ["gateway", "--config", str(config), "--port", str(port)]
-    gw = Proc(args, port, tmp_path / "gateway.log").wait_ready(timeout=60)
+    gw = Proc(args, port, tmp_path / "gateway.log").wait_ready(timeout=60, path="/readyz")
     try:
+        assert httpx.get(gw.url + "/livez").status_code == 200
+        assert httpx.get(gw.url + "/startupz").status_code == 200
         model = httpx.get(cloud_node.url + "/v1/models").json()["data"][0]["id"]
         body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
