@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.auth import KeyIdentity, enforce_rate_limit, is_local
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.fleet_gauges import FleetGauges
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
 from gateway.front.openapi import (
@@ -290,6 +291,7 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     @app.get("/metrics", tags=["Gateway"], responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
         await observer(request)
+        fleet_gauges.update((await gw.store.view([])).nodes, gw.breakers.snapshot())
         return metrics_response(gw.metrics, request)
 
     @app.get("/v1/models", tags=["OpenAI"], responses=MODELS_RESPONSES)
@@ -297,6 +299,7 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
         return {"object": "list", "data": [model_card(m) for m in await gw.models()]}
 
     register_probes(app, gw)
+    fleet_gauges = FleetGauges(gw.metrics.registry)
 
     @app.get("/health", tags=["Gateway"], responses=HEALTH_RESPONSES)
     async def health(request: Request) -> dict[str, Any]:
