@@ -19,6 +19,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from routing.fleet.state import NODE_API_VERSION
 from tests.conftest import free_port
 from tests.nodes import REPO, Proc, cli
 
@@ -74,6 +75,7 @@ def test_gateway_without_torch_or_onnxruntime_serves_a_node(
         assert httpx.get(gw.url + "/livez").status_code == 200
         assert httpx.get(gw.url + "/startupz").status_code == 200
         model = httpx.get(cloud_node.url + "/v1/models").json()["data"][0]["id"]
+        assert httpx.get(cloud_node.url + "/load").json()["api_version"] == NODE_API_VERSION
         body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

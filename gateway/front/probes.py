@@ -3,7 +3,8 @@
 ``GET /livez``: 200 while the event loop answers (no I/O); restart the process when it fails.
 ``GET /startupz``: 200 once the fleet store has given one view that is not stale (Redis
 answered, or the in-process store polled its nodes), else 503; it stays 200 after that.
-``GET /readyz``: 200 while the gateway sees at least one fresh node, else 503 naming why; a
+``GET /readyz``: 200 while the gateway sees at least one fresh node of its Node API major
+version, else 503 naming why; a
 load balancer sends it traffic only then. None needs a key, and none names a node or a URL.
 """
 
@@ -15,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from gateway.front.gateway import Gateway
+from routing.fleet.state import api_compatible
 
 
 class StartupLatch:
@@ -36,7 +38,8 @@ def register_probes(app: FastAPI, gw: Gateway) -> None:
         view = await gw.store.view([])
         if not view.stale:
             latch.done = True
-        return sum(1 for n in view.nodes if n.is_fresh()), view.stale
+        usable = [n for n in view.nodes if n.is_fresh() and api_compatible(n.api_version)]
+        return len(usable), view.stale
 
     @app.get("/livez", tags=["Gateway"], include_in_schema=False)
     async def livez() -> dict[str, str]:
