@@ -81,6 +81,9 @@ def test_gateway_without_torch_or_onnxruntime_serves_a_node(
         assert r.status_code == 200, r.text
         assert r.headers["x-edgecloud-node"] == "cloud-light"
         assert r.json()["usage"]["completion_tokens"] >= 1
+        metrics = httpx.get(gw.url + "/metrics").text  # the fleet gauges of the dashboard
+        for series in ("node_running", "node_kv_blocks_total", "circuit_open"):
+            assert f'edgecloud_{series}{{node="cloud-light",tier="cloud"}}' in metrics, series
     finally:
         assert gw.stop() == 0, gw.tail()
     modules = json.loads(modules_file.read_text())
