@@ -56,7 +56,7 @@ HASHES = block_hashes(list(range(16 * 6)), model_seed("test-model"))
 async def test_states_have_ttl_and_expire(store: RedisFleetStore, raw: Redis, namespace: str):
     await store.put_node(node("short", ttl_s=0.3, running=3))
     await store.put_node(node("long", ttl_s=30.0))
-    pttl = await raw.pttl(f"{namespace}node:short")
+    pttl = await raw.pttl(f"{namespace}node:{{short}}")
     assert 0 < pttl <= 300
     assert await raw.zscore(f"{namespace}nodes", "long") is not None
 
@@ -77,9 +77,9 @@ async def test_block_events_and_leading_matches(store: RedisFleetStore, raw: Red
     await store.record_blocks("c1", HASHES[:4], [])
     # c2 holds blocks 0, 1 and 3 but not 2: only two lead.
     await store.record_blocks("c2", [HASHES[0], HASHES[1], HASHES[3]], [])
-    members = await raw.smembers(f"{namespace}blocks:c1")
+    members = await raw.smembers(f"{namespace}blocks:{{c1}}")
     assert members == {hex_hash(h) for h in HASHES[:4]}
-    assert await raw.xlen(f"{namespace}events:c1") == 1
+    assert await raw.xlen(f"{namespace}events:{{c1}}") == 1
 
     view = await store.view(HASHES)
     assert view.prefix_blocks == {"c1": 4, "c2": 2}
@@ -93,7 +93,7 @@ async def test_block_events_and_leading_matches(store: RedisFleetStore, raw: Red
     assert view.prefix_blocks == {}
 
     await store.remove_node("c1")
-    assert not await raw.exists(f"{namespace}blocks:c1", f"{namespace}node:c1")
+    assert not await raw.exists(f"{namespace}blocks:{{c1}}", f"{namespace}node:{{c1}}")
     view = await store.view(HASHES)
     assert sorted(n.id for n in view.nodes) == ["c2", "e1"]
 
