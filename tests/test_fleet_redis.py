@@ -244,3 +244,24 @@ async def test_two_gateways_share_nodes_and_the_prefix_index(redis_url: str, nam
     finally:
         for s in (node_side, gw_a, gw_b):
             await s.close()
+
+
+async def test_rolling_upgrade_across_the_hash_tags(
+    store: RedisFleetStore, raw: Redis, namespace: str
+) -> None:
+    """A node of a release before the hash tags (``node:<id>``, ``blocks:<id>``) is seen, with
+    its prefix, by a gateway of this one; a node of this one also writes ``node:<id>``, which
+    gateways of the release before read."""
+    old = node("old-node")
+    hashes = HASHES
+    await raw.set(f"{namespace}node:old-node", old.model_dump_json(), px=5000)
+    await raw.zadd(f"{namespace}nodes", {"old-node": time.time()})
+    await raw.sadd(f"{namespace}blocks:old-node", *(hex_hash(h) for h in hashes[:2]))
+    await store.put_node(node("new-node"))
+    view = await store.view(hashes)
+    assert sorted(n.id for n in view.nodes) == ["new-node", "old-node"]
+    assert view.prefix_blocks == {"old-node": 2}
+    legacy = await raw.get(f"{namespace}node:new-node")
+    assert legacy is not None and NodeState.model_validate_json(legacy).id == "new-node"
+    await store.remove_node("new-node")
+    assert not await raw.exists(f"{namespace}node:new-node", f"{namespace}node:{{new-node}}")
