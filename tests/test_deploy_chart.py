@@ -66,6 +66,38 @@ def test_values_schema_refuses_a_wrong_type() -> None:
         jsonschema.validate(bad, schema)
 
 
+@pytest.mark.parametrize(
+    ("url", "mode"),
+    [
+        ("redis+sentinel://sentinel-0:26379,sentinel-1:26379/edgecloud", "standalone"),
+        ("rediss://redis-0:6379,redis-1:6379", "cluster"),
+    ],
+)
+def test_redis_by_sentinel_or_cluster_reaches_gateways_and_nodes(url: str, mode: str) -> None:
+    from gateway.front.config import GatewayConfig
+
+    values = deep_merge(
+        example_values(CHART / "examples" / "one-gpu.yaml"), {"redis": {"url": url, "mode": mode}}
+    )
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.validate(
+        deep_merge(yaml.safe_load((CHART / "values.yaml").read_text()), values), schema
+    )
+    objects = render(values)
+    (secret,) = [s for s in by_kind(objects, "Secret") if "gateway.yaml" in s["stringData"]]
+    cfg = GatewayConfig.model_validate(yaml.safe_load(secret["stringData"]["gateway.yaml"]))
+    assert (cfg.redis_url, cfg.redis_mode) == (url, mode)
+    for node in [*by_kind(objects, "StatefulSet"), *by_kind(objects, "DaemonSet")]:
+        args = container(node)["args"]
+        assert f"--redis={url}" in args and f"--redis-mode={mode}" in args
+    bad = deep_merge(
+        yaml.safe_load((CHART / "values.yaml").read_text()),
+        {**REQUIRED, "redis": {"url": url, "mode": "sharded"}},
+    )
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
 def test_gateway_probes_drain_pdb_and_spread() -> None:
     objects = render(example_values(CHART / "examples" / "cpu-only.yaml"))
     (dep,) = [d for d in by_kind(objects, "Deployment") if d["metadata"]["name"].endswith("gw")
