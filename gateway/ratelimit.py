@@ -13,20 +13,27 @@ Bucket semantics (both implementations, the same arithmetic):
   :meth:`RateLimiter.refund` gives back the request and all its tokens (a request that never
   reached a node). Neither refills a bucket past its capacity.
 
-Redis (``edgecloud:v1:rl:{key_id}``, a hash with the levels and the time they were taken):
+Redis (``edgecloud:v1:rl:<key_id>``, a hash with the levels and the time they were taken):
 - Every call is one EVALSHA of one Lua script, atomic, timed by the Redis server's clock
-  (gateways' clocks may differ). The key expires (PEXPIRE) when both buckets would be full
-  again, which is the same as absent. The script touches two keys, the bucket and the epoch
-  marker below, so it is not Redis-Cluster-safe as is (one primary, Sentinel or replicas).
+  (gateways' clocks may differ); once a second at most, the epoch read below comes before it. The key expires (PEXPIRE) when both buckets would be full
+  again, which is the same as absent. The script touches that one key and nothing else (a
+  key's requests and tokens buckets are one hash), so it runs on Redis Cluster as on one
+  server, and the keys spread over the cluster's slots.
 - Redis restarting empty does not refill every bucket. ``edgecloud:v1:rl-epoch`` holds the
   time (server ms) the limiter's state began; an absent bucket holds ``capacity * min(1,
   (now - epoch) / 60 s)``: long after the epoch, full (as before); just after an empty restart,
   empty, refilling at the key's rate. So across a restart no key gets more than an empty bucket
   would give it, and the token bucket's bound (capacity + rate x time, in any window) holds.
-  The marker is created by the first call that finds it missing: as "state began a minute
-  ago" (buckets full) by a gateway that never saw a marker (a new deployment), as "state
-  begins now" (buckets empty) by one that did (Redis lost it). Edge case: a gateway restarted
-  together with Redis sees a new deployment.
+  The marker is off the hot path: each gateway reads it (one single-key script) at most every
+  ``epoch_refresh_s`` and right after a failed Redis call, and passes the epoch it knows to
+  the bucket script. It is created by the read that finds it missing: as "state began a minute
+  ago" (buckets full) by a gateway that never saw a marker (a new deployment), as "state begins
+  now" (buckets empty) by one that did (Redis lost it). Edge cases: a gateway restarted
+  together with Redis sees a new deployment; an empty restart that no call of a gateway saw
+  fail counts from that gateway's next epoch read (at most ``epoch_refresh_s`` later); a
+  Cluster primary lost without a replica loses its slots' buckets (they restart full) unless
+  it held the marker. A failover to a replica keeps the buckets (replication is asynchronous:
+  the last few milliseconds of charges may be lost).
 - If Redis is unreachable, the limiter falls back to an in-process limiter that admits this
   replica's *share*: each limit divided by ``replicas`` (the number of gateway replicas sharing
   the keys, configured; default 1), at least 1. A key's fallback bucket starts from the level
@@ -45,6 +52,7 @@ This module also holds :class:`RedisKeyStore`, the small Redis lookup of API key
 from __future__ import annotations
 
 import abc
+import asyncio
 import itertools
 import logging
 import math
@@ -54,9 +62,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from redis.asyncio import Redis
-
 from routing.fleet.store import KEY_PREFIX
+from routing.redis_connect import RedisClient
 from routing.redis_link import REDIS_ERRORS, OverRedisLink, RedisLink, redis_client
 
 log = logging.getLogger(__name__)
@@ -269,8 +276,22 @@ class InProcessRateLimiter(RateLimiter):
 
 
 # ---- Redis ---------------------------------------------------------------------------------------
-# KEYS[1]: the bucket hash, KEYS[2]: the epoch marker. ARGV: rpm, tpm (0 = unlimited), the epoch
-# this gateway last saw ('' = none), then the script's own arguments.
+# The epoch marker, alone (KEYS[1]: the marker; ARGV[1]: the epoch this gateway last saw, '' if
+# none). Returns the epoch (server ms), creating it when missing (see the module notes).
+EPOCH_SCRIPT = """
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  if ARGV[1] == '' then epoch = string.format('%d', now - 60000)
+  else epoch = string.format('%d', now) end
+  redis.call('SET', KEYS[1], epoch)
+end
+return epoch
+"""
+
+# KEYS[1]: the bucket hash, the only key. ARGV: rpm, tpm (0 = unlimited), the limiter's epoch
+# (server ms; '' = unknown: an absent bucket is full), then the script's own arguments.
 # Fields: r (requests level), t (tokens level), ts (ms, Redis server time).
 _PRELUDE = """
 local key = KEYS[1]
@@ -278,14 +299,11 @@ local rpm = tonumber(ARGV[1])
 local tpm = tonumber(ARGV[2])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local epoch = redis.call('GET', KEYS[2])
-if not epoch then
-  if ARGV[3] == '' then epoch = string.format('%d', now - 60000)
-  else epoch = string.format('%d', now) end
-  redis.call('SET', KEYS[2], epoch)
+local fresh = 1
+if ARGV[3] ~= '' then
+  fresh = (now - tonumber(ARGV[3])) / 60000
+  if fresh > 1 then fresh = 1 elseif fresh < 0 then fresh = 0 end
 end
-local fresh = (now - tonumber(epoch)) / 60000
-if fresh > 1 then fresh = 1 elseif fresh < 0 then fresh = 0 end
 local s = redis.call('HMGET', key, 'r', 't', 'ts')
 local ts = tonumber(s[3]) or now
 local dt = now - ts
@@ -318,7 +336,7 @@ redis.call('PEXPIRE', key, math.ceil(ttl) + 1000)
 """
 
 # ARGV[4]: tokens to charge.
-# Returns {allowed, retry_after_ms, code, requests level, tokens level, epoch}.
+# Returns {allowed, retry_after_ms, code, requests level, tokens level}.
 ACQUIRE_SCRIPT = (
     _PRELUDE
     + """
@@ -343,12 +361,11 @@ end
     + _SAVE
     + """
 return {code == 0 and 1 or 0, math.ceil(math.max(wait_r, wait_t)), code,
-        tostring(r or ''), tostring(t or ''), epoch}
+        tostring(r or ''), tostring(t or '')}
 """
 )
 
 # ARGV[4]: requests to give back, ARGV[5]: tokens to give back (negative: charge more).
-# Returns the epoch.
 ADJUST_SCRIPT = (
     _PRELUDE
     + """
@@ -359,7 +376,7 @@ if t ~= nil then t = math.min(tpm, t + dtk) end
 """
     + _SAVE
     + """
-return epoch
+return 1
 """
 )
 
@@ -386,6 +403,8 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
     one admits ``limits / replicas`` (:func:`share_of`). ``on_error`` is called with each Redis
     failure (for a metrics counter). ``client``: a shared client (see
     :func:`routing.redis_link.redis_client`); else one of ``max_connections`` is made.
+    ``epoch_refresh_s``: how often the epoch marker is read (off the hot path, see the module
+    notes).
     """
 
     def __init__(
@@ -398,9 +417,10 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
         replicas: int = 1,
         max_connections: int = 64,
         fallback: InProcessRateLimiter | None = None,
-        client: Redis | None = None,
+        client: RedisClient | None = None,
         on_error: Callable[[BaseException], None] | None = None,
         max_seen: int = 100_000,
+        epoch_refresh_s: float = 1.0,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -408,7 +428,7 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
         self.retry_interval_s = retry_interval_s
         self.replicas = replicas
         self.fallback = fallback or InProcessRateLimiter()
-        self.redis: Redis = client or redis_client(
+        self.redis: RedisClient = client or redis_client(
             url, timeout_s=timeout_s, max_connections=max_connections
         )
         self.link = RedisLink(
@@ -420,9 +440,13 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
         )
         self._acquire = self.redis.register_script(ACQUIRE_SCRIPT)
         self._adjust = self.redis.register_script(ADJUST_SCRIPT)
+        self._epoch_script = self.redis.register_script(EPOCH_SCRIPT)
         self.epoch_key = f"{self.ns}rl-epoch"
         self.epoch: str = ""  # the limiter epoch last seen in Redis ('' = none yet)
         self.epochs_seen = 0  # how many different epochs this limiter has seen
+        self.epoch_refresh_s = epoch_refresh_s
+        self._epoch_due = 0.0  # monotonic time of the next epoch read (0: at the next call)
+        self._epoch_lock = asyncio.Lock()
         # key_id -> (fallback clock s, requests level, tokens level): what Redis last reported
         self._seen: dict[str, tuple[float, float | None, float | None]] = {}
         self.max_seen = max_seen
@@ -439,6 +463,23 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
                 log.warning("rate limiter: Redis lost its state; buckets restart empty")
             self.epoch = epoch
             self.epochs_seen += 1
+
+    def _failed(self, exc: BaseException) -> None:
+        self.link.fail(exc)
+        self._epoch_due = 0.0  # Redis may come back empty: read the marker first
+
+    async def _refresh_epoch(self) -> None:
+        """Read (or create) the epoch marker if due: at most every ``epoch_refresh_s``, and
+        before the first call after a failure. Concurrent callers wait for one read. Raises
+        what Redis raises."""
+        if time.monotonic() < self._epoch_due:
+            return
+        async with self._epoch_lock:
+            if time.monotonic() < self._epoch_due:
+                return
+            raw = await self._epoch_script(keys=[self.epoch_key], args=[self.epoch])
+            self._learn_epoch(raw)
+            self._epoch_due = time.monotonic() + self.epoch_refresh_s
 
     def _remember(self, key_id: str, r: float | None, t: float | None) -> None:
         seen = self._seen
@@ -480,8 +521,9 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
         pending[key_id] = pending.get(key_id, 0) + 1
         failed: BaseException | None = None
         try:
+            await self._refresh_epoch()
             raw = await self._acquire(
-                keys=[self.key(key_id), self.epoch_key],
+                keys=[self.key(key_id)],
                 args=[limits.rpm or 0, limits.tpm or 0, self.epoch, tokens],
             )
         except REDIS_ERRORS as exc:
@@ -493,11 +535,10 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
             else:
                 del pending[key_id]
         if failed is not None:
-            self.link.fail(failed)
+            self._failed(failed)
             return await self._local(key_id, limits, tokens)
         self.link.ok()
         allowed, wait_ms, code = int(raw[0]), int(raw[1]), int(raw[2])
-        self._learn_epoch(raw[5] if len(raw) > 5 else None)
         remaining_r, remaining_t = _level(raw[3]), _level(raw[4])
         self._remember(key_id, remaining_r, remaining_t)
         limited_by = _CODES.get(code)
@@ -518,15 +559,15 @@ class RedisRateLimiter(OverRedisLink, RateLimiter):
         if requests == 0 and tokens == 0:
             return
         try:
-            epoch = await self._adjust(
-                keys=[self.key(d.key_id), self.epoch_key],
+            await self._refresh_epoch()
+            await self._adjust(
+                keys=[self.key(d.key_id)],
                 args=[d.limits.rpm or 0, d.limits.tpm or 0, self.epoch, requests, tokens],
             )
         except REDIS_ERRORS as exc:  # the charge stands: conservative, never a client error
-            self.link.fail(exc)
+            self._failed(exc)
             return
         self.link.ok()
-        self._learn_epoch(epoch)
 
     async def settle(self, decision: RateDecision, actual_tokens: int) -> None:
         if not decision.allowed:
@@ -591,10 +632,10 @@ class RedisKeyStore:
         *,
         namespace: str = KEY_PREFIX,
         timeout_s: float = 0.25,
-        client: Redis | None = None,
+        client: RedisClient | None = None,
     ) -> None:
         self.ns = namespace
-        self.redis: Redis = client or redis_client(url, timeout_s=timeout_s)
+        self.redis: RedisClient = client or redis_client(url, timeout_s=timeout_s)
 
     def key(self, key_hash: str) -> str:
         return f"{self.ns}apikey:{key_hash}"
@@ -612,11 +653,8 @@ class RedisKeyStore:
 
     async def put(self, key_hash: str, record: KeyRecord) -> None:
         mapping = {"name": record.name, "rpm": record.rpm or "", "tpm": record.tpm or ""}
-        try:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.delete(self.key(key_hash))
-            pipe.hset(self.key(key_hash), mapping=mapping)
-            await pipe.execute()
+        try:  # every field at once: one command on one key, so atomic on a cluster too
+            await self.redis.hset(self.key(key_hash), mapping=mapping)
         except REDIS_ERRORS as exc:
             raise KeyStoreUnavailable(f"key store unreachable: {exc}") from exc
 

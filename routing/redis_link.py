@@ -16,34 +16,34 @@ Connections (:func:`redis_client`): one ``BlockingConnectionPool`` per client, o
 for one instead of failing at once (redis-py's default pool raised "Too many connections" at
 100, and every overflowing request fell back to the in-process limiter). A gateway builds one
 client and shares it between its rate limiter, key store and fleet store, sized from its
-``max_in_flight`` (:func:`pool_size_for`). URLs may be ``redis://`` or ``rediss://`` (TLS,
-certificates verified against the system CAs, or ``EDGECLOUD_REDIS_CA_CERTS``); a password
-comes from the URL or, better (URLs end up in shell history and process lists), from
-``EDGECLOUD_REDIS_PASSWORD`` (with ``EDGECLOUD_REDIS_USERNAME`` for a Redis 6 ACL user).
+``max_in_flight`` (:func:`pool_size_for`). One server, Sentinel or Cluster, by URL and mode:
+see :mod:`routing.redis_connect` (a password comes from the URL or, better, since URLs end up
+in shell history and process lists, from ``EDGECLOUD_REDIS_PASSWORD``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
+
+from routing.redis_connect import RedisClient, RedisMode, connect
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+# RedisClusterException: a cluster client that reaches no node (or finds a slot uncovered)
+REDIS_ERRORS: tuple[type[BaseException], ...] = (
+    RedisError,
+    RedisClusterException,
+    OSError,
+    asyncio.TimeoutError,
+)
 
 
-PASSWORD_ENV = "EDGECLOUD_REDIS_PASSWORD"
-USERNAME_ENV = "EDGECLOUD_REDIS_USERNAME"
-CA_CERTS_ENV = "EDGECLOUD_REDIS_CA_CERTS"
 DEFAULT_MAX_CONNECTIONS = 64
 MAX_POOL_SIZE = 512  # per client: a few replicas stay far below Redis's maxclients (10,000)
 
@@ -58,42 +58,28 @@ def pool_size_for(max_in_flight: int) -> int:
 def redis_client(
     url: str,
     *,
+    mode: RedisMode = "standalone",
     timeout_s: float = 0.25,
     connect_timeout_s: float | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     pool_timeout_s: float = 1.0,
-) -> Redis:
+) -> RedisClient:
     """A client that never hangs or retries: short timeouts, errors surface at once.
 
-    Its pool is a ``BlockingConnectionPool`` of ``max_connections``: when all are busy a command
-    waits up to ``pool_timeout_s`` for one (then fails like an unreachable Redis). The password
-    (and ACL user) come from the URL, else from the environment (see the module notes);
+    One server, a Sentinel-managed primary or a Cluster, as ``url`` and ``mode`` say (see
+    :func:`routing.redis_connect.connect`). Its pool holds ``max_connections``: when all are
+    busy a command waits up to ``pool_timeout_s`` for one (then fails like an unreachable
+    Redis). The password (and ACL user) come from the URL, else from the environment;
     ``rediss://`` URLs use TLS with certificate and host name checks.
     """
-    kwargs: dict[str, Any] = {}
-    password, username = os.environ.get(PASSWORD_ENV), os.environ.get(USERNAME_ENV)
-    if password and "@" not in url.split("//", 1)[-1].split("/", 1)[0]:
-        kwargs["password"] = password
-        if username:
-            kwargs["username"] = username
-    if url.startswith("rediss://"):
-        kwargs["ssl_cert_reqs"] = "required"
-        ca = os.environ.get(CA_CERTS_ENV)
-        if ca:
-            kwargs["ssl_ca_certs"] = ca
-    pool = BlockingConnectionPool.from_url(
+    return connect(
         url,
-        max_connections=max(1, int(max_connections)),
-        timeout=pool_timeout_s,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s if connect_timeout_s is None else connect_timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        retry_on_timeout=False,
-        decode_responses=True,
-        health_check_interval=0,
-        **kwargs,
+        mode=mode,
+        timeout_s=timeout_s,
+        connect_timeout_s=connect_timeout_s,
+        max_connections=max_connections,
+        pool_timeout_s=pool_timeout_s,
     )
-    return Redis.from_pool(pool)
 
 
 class RedisLink:
@@ -105,7 +91,7 @@ class RedisLink:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         *,
         what: str,
         fallback: str,

@@ -28,12 +28,13 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 from routing.blocks import BLOCK_SIZE
-from routing.fleet.state import Capability, NodeState
+from routing.fleet.state import NODE_API_VERSION, Capability, NodeState, api_compatible
 from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyModel, Observation
 from routing.ledger import DispatchLedger
@@ -41,6 +42,8 @@ from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, 
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import OutputLengthEstimator, RequestProfile
 from routing.regions import RegionTable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,7 @@ class Router:
         self._ids = itertools.count(1)
         self._policies: dict[str, Policy] = {}
         self._cfg: PolicyConfig | None = None
+        self._warned_api: set[tuple[str, str]] = set()  # (node, version) already logged
         self._sync()
 
     # ---- config ------------------------------------------------------------------------------
@@ -156,7 +160,10 @@ class Router:
         left_out: dict[str, str] = {}
         need = profile.context_needed
         for node in view.nodes:
-            if profile.model not in node.models and (
+            if not api_compatible(node.api_version):
+                left_out[node.id] = "api_version"
+                self._warn_incompatible(node)
+            elif profile.model not in node.models and (
                 profile.model_identity not in node.model_identities.values()
             ):
                 left_out[node.id] = "model"
@@ -175,6 +182,19 @@ class Router:
                 out.append(Candidate(node, est, shadow))
         out.sort(key=lambda c: c.node.id)
         return out, left_out
+
+    def _warn_incompatible(self, node: NodeState) -> None:
+        """Log once per node and version that it is skipped for its Node API major version."""
+        key = (node.id, node.api_version)
+        if key not in self._warned_api:
+            self._warned_api.add(key)
+            log.warning(
+                "skipping node %s: it speaks Node API %s, this gateway %s (another major "
+                "version); upgrade one of them (docs/deploy.md: rolling upgrades)",
+                node.id,
+                node.api_version,
+                NODE_API_VERSION,
+            )
 
     def _estimate(
         self,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up edgecloud in ./.venv: Python 3.11+ virtualenv, CPU torch, the project, the default model.
+# Set up edgecloud in ./.venv: Python 3.11+ virtualenv, CPU torch, the project with every role's
+# extras (`all`: gateway, edge, cloud, simulator), the default model.
 # Idempotent: a second run only checks. Usage: scripts/setup.sh [--test]  (--test adds test tools)
 # Each step prints one line (what it installs, about how long it takes); pip's output is kept in
 # a log and shown only if the step fails.
@@ -7,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-python3}"
-EXTRAS=""
-[[ "${1:-}" == "--test" ]] && EXTRAS="[test]"
+EXTRAS="all"
+[[ "${1:-}" == "--test" ]] && EXTRAS="all,test"
 
 # shellcheck source=scripts/_step.sh
 source "scripts/_step.sh"
@@ -38,13 +39,15 @@ fi
 
 # The project and its dependencies, again only when pyproject.toml changed since the last install
 # (a stamp per set of extras; the test extras include the plain install).
-stamp() { echo ".venv/.edgecloud-installed-$(sha256sum pyproject.toml | cut -c1-16)$1"; }
+stamp() { echo ".venv/.edgecloud-installed-$(sha256sum pyproject.toml | cut -c1-16)-$1"; }
 if [[ ! -f "$(stamp "$EXTRAS")" ]] || ! command -v edgecloud >/dev/null 2>&1; then
-    step "installing edgecloud and its dependencies${EXTRAS:+ with test tools} (about 1 minute)" \
-        python -m pip install -e ".${EXTRAS}"
+    tools=""
+    [[ "$EXTRAS" == *test* ]] && tools=" with test tools"
+    step "installing edgecloud and its dependencies${tools} (about 1 minute)" \
+        python -m pip install -e ".[${EXTRAS}]"
     rm -f .venv/.edgecloud-installed-*
     touch "$(stamp "$EXTRAS")"
-    if [[ -n "$EXTRAS" ]]; then touch "$(stamp "")"; fi
+    if [[ "$EXTRAS" != all ]]; then touch "$(stamp all)"; fi
 fi
 
 echo "getting the default model (about a minute the first time; then a check)..."

@@ -2,8 +2,8 @@
 # Set up ./.venv-openvino: edgecloud on onnxruntime-openvino (OpenVINO execution provider, CPU,
 # GPU or NPU) instead of plain onnxruntime. The two cannot share an environment (beside plain
 # onnxruntime the OpenVINO build loses its provider), so this is a venv of its own: the project
-# installed with --no-deps, then its dependencies from pyproject.toml with the `edge-openvino`
-# extra in place of onnxruntime. Idempotent: a second run only checks.
+# installed with --no-deps, then the core dependencies from pyproject.toml and its `edge-openvino`
+# extra (never the `edge` extra's onnxruntime). Idempotent: a second run only checks.
 # Usage: scripts/setup_openvino.sh [--test]  (--test adds the test tools)
 # Each step prints one line; pip's output is shown only if the step fails.
 set -euo pipefail
@@ -33,16 +33,14 @@ if ! python -c "import torch" 2>/dev/null; then  # the export needs torch; CPU b
         python -m pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 
-# The dependency list: pyproject's, with onnxruntime swapped for the edge-openvino extra.
+# The dependency list: the core's and the edge-openvino extra's (never plain onnxruntime), and
+# the test tools' with --test (scripts/requirements.py expands the project's own extras).
 requirements() {
-    python - "$WITH_TEST" <<'PY'
-import re, sys, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-extras = project["optional-dependencies"]
-deps = [d for d in project["dependencies"] if re.split(r"[<>=!~\[; ]", d)[0] != "onnxruntime"]
-deps += extras["edge-openvino"] + (extras["test"] if sys.argv[1] == "1" else [])
-print("\n".join(deps))
-PY
+    if [[ "$WITH_TEST" == 1 ]]; then
+        python scripts/requirements.py edge-openvino test
+    else
+        python scripts/requirements.py edge-openvino
+    fi
 }
 
 stamp="$VENV/.edgecloud-installed-$(sha256sum pyproject.toml | cut -c1-16)-$WITH_TEST"

@@ -25,16 +25,9 @@ PY
 
 # The dependency list, ranges as in pyproject.toml: the tests' imports, the extra, the test tools.
 requirements() {
-    "$PYTHON" - <<'PY'
-import re, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-extras = project["optional-dependencies"]
-name = lambda d: re.split(r"[<>=!~\[; ]", d)[0]
-deps = [d for d in project["dependencies"] if name(d) in {"numpy", "onnx", "onnxruntime"}]
-tools = {"pytest", "pytest-asyncio", "pytest-timeout"}
-deps += extras["edge-qnn"] + [d for d in extras["test"] if name(d) in tools]
-print("\n".join(deps))
-PY
+    "$PYTHON" scripts/requirements.py \
+        --only numpy,onnx,onnxruntime,onnxruntime-qnn,pytest,pytest-asyncio,pytest-timeout \
+        edge edge-qnn test
 }
 reqs="$(requirements)"
 

@@ -56,7 +56,7 @@ HASHES = block_hashes(list(range(16 * 6)), model_seed("test-model"))
 async def test_states_have_ttl_and_expire(store: RedisFleetStore, raw: Redis, namespace: str):
     await store.put_node(node("short", ttl_s=0.3, running=3))
     await store.put_node(node("long", ttl_s=30.0))
-    pttl = await raw.pttl(f"{namespace}node:short")
+    pttl = await raw.pttl(f"{namespace}node:{{short}}")
     assert 0 < pttl <= 300
     assert await raw.zscore(f"{namespace}nodes", "long") is not None
 
@@ -77,9 +77,9 @@ async def test_block_events_and_leading_matches(store: RedisFleetStore, raw: Red
     await store.record_blocks("c1", HASHES[:4], [])
     # c2 holds blocks 0, 1 and 3 but not 2: only two lead.
     await store.record_blocks("c2", [HASHES[0], HASHES[1], HASHES[3]], [])
-    members = await raw.smembers(f"{namespace}blocks:c1")
+    members = await raw.smembers(f"{namespace}blocks:{{c1}}")
     assert members == {hex_hash(h) for h in HASHES[:4]}
-    assert await raw.xlen(f"{namespace}events:c1") == 1
+    assert await raw.xlen(f"{namespace}events:{{c1}}") == 1
 
     view = await store.view(HASHES)
     assert view.prefix_blocks == {"c1": 4, "c2": 2}
@@ -93,7 +93,7 @@ async def test_block_events_and_leading_matches(store: RedisFleetStore, raw: Red
     assert view.prefix_blocks == {}
 
     await store.remove_node("c1")
-    assert not await raw.exists(f"{namespace}blocks:c1", f"{namespace}node:c1")
+    assert not await raw.exists(f"{namespace}blocks:{{c1}}", f"{namespace}node:{{c1}}")
     view = await store.view(HASHES)
     assert sorted(n.id for n in view.nodes) == ["c2", "e1"]
 
@@ -244,3 +244,24 @@ async def test_two_gateways_share_nodes_and_the_prefix_index(redis_url: str, nam
     finally:
         for s in (node_side, gw_a, gw_b):
             await s.close()
+
+
+async def test_rolling_upgrade_across_the_hash_tags(
+    store: RedisFleetStore, raw: Redis, namespace: str
+) -> None:
+    """A node of a release before the hash tags (``node:<id>``, ``blocks:<id>``) is seen, with
+    its prefix, by a gateway of this one; a node of this one also writes ``node:<id>``, which
+    gateways of the release before read."""
+    old = node("old-node")
+    hashes = HASHES
+    await raw.set(f"{namespace}node:old-node", old.model_dump_json(), px=5000)
+    await raw.zadd(f"{namespace}nodes", {"old-node": time.time()})
+    await raw.sadd(f"{namespace}blocks:old-node", *(hex_hash(h) for h in hashes[:2]))
+    await store.put_node(node("new-node"))
+    view = await store.view(hashes)
+    assert sorted(n.id for n in view.nodes) == ["new-node", "old-node"]
+    assert view.prefix_blocks == {"old-node": 2}
+    legacy = await raw.get(f"{namespace}node:new-node")
+    assert legacy is not None and NodeState.model_validate_json(legacy).id == "new-node"
+    await store.remove_node("new-node")
+    assert not await raw.exists(f"{namespace}node:new-node", f"{namespace}node:{{new-node}}")

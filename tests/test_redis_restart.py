@@ -178,7 +178,7 @@ PROMPT = " ".join(f"Clause {i}: the tenant keeps the premises clean." for i in r
 async def _blocks(redis_url: str, ns: str) -> set[str]:
     r = Redis.from_url(redis_url, decode_responses=True)
     try:
-        return set(await r.smembers(f"{ns}blocks:rc-cloud"))
+        return set(await r.smembers(f"{ns}blocks:{{rc-cloud}}"))
     finally:
         await r.aclose()
 

@@ -43,11 +43,16 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
 
     from cloud_engine.engine import CloudEngine
-    from gateway.commands.node_args import drain_limits, node_token_from_args
+    from gateway.commands.node_args import (
+        check_redis_args,
+        drain_limits,
+        node_token_from_args,
+    )
     from gateway.node.server import serve_node
     from routing.model_store import resolve
 
     node_token = node_token_from_args(args, "edgecloud cloud serve")
+    check_redis_args(args, "edgecloud cloud serve")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or torch.get_num_threads()))
@@ -83,6 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         public_url=args.public_url,
         redis_url=args.redis_url,
+        redis_mode=args.redis_mode,
         limits=drain_limits(args),
         node_token=node_token,
         watts=args.watts,

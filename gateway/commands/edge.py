@@ -89,11 +89,16 @@ def add_serve(esub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
-    from gateway.commands.node_args import drain_limits, node_token_from_args
+    from gateway.commands.node_args import (
+        check_redis_args,
+        drain_limits,
+        node_token_from_args,
+    )
     from gateway.node.server import serve_node
     from routing.model_store import resolve
 
     node_token = node_token_from_args(args, "edgecloud edge serve")
+    check_redis_args(args, "edgecloud edge serve")
     info = resolve(args.model)
     cfg = EdgeEngineConfig(**{f.key: getattr(args, f.key) for f in EDGE_FLAGS})
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
@@ -106,6 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         public_url=args.public_url,
         redis_url=args.redis_url,
+        redis_mode=args.redis_mode,
         limits=drain_limits(args),
         node_token=node_token,
         watts=args.watts,

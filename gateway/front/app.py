@@ -1,8 +1,8 @@
 """The front gateway's HTTP routes: the one endpoint apps see.
 
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/route``
-(where a request would go and why, without running it), ``GET /health``, ``GET /metrics`` and
-the admin routes (``/admin/nodes``, ``/admin/policy``) behind the admin key.
+(where a request would go and why, without running it), ``GET /health``, ``GET /metrics``, the
+probes (``/livez``, ``/startupz``, ``/readyz``: ``gateway.front.probes``) and the admin routes (``/admin/nodes``, ``/admin/policy``) behind the admin key.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.auth import KeyIdentity, enforce_rate_limit, is_local
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.fleet_gauges import FleetGauges
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
 from gateway.front.openapi import (
@@ -38,6 +39,7 @@ from gateway.front.openapi import (
     PolicyView,
     install_docs,
 )
+from gateway.front.probes import register_probes
 from gateway.gc_tuning import tune_gc
 from gateway.metrics import metrics_response
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
@@ -289,11 +291,15 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     @app.get("/metrics", tags=["Gateway"], responses=METRICS_RESPONSES)
     async def metrics(request: Request) -> Response:
         await observer(request)
+        fleet_gauges.update((await gw.store.view([])).nodes, gw.breakers.snapshot())
         return metrics_response(gw.metrics, request)
 
     @app.get("/v1/models", tags=["OpenAI"], responses=MODELS_RESPONSES)
     async def models(_: KeyIdentity = Depends(gw.auth)) -> dict[str, Any]:
         return {"object": "list", "data": [model_card(m) for m in await gw.models()]}
+
+    register_probes(app, gw)
+    fleet_gauges = FleetGauges(gw.metrics.registry)
 
     @app.get("/health", tags=["Gateway"], responses=HEALTH_RESPONSES)
     async def health(request: Request) -> dict[str, Any]:

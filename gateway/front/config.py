@@ -9,8 +9,10 @@ Safe defaults (each refused or narrowed unless the operator says otherwise):
 - ``observability`` says who may read ``/health`` and ``/metrics``: ``open`` (anyone; the
   details of ``/health`` only to loopback or admin callers), ``loopback`` (loopback callers or
   an admin key), ``admin`` (an admin key; loopback callers only while auth is off).
-- Redis: ``redis://`` or ``rediss://`` (TLS) URLs; the password from the URL or, better,
-  ``$EDGECLOUD_REDIS_PASSWORD`` (see :mod:`routing.redis_link`). One connection pool is shared
+- Redis: ``redis://`` or ``rediss://`` (TLS) URLs, ``redis+sentinel://`` for a Sentinel-managed
+  primary, ``redis_mode: cluster`` for a Redis Cluster (see :mod:`routing.redis_connect`; a
+  URL and mode that name nothing are refused at load); the password from the URL or, better,
+  ``$EDGECLOUD_REDIS_PASSWORD``. One connection pool is shared
   by the rate limiter, the key store and the fleet store, of ``redis_max_connections``
   (default: from ``max_in_flight``, :func:`routing.redis_link.pool_size_for`).
 """
@@ -20,18 +22,16 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from gateway.auth import NODE_TOKEN_ENV, NODE_TOKEN_HEADER, AuthConfig, check_node_token
 from gateway.geo import GeoConfig
 from routing.fleet.memory_store import OpenAINodeConfig
+from routing.redis_connect import RedisClient, RedisMode, parse_redis_url
 from routing.redis_link import pool_size_for, redis_client
-
-if TYPE_CHECKING:
-    from redis.asyncio import Redis
 
 
 class UnsafeExposure(ValueError):
@@ -60,6 +60,7 @@ class GatewayConfig(BaseModel):
     host: 0.0.0.0
     port: 8000
     redis_url: rediss://redis.internal:6380/0 # omit for the in-process fleet store
+    redis_mode: standalone                   # or cluster (the URL names seed nodes)
     nodes: [http://10.0.0.5:8001]            # polled over /load (in-process store only)
     openai_nodes: [{id: vllm-1, url: http://10.0.0.9:8000, region: eu-west, models: [m]}]
     policy_file: policy.yaml                 # routing knobs, hot-reloaded
@@ -76,7 +77,12 @@ class GatewayConfig(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535, description="port (--port overrides)")
     redis_url: str | None = Field(
         default=None,
-        description="the fleet store nodes register in (redis:// or rediss://); none: in-process",
+        description="the fleet store nodes register in (redis://, rediss://, "
+        "redis+sentinel://host:port,.../service); none: in-process",
+    )
+    redis_mode: RedisMode = Field(
+        default="standalone",
+        description="cluster: redis_url names seed nodes of a Redis Cluster (host:port,...)",
     )
     nodes: list[str] = Field(
         default_factory=list, description="node base URLs, polled over /load (in-process store)"
@@ -139,17 +145,24 @@ class GatewayConfig(BaseModel):
             check_node_token(v.get_secret_value())
         return v
 
+    @model_validator(mode="after")
+    def _redis_target(self) -> GatewayConfig:
+        if self.redis_url:
+            parse_redis_url(self.redis_url, self.redis_mode)  # RedisUrlError is a ValueError
+        return self
+
     @property
     def redis_pool_size(self) -> int:
         """Connections of the one Redis pool (see :func:`routing.redis_link.pool_size_for`)."""
         return self.redis_max_connections or pool_size_for(self.max_in_flight)
 
-    def redis_client(self) -> Redis | None:
+    def redis_client(self) -> RedisClient | None:
         """A new client on the one pool this gateway's Redis users share (None: no Redis)."""
         if not self.redis_url:
             return None
         return redis_client(
             self.redis_url,
+            mode=self.redis_mode,
             max_connections=self.redis_pool_size,
             pool_timeout_s=self.redis_pool_timeout_s,
         )

@@ -1,13 +1,16 @@
 """The Redis fleet store: many gateways share node states and the precise prefix index.
 
 Key layout: see :mod:`routing.fleet.store` (everything under ``namespace``, default
-``edgecloud:v1:``). Block hashes are stored as 16-digit lowercase hex.
+``edgecloud:v1:``; a node's keys share its hash tag). Block hashes are stored as 16-digit
+lowercase hex.
 
 Invariants:
-- ``view`` is exactly one round trip (EVALSHA of one registered Lua script; a script cache
-  miss after a Redis restart costs one extra SCRIPT LOAD, once). The script returns every node
-  whose state key has not expired (TTL = the state's ``ttl_s``) and the number of *leading*
-  request blocks in the node's block set.
+- ``view`` returns every node whose state key has not expired (TTL = the state's ``ttl_s``)
+  and the number of *leading* request blocks in the node's block set, read as
+  :mod:`routing.fleet.redis_view` says: on one server (or Sentinel's primary) exactly one round
+  trip (EVALSHA of one registered Lua script; a script cache miss after a restart or failover
+  costs one extra SCRIPT LOAD, once); on a Redis Cluster one pipeline of single-key commands
+  sent to every primary at once, the node list refreshed at most every ``members_refresh_s``.
 - Nothing hangs: short socket timeouts, no client-side retries. While Redis is unreachable,
   ``view`` answers at once from the last good view (``stale=True``), retrying Redis at most
   every ``retry_interval_s``; the first success makes the store ``healthy`` again.
@@ -26,11 +29,13 @@ Invariants:
   503 window. Outside a recovery a node missing from Redis is gone at once (a node that stops
   removes itself, and gateways stop routing to it).
 - Writes (``put_node``, ``record_blocks``, ``remove_node``) are one pipelined round trip each
-  and raise :class:`FleetStoreUnavailable` when Redis is down.
+  (on a cluster, one per primary they touch, in parallel; a node's own keys are in one slot)
+  and raise :class:`FleetStoreUnavailable` when Redis is down. On one server a node's state is
+  also written under its key of releases before the hash tags, for their gateways.
 - The NodeState objects a view returns are shared with later views until the node pushes a
   new state: callers must not mutate them.
-- Not Redis-Cluster-safe as is: the script touches keys it computes (fine on one primary, with
-  Sentinel or replicas).
+- A failover (Sentinel or Cluster) is an outage as short as the failover: the calls it fails
+  fall back as above, and the next view after ``retry_interval_s`` reaches the new primary.
 """
 
 from __future__ import annotations
@@ -42,33 +47,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
 
 from routing.fleet.memory_store import OpenAINodeTracker
+from routing.fleet.redis_view import ClusterViewReader, FleetKeys, ScriptViewReader, ViewReader
 from routing.fleet.state import NodeState
 from routing.fleet.store import KEY_PREFIX, FleetStore, FleetView
+from routing.redis_connect import RedisClient, RedisMode, is_cluster
 from routing.redis_link import REDIS_ERRORS, OverRedisLink, RedisLink, redis_client
 
 log = logging.getLogger(__name__)
-
-VIEW_SCRIPT = """
-local ns = ARGV[1]
-local ids = redis.call('ZRANGE', ns .. 'nodes', 0, -1)
-local out = {redis.call('GET', ns .. 'epoch') or ''}
-for _, id in ipairs(ids) do
-  local state = redis.call('GET', ns .. 'node:' .. id)
-  if state then
-    local bkey = ns .. 'blocks:' .. id
-    local n = 0
-    for i = 2, #ARGV do
-      if redis.call('SISMEMBER', bkey, ARGV[i]) == 1 then n = n + 1 else break end
-    end
-    out[#out + 1] = state
-    out[#out + 1] = n
-  end
-end
-return out
-"""
 
 
 class FleetStoreUnavailable(ConnectionError):
@@ -92,19 +79,23 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         index_ttl_s: float = 600.0,
         events_maxlen: int = 1000,
         openai_nodes: Sequence[OpenAINodeTracker] = (),
-        client: Redis | None = None,
+        client: RedisClient | None = None,
+        mode: RedisMode = "standalone",
+        members_refresh_s: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.ns = namespace
+        self.keys = FleetKeys(namespace)
         self.retry_interval_s = retry_interval_s
         self.prune_after_s = prune_after_s
         self.index_ttl_ms = int(index_ttl_s * 1000)
         self.events_maxlen = events_maxlen
         self.openai_nodes = {t.id: t for t in openai_nodes}
         self.clock = clock
-        self.redis: Redis = client or redis_client(
-            url, timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
+        self.redis: RedisClient = client or redis_client(
+            url, mode=mode, timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
         )
+        self.cluster = is_cluster(self.redis)
         self.link = RedisLink(
             self.redis,
             what="fleet store",
@@ -112,7 +103,11 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             retry_interval_s=retry_interval_s,
             clock=clock,
         )
-        self._view_script = self.redis.register_script(VIEW_SCRIPT)
+        self._reader: ViewReader = (
+            ClusterViewReader(self.redis, self.keys, members_refresh_s=members_refresh_s)
+            if self.cluster
+            else ScriptViewReader(self.redis, self.keys)
+        )
         self._last_nodes: list[NodeState] = []
         # raw JSON -> (state, when this gateway first saw it), for the last view's nodes
         self._parsed: dict[str, tuple[NodeState, float]] = {}
@@ -127,10 +122,6 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         # good views after an outage, or that found the fleet's epoch changed (Redis restarted
         # empty): each began a recovery, whether or not a node was still to re-publish then
         self.recoveries_total = 0
-
-    # ---- keys --------------------------------------------------------------------------------
-    def _key(self, kind: str, node_id: str | None = None) -> str:
-        return f"{self.ns}{kind}" if node_id is None else f"{self.ns}{kind}:{node_id}"
 
     # ---- health ------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -161,25 +152,29 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         payload = state.model_dump_json()
         now = self.clock()
 
+        k = self.keys
+
         def build(p: Any) -> None:
-            p.set(self._key("epoch"), secrets.token_hex(8), nx=True)
-            p.set(self._key("node", state.id), payload, px=ttl_ms)
-            p.zadd(self._key("nodes"), {state.id: now})
-            p.zremrangebyscore(self._key("nodes"), "-inf", now - self.prune_after_s)
-            p.pexpire(self._key("blocks", state.id), self.index_ttl_ms)
-            p.pexpire(self._key("events", state.id), self.index_ttl_ms)
+            p.set(k.epoch, secrets.token_hex(8), nx=True)
+            if not self.cluster:
+                p.set(k.legacy_node(state.id), payload, px=ttl_ms)
+            p.set(k.node(state.id), payload, px=ttl_ms)
+            p.zadd(k.nodes, {state.id: now})
+            p.zremrangebyscore(k.nodes, "-inf", now - self.prune_after_s)
+            p.pexpire(k.blocks(state.id), self.index_ttl_ms)
+            p.pexpire(k.events(state.id), self.index_ttl_ms)
 
         results = await self._write(build)
         return bool(results[-1])  # PEXPIRE on events:{id} is 0 when the stream is gone
 
     async def remove_node(self, node_id: str) -> None:
+        k = self.keys
+
         def build(p: Any) -> None:
-            p.delete(
-                self._key("node", node_id),
-                self._key("blocks", node_id),
-                self._key("events", node_id),
-            )
-            p.zrem(self._key("nodes"), node_id)
+            p.delete(k.node(node_id), k.blocks(node_id), k.events(node_id))  # one slot
+            if not self.cluster:
+                p.delete(k.legacy_node(node_id))
+            p.zrem(k.nodes, node_id)
 
         await self._write(build)
 
@@ -188,7 +183,7 @@ class RedisFleetStore(OverRedisLink, FleetStore):
     ) -> None:
         stored_hex = [hex_hash(h) for h in stored]
         removed_hex = [hex_hash(h) for h in removed]
-        blocks, events = self._key("blocks", node_id), self._key("events", node_id)
+        blocks, events = self.keys.blocks(node_id), self.keys.events(node_id)
 
         def build(p: Any) -> None:
             if removed_hex:
@@ -207,7 +202,7 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         await self._write(build)
 
     async def replace_blocks(self, node_id: str, held: Sequence[int]) -> None:
-        blocks, events = self._key("blocks", node_id), self._key("events", node_id)
+        blocks, events = self.keys.blocks(node_id), self.keys.events(node_id)
         held_hex = [hex_hash(h) for h in held]
 
         def build(p: Any) -> None:
@@ -244,7 +239,7 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             self._outage = True
             return self._stale_view()
         try:
-            raw = await self._view_script(args=[self.ns, *(hex_hash(h) for h in block_hashes)])
+            epoch, rows = await self._reader.read([hex_hash(h) for h in block_hashes])
         except REDIS_ERRORS as exc:
             self.link.fail(exc)
             self._outage = True
@@ -254,22 +249,21 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         nodes: list[NodeState] = []
         prefix: dict[str, int] = {}
         parsed: dict[str, tuple[NodeState, float]] = {}
-        for i in range(1, len(raw), 2):
-            got = self._parsed.get(raw[i])  # states change once a second; views run per request
+        for raw, count in rows:
+            got = self._parsed.get(raw)  # states change once a second; views run per request
             if got is None:
                 try:
-                    got = (NodeState.model_validate_json(raw[i]), now)
+                    got = (NodeState.model_validate_json(raw), now)
                 except ValidationError as exc:
                     log.warning("fleet store: ignoring an unreadable node state: %s", exc)
                     continue
-            parsed[raw[i]] = got
+            parsed[raw] = got
             node = got[0]
             nodes.append(node)
-            count = int(raw[i + 1])
             if count:
                 prefix[node.id] = count
         self._parsed = parsed
-        carried = self._recover(str(raw[0]) if raw and raw[0] else None, parsed, now)
+        carried = self._recover(epoch, parsed, now)
         if carried:
             self.carried_views_total += 1
             nodes = [*nodes, *carried]

@@ -11,6 +11,20 @@ import time
 from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
+# The Node API a node speaks (MAJOR.MINOR): a minor step only adds to it; a gateway routes only
+# to nodes of its own major (``api_compatible``), and says which it skips.
+NODE_API_VERSION = "1.0"
+
+
+def api_major(version: str) -> int | None:
+    """The major number of a ``MAJOR.MINOR`` Node API version; None if it is not one."""
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def api_compatible(version: str) -> bool:
+    """True when a node speaking ``version`` can serve this gateway (same major)."""
+    return api_major(version) == api_major(NODE_API_VERSION)
 
 
 class NodeKind(enum.StrEnum):
@@ -122,6 +136,8 @@ class NodeState(EngineTraits):
     timestamp: float = Field(default_factory=time.time)  # wall-clock time it was taken
     ttl_s: float = 5.0
     version: int = SCHEMA_VERSION
+    # the Node API it speaks; nodes from before this field spoke 1.0
+    api_version: str = NODE_API_VERSION
 
     def is_fresh(self, now: float | None = None) -> bool:
         return ((now if now is not None else time.time()) - self.timestamp) <= self.ttl_s

@@ -6,11 +6,18 @@ register themselves and push their block events) and
 over ``/load`` and ``/prefix/events``). Both index exactly what the nodes report holding
 (``routing.fleet.block_feed``): a node that keeps no prefix cache is never credited.
 
-Redis key layout (all under ``edgecloud:v1:``):
+Redis key layout (all under ``edgecloud:v1:``; ``{node_id}`` is a Redis Cluster hash tag,
+:func:`routing.redis_connect.hash_tag`, so a node's keys share one slot and the nodes spread
+over the cluster's slots):
 - ``node:{node_id}``: the NodeState as JSON, with a TTL of ``state.ttl_s``.
-- ``nodes``: sorted set node_id -> last push time (stale members are pruned by readers).
 - ``blocks:{node_id}``: set of the block hashes (hex) the node holds (from stored/removed events).
 - ``events:{node_id}``: stream of raw block events (capped), for observers.
+- ``nodes``: sorted set node_id -> last push time (stale members are pruned by writers).
+- ``epoch``: the fleet's epoch (a random id; see ``routing.fleet.redis_store``).
+- ``node:<node_id>`` (no hash tag; not on a cluster): the same state, still written for
+  gateways of releases before the hash tags, for one release (see docs/deploy.md).
+``nodes`` and ``epoch`` are the only keys every node shares: nodes write them once per state
+push, and on a cluster gateways read them at most every ``members_refresh_s``, not per request.
 """
 
 from __future__ import annotations
