@@ -67,6 +67,16 @@ def usage_object(u: Usage, completion: int | None = None) -> dict[str, Any]:
     }
 
 
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as its ``input``; a call cut short by ``max_tokens`` (not JSON yet)
+    is ``{}`` (the stop reason says it was cut)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def sse(kind: str, data: dict[str, Any]) -> bytes:
     text = json.dumps({"type": kind, **data}, separators=(",", ":"), ensure_ascii=False)
     return f"event: {kind}\ndata: {text}\n\n".encode()
@@ -88,7 +98,7 @@ class MessageWriter:
 
     def message(self) -> dict[str, Any]:
         content = [
-            {**b, "input": json.loads(self.args[i] or "{}")} if b["type"] == "tool_use" else b
+            {**b, "input": _input(self.args[i])} if b["type"] == "tool_use" else b
             for i, b in enumerate(self.content)
         ]
         return {

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -255,8 +256,17 @@ def chat_body(
     return body
 
 
+def _complete(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
+
+
 def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
-    """A response's output items as the one chat assistant message they were."""
+    """A response's output items as the one chat assistant message they were, less any call
+    the token budget cut short (its arguments not JSON yet: it cannot be rendered or run)."""
     text = "".join(
         part.get("text", "")
         for item in output
@@ -270,7 +280,7 @@ def assistant_message(output: list[dict[str, Any]]) -> dict[str, Any]:
             "function": {"name": item["name"], "arguments": item["arguments"]},
         }
         for item in output
-        if item["type"] == "function_call"
+        if item["type"] == "function_call" and _complete(item["arguments"])
     ]
     msg: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:
