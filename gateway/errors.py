@@ -58,6 +58,24 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# 5xx codes whose messages name nodes or upstream errors: what the client is told instead
+_GENERIC_5XX = {
+    "upstream_unavailable": "No node could serve the request right now; please retry.",
+    "tokenizer_unavailable": "The model's tokenizer cannot be fetched right now; please retry.",
+    "upstream_error": "The node failed while answering; please retry.",
+}
+
+
+def public_error(request: Request, exc: APIError) -> APIError:
+    """``exc`` as the client may see it: 5xx bodies say what failed, never where (node ids,
+    URLs and upstream errors go to the log; the client gets the code and a generic message)."""
+    generic = _GENERIC_5XX.get(exc.code or "") if exc.status >= 500 else None
+    if generic is None:
+        return exc
+    log.warning("%s %s %s: %s", request.method, request.url.path, exc.code, exc.message)
+    return APIError(exc.status, generic, exc.type, exc.param, exc.code, exc.headers)
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -111,6 +129,21 @@ def _message(error: Any) -> str:
     return msg.removeprefix("Value error, ")
 
 
+def validation_error(errors: list[Any]) -> APIError:
+    """The 400 for pydantic's ``errors`` (locations under ``body``): the most specific one's
+    field as ``param``, ``invalid_json`` for a body that is not JSON."""
+    first = _most_specific(errors) if errors else {}
+    if first.get("type") == "json_invalid":
+        return bad_request("We could not parse the JSON body of your request.", code="invalid_json")
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = _message(first)
+    code = _CODES.get(str(first.get("type")), "invalid_value")
+    text = f"Invalid value for '{param}': {msg}" if param and code == "invalid_value" else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error(s))"
+    return bad_request(text, param=param, code=code)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -118,19 +151,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = list(exc.errors())
-        first = _most_specific(errors) if errors else {}
-        if first.get("type") == "json_invalid":
-            return bad_request(
-                "We could not parse the JSON body of your request.", code="invalid_json"
-            ).response()
-        param = _loc_to_param(tuple(first.get("loc", ())))
-        msg = _message(first)
-        code = _CODES.get(str(first.get("type")), "invalid_value")
-        text = f"Invalid value for '{param}': {msg}" if param and code == "invalid_value" else msg
-        if len(errors) > 1:
-            text += f" (and {len(errors) - 1} more error(s))"
-        return bad_request(text, param=param, code=code).response()
+        return validation_error(list(exc.errors())).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -21,9 +21,10 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from gateway.apis.routes import install_api_routes
 from gateway.auth import KeyIdentity, enforce_rate_limit, is_local
 from gateway.body_limit import BodyLimitMiddleware
-from gateway.errors import APIError, bad_request, install_error_handlers
+from gateway.errors import APIError, bad_request, install_error_handlers, public_error
 from gateway.fleet_gauges import FleetGauges
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
@@ -47,14 +48,6 @@ from routing.fleet.store import FleetStore
 from routing.policies import make_policy
 
 log = logging.getLogger(__name__)
-
-# 5xx codes whose messages name nodes or upstream errors: what the client is told instead
-_GENERIC_5XX = {
-    "upstream_unavailable": "No node could serve the request right now; please retry.",
-    "tokenizer_unavailable": "The model's tokenizer cannot be fetched right now; please retry.",
-    "upstream_error": "The node failed while answering; please retry.",
-}
-
 
 # a hot route: (request, read the body) -> response
 Endpoint = Callable[[Request, Callable[[], Awaitable[bytes]]], Awaitable[Response]]
@@ -213,16 +206,11 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        """5xx bodies say what failed, never where: node ids, URLs and upstream errors go to
-        the log; the client gets the code and a generic message."""
-        generic = _GENERIC_5XX.get(exc.code or "") if exc.status >= 500 else None
-        if generic is None:
-            return exc.response()
-        log.warning("%s %s %s: %s", request.method, request.url.path, exc.code, exc.message)
-        return APIError(exc.status, generic, exc.type, exc.param, exc.code, exc.headers).response()
+        return public_error(request, exc).response()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.state.gateway = gw
+    install_api_routes(app, gw)  # /v1/responses and /v1/messages over the chat path
 
     # The two hot routes: served by GatewayApp directly (see its docstring), and also plain
     # Starlette routes (FastAPI's per-request dependency solving was about a tenth of the

@@ -65,6 +65,7 @@ class GatewayConfig(BaseModel):
     openai_nodes: [{id: vllm-1, url: http://10.0.0.9:8000, region: eu-west, models: [m]}]
     policy_file: policy.yaml                 # routing knobs, hot-reloaded
     virtual_models: {auto: smollm2-135m-instruct}
+    model_aliases: {"claude-*": auto, "gpt-*": auto}  # agents' own model names
     geo: {database: GeoLite2-City.mmdb, default_region: eu-west, countries: {FR: eu-west}}
     auth: {salt: "...", keys: [...], admin_keys: [...]}
     gateway_replicas: 3                      # replicas sharing Redis (rate-limit fallback share)
@@ -96,6 +97,16 @@ class GatewayConfig(BaseModel):
     virtual_models: dict[str, str] = Field(
         default_factory=lambda: {"auto": "smollm2-135m-instruct"},
         description="model names clients may use for a concrete model",
+    )
+    model_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="other model names agents send, as shell patterns (claude-*, gpt-*), mapped "
+        "to a served model or a virtual one; the first matching pattern wins",
+    )
+    responses_ttl_s: float = Field(
+        default=30 * 86400,
+        gt=0,
+        description="how long a stored /v1/responses response can be read or chained",
     )
     geo: GeoConfig = Field(default_factory=GeoConfig, description="client IP -> region")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and limits")

@@ -93,6 +93,7 @@ class Gateway:
             self.geo,
             self.client_ip,
             config.virtual_models,
+            config.model_aliases,
         )
         self.slots = Slots(config.max_in_flight, self.metrics.in_flight)
         self.deps = DispatchDeps(

@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import os
 from collections.abc import Callable
@@ -36,6 +37,32 @@ from routing.policies import Decision, NoRoute
 from routing.profile import ProfileError, RequestProfile, build_profile
 from routing.prompt import TemplateError
 from routing.router import Router
+
+
+class ModelAliases:
+    """Model names agents send (``claude-*``, ``gpt-*``) mapped to a served or virtual model.
+
+    Patterns are shell patterns (:mod:`fnmatch`, case-sensitive); an exact name wins over
+    patterns, then the first pattern in the configured order. Lookups are cached."""
+
+    def __init__(self, table: dict[str, str]) -> None:
+        self.exact = {k: v for k, v in table.items() if not any(c in k for c in "*?[")}
+        self.patterns = [(k, v) for k, v in table.items() if k not in self.exact]
+        self._cache: dict[str, str | None] = {}
+
+    def target(self, name: str) -> str | None:
+        if name in self.exact:
+            return self.exact[name]
+        if not self.patterns:
+            return None
+        if name not in self._cache:
+            if len(self._cache) >= 4096:
+                self._cache.clear()
+            self._cache[name] = next(
+                (v for k, v in self.patterns if fnmatch.fnmatchcase(name, k)), None
+            )
+        return self._cache[name]
+
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 RequestModel = type[ChatCompletionRequest] | type[CompletionRequest]
@@ -108,6 +135,7 @@ class RequestPath:
         geo: GeoLocator,
         client_ip: ClientIPResolver,
         virtual_models: dict[str, str],
+        model_aliases: dict[str, str] | None = None,
     ) -> None:
         self.store = store
         self.tokenizers = tokenizers
@@ -116,6 +144,7 @@ class RequestPath:
         self.geo = geo
         self.client_ip = client_ip
         self.virtual_models = virtual_models
+        self.model_aliases = ModelAliases(model_aliases or {})
         self.identities: dict[str, str] = {}  # model name -> identity, from the last view
         self.policy_override: str | None = None
         self._peer_geo: dict[Any, GeoResult] = {}  # socket peer -> where (no trusted proxies)
@@ -137,7 +166,15 @@ class RequestPath:
         return found.region if found.source != "default" else self.router.config.default_region
 
     def concrete_model(self, requested: str) -> str:
-        return self.virtual_models.get(requested, requested)
+        """The served model for a requested name: a virtual model's target, else an alias's
+        (which may itself name a virtual model), else the name itself."""
+        found = self.virtual_models.get(requested)
+        if found is not None:
+            return found
+        aliased = self.model_aliases.target(requested)
+        if aliased is None:
+            return requested
+        return self.virtual_models.get(aliased, aliased)
 
     # ---- profiling ---------------------------------------------------------------------------
     async def _identity(self, model: str) -> tuple[str, FleetView | None]:
