@@ -1,6 +1,7 @@
 """What logprobs cost the engines: decode with ``logprobs`` (top 20) and prefill with prompt
-logprobs (``echo``: every prompt position through the LM head) against the same requests
-without them, on the edge engine and the CPU cloud engine, greedy, in one run.
+logprobs (``echo``: every prompt position through the LM head) against requests of the same
+length without them, on the edge engine and the CPU cloud engine, greedy, in one run; every
+prompt is new (no prefix-cache hits).
 
 **Peer:** the same requests without logprobs, alternated with them, same engine, same run.
 The ratio says whether the router's latency model must count logprobs (it does not where the
@@ -53,9 +54,29 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     info = resolve(args.model)
     fmt = PromptFormatter.from_folder(info.path)
     rng = random.Random(5)
-    words = "the of a harbour light keeper storm night ship rock wave lamp".split()
+    words = [
+        "the",
+        "of",
+        "a",
+        "harbour",
+        "light",
+        "keeper",
+        "storm",
+        "night",
+        "ship",
+        "rock",
+        "wave",
+        "lamp",
+    ]
     text = " ".join(rng.choice(words) for _ in range(args.prompt_tokens * 2))
-    prompts = [fmt.encode(f"{i}: {text}")[: args.prompt_tokens] for i in range(args.rounds)]
+
+    def prompts(case: int) -> list[list[int]]:  # never seen before: no prefix-cache hits
+        return [
+            fmt.encode(f"{case}.{i}.{mode}: {text}")[: args.prompt_tokens]
+            for i in range(args.rounds)
+            for mode in (0, 1)
+        ]
+
     plain = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     cases = {
         "logprobs (top 20)": replace(plain, logprobs=20),
@@ -66,15 +87,16 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         engine = _engine(kind, args)
         await engine.start()
         try:
-            await _timed(engine, prompts[0][:32], plain)  # warm-up
-            for name, asked in cases.items():
+            await _timed(engine, prompts(99)[0][:32], plain)  # warm-up
+            for case, (name, asked) in enumerate(cases.items()):
                 base = replace(plain, max_tokens=asked.max_tokens)
                 got: dict[str, list[tuple[float, float, int]]] = {"without": [], "with": []}
-                for i, ids in enumerate(prompts):
+                fresh = iter(prompts(case))
+                for i in range(args.rounds):
                     order = ("without", "with") if i % 2 == 0 else ("with", "without")
                     for mode in order:
                         sp = asked if mode == "with" else base
-                        got[mode].append(await _timed(engine, ids, sp))
+                        got[mode].append(await _timed(engine, next(fresh), sp))
                 ttft = {m: statistics.median(t for t, _, _ in v) for m, v in got.items()}
                 per_tok = {
                     m: sum(d for _, d, _ in v) / max(1, sum(n - 1 for _, _, n in v))
