@@ -284,6 +284,11 @@ class RequestProfile:
     needs: frozenset[str] = frozenset()
     tools: bool = False  # chat ``tools`` ask for the grammar (the field a 400 names)
 
+    @property
+    def prompt_logprobs(self) -> bool:
+        """It asks for its prompt's logprobs (every position computed, no prefix reuse)."""
+        return Capability.PROMPT_LOGPROBS in self.needs
+
     def expected_output_on(self, kind: str) -> float:
         """The expected completion tokens on a node of ``kind``."""
         return self.expected_output_by_kind.get(kind, self.expected_output_tokens)

@@ -37,6 +37,7 @@ from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NODE_API_VERSION, Capability, NodeState, api_compatible
 from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyModel, Observation
+from routing.latency.priors import prompt_cost
 from routing.ledger import DispatchLedger
 from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, make_policy
 from routing.policy_config import ConfigSource, PolicyConfig
@@ -209,6 +210,9 @@ class Router:
         seen = self.ledger.in_flight_at(node.id, node.timestamp)
         extra = max(0, node.running + node.waiting - seen)  # other gateways' requests
         credited = min(view.prefix_blocks.get(node.id, 0), len(profile.reusable_hashes))
+        echo = profile.prompt_logprobs  # every position computed: no prefix reuse, dearer tokens
+        if echo:
+            credited = 0
         if (
             credited
             and node.prefix_in_slots
@@ -229,10 +233,11 @@ class Router:
             extra_inflight=extra,
             ahead=self.ledger.work(node.id, now),
             shared_prefix=self.ledger.shared_prefix(node.id, profile.reusable_hashes)
-            if node.prefix_cache
+            if node.prefix_cache and not echo
             else None,
             newcomer=self.ledger.typical(node.id, now),
             choices=profile.choices,
+            prompt_cost=prompt_cost(node) if echo else 1.0,
         )
 
     def decide(
@@ -325,7 +330,9 @@ class Router:
         net = measured.net_rtt_ms
         if net is None:
             net = self.regions.rtt_ms(self.config.home_region, ticket.node.region)
+        echo = ticket.profile is not None and ticket.profile.prompt_logprobs
         obs = Observation(
+            prompt_cost=prompt_cost(ticket.node) if echo else 1.0,
             node_id=ticket.node.id,
             kind=ticket.node.kind,
             prompt_tokens=measured.prompt_tokens,

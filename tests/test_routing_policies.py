@@ -177,6 +177,23 @@ def test_prefix_cache_credit_picks_the_node_holding_the_prefix():
     assert d.predicted_ttft_ms < d.fallbacks[0].estimate.ttft_ms
 
 
+def test_prompt_logprobs_get_no_prefix_credit_and_dearer_prompt_tokens():
+    """A request for its prompt's logprobs (echo) computes every position: the prefix the
+    node holds is not credited, and its prompt tokens cost the kind's measured factor."""
+    from routing.latency.priors import EDGE
+
+    caps = ["logprobs", "prompt_logprobs"]
+    fleet = view(edge("e", capabilities=caps), prefix={"e": 30})
+    echo = frozenset({"logprobs", "prompt_logprobs"})
+    plain = router().decide(profile(500, block_hashes=list(range(31))), fleet)
+    asked = router().decide(profile(500, block_hashes=list(range(31)), needs=echo), fleet)
+    assert plain.cached_tokens == 30 * BLOCK_SIZE and asked.cached_tokens == 0
+    cold = router().decide(profile(500), view(edge("e", capabilities=caps)))
+    work = asked.estimate.basis.prefill_work_tokens
+    assert work == pytest.approx(cold.estimate.basis.prefill_work_tokens * EDGE.prompt_logprob_cost)
+    assert asked.predicted_ttft_ms > cold.predicted_ttft_ms > plain.predicted_ttft_ms
+
+
 def test_eligibility_model_context_and_open_circuits():
     r = router()
     other_model = edge("e-other", models=["x"])

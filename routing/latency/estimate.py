@@ -106,6 +106,7 @@ def predict(
     newcomer: Work | None = None,
     shared_prefix: SharedPrefix | None = None,
     choices: int = 1,
+    prompt_cost: float = 1.0,
 ) -> Estimate:
     """Predict one request's timings on ``node`` from the rates in ``book``.
 
@@ -157,7 +158,9 @@ def predict(
             # no room in the KV cache: it starts when a request in hand finishes
             shape = replace(shape, slots=min(shape.slots, len(work)))
     # the cached tokens' cost as prefill work of the same rate (what replay schedules)
-    work_tokens = uncached + cached * shape.cached_token_ms / shape.prefill_ms_per_token
+    work_tokens = (
+        uncached * prompt_cost + cached * shape.cached_token_ms / shape.prefill_ms_per_token
+    )
     new = Work(work_tokens, out - 1.0, context=prompt_tokens, shared=shared)
     if newcomer is not None:
         pair = replay_pair(shape, work, new, Arrivals(len(work) + 1, newcomer))

@@ -47,11 +47,12 @@ class Observation:
     estimate: Estimate | None = None  # the prediction made for this node at decision time
     node_ttft_ms: float | None = None
     decode_batch: float | None = None
+    prompt_cost: float = 1.0  # an uncached prompt token's cost in ordinary ones (echo: more)
 
 
 def _learn_prefill(rates: NodeRates, obs: Observation, net: float) -> None:
     est = obs.estimate
-    uncached = obs.prompt_tokens - obs.cached_tokens
+    uncached = (obs.prompt_tokens - obs.cached_tokens) * obs.prompt_cost  # ordinary tokens
     if obs.ttft_ms is None or uncached < 1:
         return
     server_ms = obs.ttft_ms - net

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from routing.fleet.state import NodeKind
+from routing.fleet.state import NodeKind, NodeState
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,12 +21,20 @@ class KindPriors:
     prefill_chunk: int = 256  # prompt tokens per engine step, where the node reports none
     # its engine runs a prompt's chunk and the decode rows as one step (the cloud engine)
     mixed_steps: bool = False
+    # a prompt token's prefill cost with prompt logprobs (echo: every position through the LM
+    # head and a log-softmax) against without (bench/logprob_cost.py: 1.63x edge, 1.25x cloud
+    # on 400-token prompts; decode logprobs cost nothing measurable, 1.01-1.02x)
+    prompt_logprob_cost: float = 1.0
 
 
-EDGE = KindPriors(400.0, 30.0, 0.6, prefill_chunk=256)
-CLOUD = KindPriors(6000.0, 20.0, 0.03, prefill_chunk=1024, mixed_steps=True)
+EDGE = KindPriors(400.0, 30.0, 0.6, prefill_chunk=256, prompt_logprob_cost=1.6)
+CLOUD = KindPriors(
+    6000.0, 20.0, 0.03, prefill_chunk=1024, mixed_steps=True, prompt_logprob_cost=1.25
+)
 # a cloud node whose torch device is a CPU: 130-270 prompt tokens/s, 55-95 ms a one-row step
-CLOUD_CPU = KindPriors(250.0, 60.0, 0.25, prefill_chunk=1024, mixed_steps=True)
+CLOUD_CPU = KindPriors(
+    250.0, 60.0, 0.25, prefill_chunk=1024, mixed_steps=True, prompt_logprob_cost=1.25
+)
 OPENAI = KindPriors(3000.0, 25.0, 0.0)
 
 RATE_ALPHA = 0.2  # EWMA weight of a new rate sample
@@ -61,3 +69,8 @@ def kind_priors(kind: NodeKind, device: str | None = None) -> KindPriors:
     if kind == NodeKind.CLOUD:
         return CLOUD_CPU if device is not None and on_cpu(device) else CLOUD
     return OPENAI
+
+
+def prompt_cost(node: NodeState) -> float:
+    """A prompt token's prefill cost on ``node`` with prompt logprobs, in ordinary tokens."""
+    return kind_priors(node.kind, node.device).prompt_logprob_cost
