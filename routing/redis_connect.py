@@ -7,9 +7,10 @@ Which deployment a URL names (:func:`parse_redis_url`):
   ``rediss+sentinel://...``: the primary that the Sentinels at ``s1``, ``s2``, ... name for
   ``service`` (the Sentinels' own password, if they have one, comes from
   ``$EDGECLOUD_REDIS_SENTINEL_PASSWORD``; TLS, with ``rediss+``, applies to both).
-- with ``mode="cluster"`` (the ``redis_mode: cluster`` setting): a Redis Cluster reached through
-  the seed nodes of a ``redis://`` or ``rediss://`` URL (``host1:port1,host2:port2``; database 0
-  only). A Sentinel URL with ``mode="cluster"`` is refused.
+- ``redis+cluster://[user:password@]n1:6379,n2:6379`` and ``rediss+cluster://...``: a Redis
+  Cluster reached through those seed nodes (database 0 only).
+
+The URL alone says which: no other setting names the deployment.
 
 Every client follows the rules of :mod:`routing.redis_link`: short timeouts and no retries of
 its own, so a lost server costs a command one timeout and the caller degrades. What each shape
@@ -41,7 +42,6 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 
-RedisMode = Literal["standalone", "cluster"]
 RedisClient: TypeAlias = "Redis | RedisCluster"
 Shape = Literal["standalone", "sentinel", "cluster"]
 
@@ -49,18 +49,23 @@ PASSWORD_ENV = "EDGECLOUD_REDIS_PASSWORD"
 USERNAME_ENV = "EDGECLOUD_REDIS_USERNAME"
 SENTINEL_PASSWORD_ENV = "EDGECLOUD_REDIS_SENTINEL_PASSWORD"
 CA_CERTS_ENV = "EDGECLOUD_REDIS_CA_CERTS"
-MODE_ENV = "EDGECLOUD_REDIS_MODE"
-REDIS_MODES: tuple[RedisMode, ...] = ("standalone", "cluster")
-SCHEMES = ("redis://", "rediss://", "redis+sentinel://", "rediss+sentinel://")
+SCHEMES = (
+    "redis://",
+    "rediss://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+    "redis+cluster://",
+    "rediss+cluster://",
+)
 
 
 class RedisUrlError(ValueError):
-    """A Redis URL (or its mode) that names no deployment this client can reach."""
+    """A Redis URL that names no deployment this client can reach."""
 
 
 @dataclass(frozen=True, slots=True)
 class RedisTarget:
-    """Where Redis is: the parsed URL and mode (no password in its repr)."""
+    """Where Redis is: the parsed URL (no password in its repr)."""
 
     shape: Shape
     hosts: tuple[tuple[str, int], ...]  # the server, the Sentinels, or the cluster's seeds
@@ -89,17 +94,14 @@ def _host_port(part: str, default_port: int) -> tuple[str, int]:
         raise RedisUrlError(f"bad port in {part!r}") from exc
 
 
-def parse_redis_url(url: str, mode: RedisMode = "standalone") -> RedisTarget:
-    """The deployment ``url`` and ``mode`` name (see the module notes); raises
-    :class:`RedisUrlError` for anything else."""
-    if mode not in REDIS_MODES:
-        raise RedisUrlError(f"redis mode must be one of {', '.join(REDIS_MODES)}, got {mode!r}")
+def parse_redis_url(url: str) -> RedisTarget:
+    """The deployment ``url`` names (see the module notes); raises :class:`RedisUrlError` for
+    anything else."""
     scheme = next((s for s in SCHEMES if url.startswith(s)), None)
     if scheme is None:
         raise RedisUrlError(f"a Redis URL starts with one of {', '.join(SCHEMES)}")
-    sentinel = "sentinel" in scheme
-    if sentinel and mode == "cluster":
-        raise RedisUrlError("a Sentinel URL names one primary, not a cluster: drop redis_mode")
+    sentinel = "+sentinel" in scheme
+    cluster = "+cluster" in scheme
     rest = url[len(scheme) :].split("?", 1)[0]
     netloc, _, path = rest.partition("/")
     userinfo, at, hostlist = netloc.rpartition("@")
@@ -124,11 +126,11 @@ def parse_redis_url(url: str, mode: RedisMode = "standalone") -> RedisTarget:
         db = int(parts[0]) if parts else 0
     except ValueError as exc:
         raise RedisUrlError(f"the database must be a number, got {parts[0]!r}") from exc
-    if mode == "cluster" and db != 0:
+    if cluster and db != 0:
         raise RedisUrlError("a Redis Cluster has database 0 only")
-    if len(hosts) > 1 and not sentinel and mode != "cluster":
-        raise RedisUrlError("several hosts need redis_mode: cluster, or a redis+sentinel:// URL")
-    shape: Shape = "sentinel" if sentinel else mode
+    if len(hosts) > 1 and not (sentinel or cluster):
+        raise RedisUrlError("several hosts need a redis+cluster:// or redis+sentinel:// URL")
+    shape: Shape = "sentinel" if sentinel else "cluster" if cluster else "standalone"
     return RedisTarget(
         shape=shape,
         hosts=hosts,
@@ -165,19 +167,18 @@ def _auth_and_tls(target: RedisTarget) -> dict[str, Any]:
 def connect(
     url: str,
     *,
-    mode: RedisMode = "standalone",
     timeout_s: float = 0.25,
     connect_timeout_s: float | None = None,
     max_connections: int = 64,
     pool_timeout_s: float = 1.0,
 ) -> RedisClient:
-    """A client for the deployment ``url`` and ``mode`` name that never hangs or retries.
+    """A client for the deployment ``url`` names that never hangs or retries.
 
     ``max_connections``: the pool (per primary on a cluster); a command that finds them all
     busy waits up to ``pool_timeout_s`` (standalone and Sentinel; on a cluster it fails at once).
     Responses are decoded to ``str``.
     """
-    target = parse_redis_url(url, mode)
+    target = parse_redis_url(url)
     socket = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s if connect_timeout_s is None else connect_timeout_s,

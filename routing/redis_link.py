@@ -16,7 +16,7 @@ Connections (:func:`redis_client`): one ``BlockingConnectionPool`` per client, o
 for one instead of failing at once (redis-py's default pool raised "Too many connections" at
 100, and every overflowing request fell back to the in-process limiter). A gateway builds one
 client and shares it between its rate limiter, key store and fleet store, sized from its
-``max_in_flight`` (:func:`pool_size_for`). One server, Sentinel or Cluster, by URL and mode:
+``max_in_flight`` (:func:`pool_size_for`). One server, Sentinel or Cluster, by URL:
 see :mod:`routing.redis_connect` (a password comes from the URL or, better, since URLs end up
 in shell history and process lists, from ``EDGECLOUD_REDIS_PASSWORD``).
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError
 
-from routing.redis_connect import RedisClient, RedisMode, connect
+from routing.redis_connect import RedisClient, connect
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ def pool_size_for(max_in_flight: int) -> int:
 def redis_client(
     url: str,
     *,
-    mode: RedisMode = "standalone",
     timeout_s: float = 0.25,
     connect_timeout_s: float | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -66,7 +65,7 @@ def redis_client(
 ) -> RedisClient:
     """A client that never hangs or retries: short timeouts, errors surface at once.
 
-    One server, a Sentinel-managed primary or a Cluster, as ``url`` and ``mode`` say (see
+    One server, a Sentinel-managed primary or a Cluster, as ``url`` says (see
     :func:`routing.redis_connect.connect`). Its pool holds ``max_connections``: when all are
     busy a command waits up to ``pool_timeout_s`` for one (then fails like an unreachable
     Redis). The password (and ACL user) come from the URL, else from the environment;
@@ -74,7 +73,6 @@ def redis_client(
     """
     return connect(
         url,
-        mode=mode,
         timeout_s=timeout_s,
         connect_timeout_s=connect_timeout_s,
         max_connections=max_connections,

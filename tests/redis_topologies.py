@@ -108,7 +108,7 @@ class LocalCluster(_Procs):
 
     @property
     def url(self) -> str:
-        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:3])
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:3])
 
     def start(self) -> None:
         for port in self.ports:

@@ -67,17 +67,17 @@ def test_values_schema_refuses_a_wrong_type() -> None:
 
 
 @pytest.mark.parametrize(
-    ("url", "mode"),
+    "url",
     [
-        ("redis+sentinel://sentinel-0:26379,sentinel-1:26379/edgecloud", "standalone"),
-        ("rediss://redis-0:6379,redis-1:6379", "cluster"),
+        "redis+sentinel://sentinel-0:26379,sentinel-1:26379/edgecloud",
+        "rediss+cluster://redis-0:6379,redis-1:6379",
     ],
 )
-def test_redis_by_sentinel_or_cluster_reaches_gateways_and_nodes(url: str, mode: str) -> None:
+def test_redis_by_sentinel_or_cluster_reaches_gateways_and_nodes(url: str) -> None:
     from gateway.front.config import GatewayConfig
 
     values = deep_merge(
-        example_values(CHART / "examples" / "one-gpu.yaml"), {"redis": {"url": url, "mode": mode}}
+        example_values(CHART / "examples" / "one-gpu.yaml"), {"redis": {"url": url}}
     )
     schema = json.loads((CHART / "values.schema.json").read_text())
     jsonschema.validate(
@@ -86,13 +86,13 @@ def test_redis_by_sentinel_or_cluster_reaches_gateways_and_nodes(url: str, mode:
     objects = render(values)
     (secret,) = [s for s in by_kind(objects, "Secret") if "gateway.yaml" in s["stringData"]]
     cfg = GatewayConfig.model_validate(yaml.safe_load(secret["stringData"]["gateway.yaml"]))
-    assert (cfg.redis_url, cfg.redis_mode) == (url, mode)
+    assert cfg.redis_url == url
     for node in [*by_kind(objects, "StatefulSet"), *by_kind(objects, "DaemonSet")]:
         args = container(node)["args"]
-        assert f"--redis={url}" in args and f"--redis-mode={mode}" in args
+        assert f"--redis={url}" in args
     bad = deep_merge(
         yaml.safe_load((CHART / "values.yaml").read_text()),
-        {**REQUIRED, "redis": {"url": url, "mode": "sharded"}},
+        {**REQUIRED, "redis": {"url": "redis+sharded://" + url.split("://", 1)[1]}},
     )
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)

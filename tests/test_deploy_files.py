@@ -115,7 +115,7 @@ def test_install_script_writes_a_private_env_file_and_the_unit(tmp_path: Path) -
     assert stat.S_IMODE(env_file.stat().st_mode) == 0o640
     values = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
     assert values["EDGECLOUD_REGION"] == "eu-west" and values["EDGECLOUD_NODE_TOKEN"] == "t" * 32
-    assert values["EDGECLOUD_REDIS_MODE"] == "standalone"  # read by --redis-mode's default
+    assert values["EDGECLOUD_REDIS_URL"] == "redis://r:6379/0"
     unit = tmp_path / "etc" / "systemd" / "system" / "edgecloud-edge.service"
     assert unit.read_text() == (DEPLOY / "systemd" / "edgecloud-edge.service").read_text()
     missing = subprocess.run(

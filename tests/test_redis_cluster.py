@@ -1,5 +1,5 @@
 """Redis Cluster, as operators run it (issue 50, item 6): 3 primaries with a replica each, from
-the system's redis-server (``tests/redis_topologies.py``), reached with ``redis_mode: cluster``
+the system's redis-server (``tests/redis_topologies.py``), reached with a ``redis+cluster://`` URL
 through redis-py's own RedisCluster client.
 
 - Each limiter script touches one key, a node's fleet keys share its hash tag: everything
@@ -42,10 +42,10 @@ def _ns() -> str:
 
 
 def _clients(cluster: LocalCluster, ns: str):
-    cfg = GatewayConfig(redis_url=cluster.url, redis_mode="cluster")
+    cfg = GatewayConfig(redis_url=cluster.url)
     lim = RedisRateLimiter(cluster.url, namespace=ns, client=cfg.redis_client())
     gw = RedisFleetStore(cluster.url, namespace=ns, client=cfg.redis_client())
-    nd = RedisFleetStore(cluster.url, namespace=ns, mode="cluster")
+    nd = RedisFleetStore(cluster.url, namespace=ns)
     return lim, gw, nd
 
 

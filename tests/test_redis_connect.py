@@ -1,4 +1,4 @@
-"""Redis URLs and modes (routing.redis_connect): what each names, what is refused, and the
+"""Redis URLs (routing.redis_connect): what each names, what is refused, and the
 client each gets; the gateway's config and the nodes' flags refuse what names nothing."""
 
 from __future__ import annotations
@@ -25,28 +25,26 @@ def test_urls_name_a_server_a_sentinel_primary_or_a_cluster() -> None:
     t = parse_redis_url("redis+sentinel://s1,s2:26380,[::1]/mymaster/1")
     assert t.shape == "sentinel" and t.service == "mymaster" and t.db == 1
     assert t.hosts == (("s1", 26379), ("s2", 26380), ("::1", 26379))
-    t = parse_redis_url("redis://a:7000,b:7001", "cluster")
+    t = parse_redis_url("redis+cluster://a:7000,b:7001")
     assert t.shape == "cluster" and t.hosts == (("a", 7000), ("b", 7001))
 
 
 @pytest.mark.parametrize(
-    ("url", "mode", "says"),
+    ("url", "says"),
     [
-        ("http://a:1", "standalone", "starts with"),
-        ("redis+sentinel://a:26379", "standalone", "service"),
-        ("redis+sentinel://a:26379/m", "cluster", "Sentinel"),
-        ("redis://a:1,b:2/0", "standalone", "cluster"),
-        ("redis://a:7000/1", "cluster", "database 0"),
-        ("redis://a:x/0", "standalone", "port"),
-        ("redis://a:1/0", "sharded", "mode"),
+        ("http://a:1", "starts with"),
+        ("redis+sharded://a:1", "starts with"),
+        ("redis+sentinel://a:26379", "service"),
+        ("redis://a:1,b:2/0", "cluster"),
+        ("redis+cluster://a:7000/1", "database 0"),
+        ("redis://a:x/0", "port"),
     ],
 )
-def test_urls_that_name_nothing_are_refused(url: str, mode: str, says: str) -> None:
+def test_urls_that_name_nothing_are_refused(url: str, says: str) -> None:
     with pytest.raises(RedisUrlError, match=says):
-        parse_redis_url(url, mode)  # type: ignore[arg-type]
-    if mode in ("standalone", "cluster"):
-        with pytest.raises(ValueError, match=says):
-            GatewayConfig(redis_url=url, redis_mode=mode)  # type: ignore[arg-type]
+        parse_redis_url(url)
+    with pytest.raises(ValueError, match=says):
+        GatewayConfig(redis_url=url)
 
 
 def test_each_shape_gets_redis_pys_own_client() -> None:
@@ -55,8 +53,8 @@ def test_each_shape_gets_redis_pys_own_client() -> None:
     assert isinstance(sentinel, Redis)
     assert type(sentinel.connection_pool).__name__ == "_SentinelBlockingPool"
     assert sentinel.connection_pool.max_connections == 5
-    assert isinstance(connect("redis://127.0.0.1:1", mode="cluster"), RedisCluster)
-    cfg = GatewayConfig(redis_url="redis://127.0.0.1:1,127.0.0.1:2", redis_mode="cluster")
+    assert isinstance(connect("redis+cluster://127.0.0.1:1"), RedisCluster)
+    cfg = GatewayConfig(redis_url="redis+cluster://127.0.0.1:1,127.0.0.1:2")
     assert isinstance(cfg.redis_client(), RedisCluster)
 
 
@@ -72,9 +70,9 @@ def test_node_flags_refuse_a_url_that_names_nothing(capsys: pytest.CaptureFixtur
 
     parser = argparse.ArgumentParser()
     add_node_arguments(parser, 8001)
-    args = parser.parse_args(["--redis", "redis+sentinel://s:26379/m", "--redis-mode", "cluster"])
+    args = parser.parse_args(["--redis", "redis://a:7000,b:7001"])
     with pytest.raises(SystemExit):
         check_redis_args(args, "edgecloud edge serve")
-    assert "Sentinel" in capsys.readouterr().err
-    ok = parser.parse_args(["--redis", "redis://a:7000,b:7001", "--redis-mode", "cluster"])
+    assert "redis+cluster://" in capsys.readouterr().err
+    ok = parser.parse_args(["--redis", "redis+cluster://a:7000,b:7001"])
     check_redis_args(ok, "edgecloud edge serve")

@@ -3,7 +3,6 @@
 #   EDGECLOUD_NODE_TOKEN=... EDGECLOUD_REDIS_PASSWORD=... deploy/systemd/install.sh \
 #     --region eu-west --redis-url rediss://redis.internal:6380/0 \
 #     --public-url http://edge-1.internal:8001 [--port 8001] [--model NAME] [--openvino] \
-#     [--redis-mode cluster]   (the URL then names a Redis Cluster's seed nodes host:port,...)
 #     [--from SPEC]   (SPEC: what pip installs, default: this checkout)
 # It creates the system user `edgecloud`, a venv in /opt/edgecloud with the edge extra (or
 # edge-openvino) and CPU torch for the one ONNX export, /etc/edgecloud/edge.env (0640,
@@ -13,20 +12,19 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 
-region="" redis_url="" redis_mode=standalone public_url="" port=8001 model=smollm2-135m-instruct
+region="" redis_url="" public_url="" port=8001 model=smollm2-135m-instruct
 extra=edge spec="$(cd "$here/../.." && pwd)" files_only=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --region) region="$2"; shift 2 ;;
         --redis-url) redis_url="$2"; shift 2 ;;
-        --redis-mode) redis_mode="$2"; shift 2 ;;
         --public-url) public_url="$2"; shift 2 ;;
         --port) port="$2"; shift 2 ;;
         --model) model="$2"; shift 2 ;;
         --openvino) extra=edge-openvino; shift ;;
         --from) spec="$2"; shift 2 ;;
         --files-only) files_only=1; shift ;;
-        -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -63,7 +61,6 @@ EDGECLOUD_HOST=0.0.0.0
 EDGECLOUD_PORT=$port
 EDGECLOUD_PUBLIC_URL=$public_url
 EDGECLOUD_REDIS_URL=$redis_url
-EDGECLOUD_REDIS_MODE=$redis_mode
 EDGECLOUD_NODE_TOKEN=$EDGECLOUD_NODE_TOKEN
 EDGECLOUD_REDIS_PASSWORD=${EDGECLOUD_REDIS_PASSWORD:-}
 ENV

@@ -111,7 +111,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         public_url=args.public_url,
         redis_url=args.redis_url,
-        redis_mode=args.redis_mode,
         limits=drain_limits(args),
         node_token=node_token,
         watts=args.watts,

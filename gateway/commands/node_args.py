@@ -24,7 +24,6 @@ from gateway.commands.argtypes import (
 from gateway.server_limits import ServerLimits
 
 NODE_TOKEN_ENV = "EDGECLOUD_NODE_TOKEN"  # = gateway.auth.NODE_TOKEN_ENV (not imported: light)
-REDIS_MODE_ENV = "EDGECLOUD_REDIS_MODE"  # = routing.redis_connect.MODE_ENV
 
 
 @dataclass(frozen=True)
@@ -221,15 +220,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, default_port: int) -> No
         "--redis",
         dest="redis_url",
         default=None,
-        help="fleet store to register in, e.g. redis://host:6379/0, or "
-        "redis+sentinel://host:26379,.../service (password: $EDGECLOUD_REDIS_PASSWORD)",
-    )
-    parser.add_argument(
-        "--redis-mode",
-        choices=("standalone", "cluster"),
-        default=os.environ.get(REDIS_MODE_ENV) or "standalone",
-        help=f"cluster: --redis names seed nodes of a Redis Cluster (default ${REDIS_MODE_ENV}, "
-        "else standalone)",
+        help="fleet store to register in: redis://host:6379/0, redis+sentinel://host:26379,"
+        ".../service or redis+cluster://host:6379,... (password: $EDGECLOUD_REDIS_PASSWORD)",
     )
     parser.add_argument(
         "--node-token",
@@ -298,14 +290,14 @@ def node_token_from_args(args: argparse.Namespace, prog: str) -> str | None:
 
 
 def check_redis_args(args: argparse.Namespace, prog: str) -> None:
-    """Exit with status 2 (and a message) when ``--redis`` and ``--redis-mode`` name no Redis
-    deployment (see :mod:`routing.redis_connect`)."""
+    """Exit with status 2 (and a message) when ``--redis`` names no Redis deployment (see
+    :mod:`routing.redis_connect`)."""
     if not args.redis_url:
         return
     from routing.redis_connect import parse_redis_url
 
     try:
-        parse_redis_url(args.redis_url, args.redis_mode)
+        parse_redis_url(args.redis_url)
     except ValueError as exc:
         print(f"{prog}: error: --redis: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -10,8 +10,8 @@ Safe defaults (each refused or narrowed unless the operator says otherwise):
   details of ``/health`` only to loopback or admin callers), ``loopback`` (loopback callers or
   an admin key), ``admin`` (an admin key; loopback callers only while auth is off).
 - Redis: ``redis://`` or ``rediss://`` (TLS) URLs, ``redis+sentinel://`` for a Sentinel-managed
-  primary, ``redis_mode: cluster`` for a Redis Cluster (see :mod:`routing.redis_connect`; a
-  URL and mode that name nothing are refused at load); the password from the URL or, better,
+  primary, ``redis+cluster://`` for a Redis Cluster (see :mod:`routing.redis_connect`; a URL
+  that names nothing is refused at load); the password from the URL or, better,
   ``$EDGECLOUD_REDIS_PASSWORD``. One connection pool is shared
   by the rate limiter, the key store and the fleet store, of ``redis_max_connections``
   (default: from ``max_in_flight``, :func:`routing.redis_link.pool_size_for`).
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from gateway.auth import NODE_TOKEN_ENV, NODE_TOKEN_HEADER, AuthConfig, check_node_token
 from gateway.geo import GeoConfig
 from routing.fleet.memory_store import OpenAINodeConfig
-from routing.redis_connect import RedisClient, RedisMode, parse_redis_url
+from routing.redis_connect import RedisClient, parse_redis_url
 from routing.redis_link import pool_size_for, redis_client
 
 
@@ -60,7 +60,6 @@ class GatewayConfig(BaseModel):
     host: 0.0.0.0
     port: 8000
     redis_url: rediss://redis.internal:6380/0 # omit for the in-process fleet store
-    redis_mode: standalone                   # or cluster (the URL names seed nodes)
     nodes: [http://10.0.0.5:8001]            # polled over /load (in-process store only)
     openai_nodes: [{id: vllm-1, url: http://10.0.0.9:8000, region: eu-west, models: [m]}]
     policy_file: policy.yaml                 # routing knobs, hot-reloaded
@@ -79,11 +78,8 @@ class GatewayConfig(BaseModel):
     redis_url: str | None = Field(
         default=None,
         description="the fleet store nodes register in (redis://, rediss://, "
-        "redis+sentinel://host:port,.../service); none: in-process",
-    )
-    redis_mode: RedisMode = Field(
-        default="standalone",
-        description="cluster: redis_url names seed nodes of a Redis Cluster (host:port,...)",
+        "redis+sentinel://host:port,.../service, redis+cluster://host:port,...); "
+        "none: in-process",
     )
     nodes: list[str] = Field(
         default_factory=list, description="node base URLs, polled over /load (in-process store)"
@@ -159,7 +155,7 @@ class GatewayConfig(BaseModel):
     @model_validator(mode="after")
     def _redis_target(self) -> GatewayConfig:
         if self.redis_url:
-            parse_redis_url(self.redis_url, self.redis_mode)  # RedisUrlError is a ValueError
+            parse_redis_url(self.redis_url)  # RedisUrlError is a ValueError
         return self
 
     @property
@@ -173,7 +169,6 @@ class GatewayConfig(BaseModel):
             return None
         return redis_client(
             self.redis_url,
-            mode=self.redis_mode,
             max_connections=self.redis_pool_size,
             pool_timeout_s=self.redis_pool_timeout_s,
         )

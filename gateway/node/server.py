@@ -20,7 +20,6 @@ from routing.fleet.store import FleetStore
 from routing.model_store import ModelInfo
 from routing.power import Watts
 from routing.prompt import PromptFormatter
-from routing.redis_connect import RedisMode
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +28,13 @@ def default_node_id(kind: str, region: str, port: int) -> str:
     return f"{kind}-{region}-{socket.gethostname()}-{port}"
 
 
-def make_store(redis_url: str | None, mode: RedisMode = "standalone") -> FleetStore | None:
+def make_store(redis_url: str | None) -> FleetStore | None:
     """The fleet store a node registers in (None: no Redis, gateways poll it)."""
     if not redis_url:
         return None
     from routing.fleet.redis_store import RedisFleetStore
 
-    return RedisFleetStore(redis_url, mode=mode)
+    return RedisFleetStore(redis_url)
 
 
 def build_service(
@@ -74,7 +73,6 @@ def serve_node(
     node_id: str | None = None,
     public_url: str | None = None,
     redis_url: str | None = None,
-    redis_mode: RedisMode = "standalone",
     log_level: str = "warning",
     limits: ServerLimits | None = None,
     node_token: str | None = None,
@@ -90,9 +88,7 @@ def serve_node(
         public_url=public_url,
         watts=watts,
     )
-    app = create_node_app(
-        service, make_store(redis_url, redis_mode), node_token=node_token, tune_gc=True
-    )
+    app = create_node_app(service, make_store(redis_url), node_token=node_token, tune_gc=True)
     log.info(
         "node %s (%s) serving %s on %s",
         service.config.node_id,

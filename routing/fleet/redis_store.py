@@ -52,7 +52,7 @@ from routing.fleet.memory_store import OpenAINodeTracker
 from routing.fleet.redis_view import ClusterViewReader, FleetKeys, ScriptViewReader, ViewReader
 from routing.fleet.state import NodeState
 from routing.fleet.store import KEY_PREFIX, FleetStore, FleetView
-from routing.redis_connect import RedisClient, RedisMode, is_cluster
+from routing.redis_connect import RedisClient, is_cluster
 from routing.redis_link import REDIS_ERRORS, OverRedisLink, RedisLink, redis_client
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,6 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         events_maxlen: int = 1000,
         openai_nodes: Sequence[OpenAINodeTracker] = (),
         client: RedisClient | None = None,
-        mode: RedisMode = "standalone",
         members_refresh_s: float = 0.5,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -93,7 +92,7 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         self.openai_nodes = {t.id: t for t in openai_nodes}
         self.clock = clock
         self.redis: RedisClient = client or redis_client(
-            url, mode=mode, timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
+            url, timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s
         )
         self.cluster = is_cluster(self.redis)
         self.link = RedisLink(
