@@ -88,7 +88,8 @@ def _valid_hash(v: str) -> str:
 
 # ---- config ------------------------------------------------------------------------------------
 class ApiKeyEntry(BaseModel):
-    """One user key in the config: ``{name, key_hash, rpm, tpm}`` (limits: None = default)."""
+    """One user key in the config: ``{name, key_hash, rpm, tpm, team}`` (limits: None =
+    default; ``team``: keys sharing a cache scope under ``cache_scope: team``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -96,6 +97,7 @@ class ApiKeyEntry(BaseModel):
     key_hash: str
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
+    team: str | None = Field(default=None, min_length=1)
 
     @field_validator("key_hash")
     @classmethod
@@ -185,12 +187,14 @@ class AuthConfig(BaseModel):
 # ---- identity ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class KeyIdentity:
-    """Who is calling: ``key_id`` names the rate-limit bucket (the key's name)."""
+    """Who is calling: ``key_id`` names the rate-limit bucket (the key's name); ``team``
+    the group of keys it belongs to (None: its own)."""
 
     name: str
     limits: Limits = field(default_factory=Limits)
     source: str = "config"  # config | redis | anonymous | admin
     admin: bool = False
+    team: str | None = None
 
     @property
     def key_id(self) -> str:
@@ -333,6 +337,7 @@ class Authenticator:
                         k.rpm if k.rpm is not None else config.default_rpm,
                         k.tpm if k.tpm is not None else config.default_tpm,
                     ),
+                    team=k.team,
                 ),
             )
             for k in config.keys
@@ -389,6 +394,7 @@ class Authenticator:
                     rec.tpm if rec.tpm is not None else self.config.default_tpm,
                 ),
                 source="redis",
+                team=rec.team,
             )
         self._cache_put(digest, ident)
         return ident

@@ -28,6 +28,7 @@ from gateway.errors import APIError, bad_request, install_error_handlers, public
 from gateway.fleet_gauges import FleetGauges
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
+from gateway.front.headers import visible_route
 from gateway.front.openapi import (
     ADMIN_ERRORS,
     HEALTH_RESPONSES,
@@ -241,22 +242,25 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
 
     @app.post("/v1/route", tags=["Gateway"], responses=ROUTE_RESPONSES, openapi_extra=ROUTE_BODY)
     async def route(request: Request) -> dict[str, Any]:
-        """Where a request would go. Node URLs only for admins (with auth off: local callers);
-        anyone else is charged one request (no tokens) against their rate limit first."""
+        """Where a request would go, in the caller's cache scope. Node URLs only for admins
+        (with auth off: local callers); anyone else is charged one request (no tokens)
+        against their rate limit first, and sees what ``decision_headers`` allows."""
         who = await gw.auth.admin_or_none(request) or await gw.auth(request)
+        level = config.decision_headers
         if not who.admin:
+            if level == "off":
+                raise APIError(
+                    403,
+                    "Routing decisions are not shown to callers on this gateway.",
+                    type_="permission_error",
+                    code="decision_hidden",
+                )
             await enforce_rate_limit(gw.limiter, who, 0, gw.metrics.observe_rate_limited)
         raw = await request.body()
         is_chat = b'"messages"' in raw
         data, req = await gw.parse(request, ChatCompletionRequest if is_chat else CompletionRequest)
-        out = await gw.route_only(
-            data, "chat" if is_chat else "completion", req, request, who.key_id
-        )
-        if not who.admin:
-            out.pop("url", None)
-            for c in out.get("candidates", ()):
-                c.pop("url", None)
-        return out
+        out = await gw.route_only(data, "chat" if is_chat else "completion", req, request, who)
+        return out if who.admin else visible_route(out, level)
 
     async def observer(request: Request) -> bool:
         """May the caller see ``/metrics`` and ``/health``'s details (``config.observability``)?

@@ -9,6 +9,10 @@ Safe defaults (each refused or narrowed unless the operator says otherwise):
 - ``observability`` says who may read ``/health`` and ``/metrics``: ``open`` (anyone; the
   details of ``/health`` only to loopback or admin callers), ``loopback`` (loopback callers or
   an admin key), ``admin`` (an admin key; loopback callers only while auth is off).
+- Tenants: ``cache_scope`` (``key``, the default; ``team``; ``global``) says which callers
+  share prefix-cache blocks (:mod:`gateway.cache_scope`); ``decision_headers`` (``full``,
+  ``minimal``, ``off``) how much of the routing decision a caller sees in ``x-edgecloud-*``
+  headers and ``POST /v1/route`` (admins always see all of it).
 - Redis: ``redis://`` or ``rediss://`` (TLS) URLs, ``redis+sentinel://`` for a Sentinel-managed
   primary, ``redis_mode: cluster`` for a Redis Cluster (see :mod:`routing.redis_connect`; a
   URL and mode that name nothing are refused at load); the password from the URL or, better,
@@ -28,6 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from gateway.auth import NODE_TOKEN_ENV, NODE_TOKEN_HEADER, AuthConfig, check_node_token
+from gateway.cache_scope import CacheScope
 from gateway.geo import GeoConfig
 from routing.fleet.memory_store import OpenAINodeConfig
 from routing.redis_connect import RedisClient, RedisMode, parse_redis_url
@@ -144,6 +149,17 @@ class GatewayConfig(BaseModel):
     )
     observability: Literal["open", "loopback", "admin"] = Field(
         default="open", description="who may read /health details and /metrics (see above)"
+    )
+    cache_scope: CacheScope = Field(
+        default="key",
+        description="who shares prefix-cache blocks: key (each API key alone), team (keys of "
+        "one team), global (everyone); without keys there is one scope",
+    )
+    decision_headers: Literal["full", "minimal", "off"] = Field(
+        default="full",
+        description="what callers see of the routing decision: full (x-edgecloud-* headers "
+        "and /v1/route), minimal (tier and request id; /v1/route names the tier only), off "
+        "(request id only; /v1/route for admins only)",
     )
     insecure_no_auth: bool = Field(
         default=False, description="allow a non-loopback host with authentication off"

@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from gateway.auth import Authenticator, KeyIdentity, enforce_rate_limit
+from gateway.cache_scope import CacheScopes
 from gateway.circuit import CircuitBreakers
 from gateway.client_ip import ClientIPResolver
 from gateway.errors import APIError
@@ -32,6 +33,7 @@ from gateway.front import fastjson
 from gateway.front.config import GatewayConfig
 from gateway.front.disconnect import ClientGone, cancel_on_disconnect
 from gateway.front.dispatch import Dispatch, DispatchDeps, Outcome, Plan, RouteName, Slots
+from gateway.front.headers import hide_decision
 from gateway.front.node_client import make_client
 from gateway.front.relay import RelayResponse, StreamRelay, StreamStats
 from gateway.front.request_path import (
@@ -85,6 +87,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.limiter = self._make_limiter()
         self.auth = self._make_auth()
+        self.scopes = CacheScopes(config.cache_scope, config.auth.salt.get_secret_value())
         self.path = RequestPath(
             self.store,
             self.tokenizers,
@@ -236,6 +239,7 @@ class Gateway:
         try:
             async with cancel_on_disconnect(request.receive):
                 response = await self._dispatch(d, request, data, route, req, identity, strict_json)
+            hide_decision(response.headers, self.config.decision_headers)
             outcome = Outcome.OK if response.status_code == 200 else Outcome.REJECTED
             return response
         except ClientGone:
@@ -264,7 +268,8 @@ class Gateway:
         model = self.path.concrete_model(req.model)
         region = self.path.client_region(request)
         t_start = time.perf_counter()
-        prof, view = await self.path.profile(data, route, model, region, identity.key_id)
+        salt = self.scopes.salt(identity)
+        prof, view = await self.path.profile(data, route, model, region, identity.key_id, salt)
         decision = self.path.decide(prof, view)
         self.metrics.observe_decision(decision.policy, decision.reason)
         completion = int(prof.max_tokens or prof.expected_output_tokens) * prof.choices
@@ -289,6 +294,7 @@ class Gateway:
             t_start=t_start,
             # a stream is resumed from its token ids: one choice, no logprobs, no echo
             resume=req.stream and self.resume_streams and resumable(req),
+            cache_salt=salt,
         )
         opened, cand = await d.open(plan)
         hdrs = d.headers_of(opened, cand)
@@ -308,11 +314,13 @@ class Gateway:
         route: RouteName,
         req: OpenAIRequest,
         request: Request,
-        api_key: str | None,
+        who: KeyIdentity,
     ) -> dict[str, Any]:
+        """Where the request would go, in ``who``'s cache scope (its credited tokens only)."""
         model = self.path.concrete_model(req.model)
         region = self.path.client_region(request)
-        prof, view = await self.path.profile(data, route, model, region, api_key)
+        salt = self.scopes.salt(who)
+        prof, view = await self.path.profile(data, route, model, region, who.key_id, salt)
         out = self.path.decide(prof, view).to_dict()
         out["client_region"] = region
         return out

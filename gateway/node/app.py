@@ -28,7 +28,9 @@ from gateway.node.publisher import StatePublisher
 from gateway.node.replies import Reply
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.node_headers import (
+    CACHE_SALT_HEADER,
     HEADERS_AT_FIRST_TOKEN,
+    MAX_CACHE_SALT_CHARS,
     NODE_TTFT_HEADER,
     PREFILL_MS_HEADER,
 )
@@ -106,6 +108,10 @@ def create_node_app(
         t0 = time.perf_counter()
         plain = len(prep.choices) == 1 and prep.logprobs is None and prep.echo is None
         with_ids = stream and plain and request.headers.get(TOKEN_IDS_HEADER) == "1"
+        salt = request.headers.get(CACHE_SALT_HEADER)
+        if salt:  # the gateway's cache scope for this request's prefix blocks
+            for gen in prep.choices:
+                gen.cache_salt = salt[:MAX_CACHE_SALT_CHARS]
         deltas = service.run_choices(prep, with_ids=with_ids)
         if stream:
             return await stream_response(prep, deltas, request, t0, with_ids)
