@@ -49,6 +49,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.auth_throttle import FailedAuthThrottle, is_auth_failure
 from gateway.errors import APIError, too_many_requests
 from gateway.ratelimit import KeyRecord, KeyStoreUnavailable, Limits, RateDecision, RateLimiter
 
@@ -144,6 +145,12 @@ class AuthConfig(BaseModel):
     cache_ttl_s: float = Field(default=30.0, ge=0)
     negative_cache_ttl_s: float = Field(default=5.0, ge=0)
     cache_size: int = Field(default=10_000, ge=1)
+    failed_auth_per_minute: int = Field(
+        default=30,
+        ge=1,
+        description="failed key checks one client address may make a minute (a burst of "
+        "this many); past it the address gets 429 before its key is checked",
+    )
 
     @model_validator(mode="after")
     def _unique(self) -> AuthConfig:
@@ -309,6 +316,11 @@ class NodeTokenMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+def _peer(scope: Scope) -> str:
+    client = scope.get("client")
+    return client[0] if client else ""
+
+
 class Authenticator:
     """Checks API keys. Use the instance as a FastAPI dependency for user routes
     (``Depends(auth)``) and :meth:`require_admin` for admin routes.
@@ -320,8 +332,11 @@ class Authenticator:
         key_store: KeyLookup | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        client_of: Callable[[Scope], str] | None = None,
     ) -> None:
         self.config = config
+        self.throttle = FailedAuthThrottle(config.failed_auth_per_minute, clock=clock)
+        self._client_of = client_of or _peer
         self.enabled = config.is_enabled
         self._salt = config.salt.get_secret_value()
         self._store = key_store if config.redis_keys else None
@@ -443,16 +458,36 @@ class Authenticator:
 
     # ---- FastAPI dependencies ----------------------------------------------------------------
     async def __call__(self, request: Request) -> KeyIdentity:
-        return await self.identify(bearer_token(request))
+        """The caller's identity; a client address past its failed checks gets a 429 first
+        (:mod:`gateway.auth_throttle`), and every 401 counts against it."""
+        if not self.enabled:
+            return self.anonymous
+        addr = self._client_of(request.scope)
+        self.throttle.check(addr)
+        try:
+            return await self.identify(bearer_token(request))
+        except APIError as exc:
+            if is_auth_failure(exc):
+                self.throttle.failed(addr)
+            raise
 
     async def require_admin(self, request: Request) -> KeyIdentity:
-        return await self.identify_admin(bearer_token(request), local=is_local(request.scope))
+        """The caller's admin identity, throttled as :meth:`__call__` is."""
+        addr = self._client_of(request.scope)
+        self.throttle.check(addr)
+        try:
+            return await self.identify_admin(bearer_token(request), local=is_local(request.scope))
+        except APIError as exc:
+            if is_auth_failure(exc):
+                self.throttle.failed(addr)
+            raise
 
     async def admin_or_none(self, request: Request) -> KeyIdentity | None:
-        """The caller's admin identity if it has one (never raises): an admin key, or, with
-        authentication off and no admin key configured, a local caller."""
+        """The caller's admin identity if it has one (never raises, counts no failure: a
+        user key here is not a wrong key): an admin key, or, with authentication off and no
+        admin key configured, a local caller."""
         try:
-            return await self.require_admin(request)
+            return await self.identify_admin(bearer_token(request), local=is_local(request.scope))
         except APIError:
             return None
 

@@ -9,7 +9,8 @@ this module adds:
   is held forever. :class:`GuardedHttpToolsProtocol` (uvicorn's httptools protocol plus one
   timer) closes a connection whose headers are not complete ``header_timeout_s`` after it
   opened (or after its next request's first byte), and one whose body stalls for
-  ``body_timeout_s``, with a 408 when no response has started. Time during which uvicorn
+  ``body_timeout_s`` or is not complete ``body_deadline_s`` after its headers (a total: a
+  body trickled a byte at a time is cut), with a 408 when no response has started. Time during which uvicorn
   itself has paused reading (flow control, a pipelined request waiting its turn, a client
   waiting for ``100 Continue``) never counts against the client.
 * **A connection cap.** Past ``max_connections`` open connections a new one gets a 503 and is
@@ -76,7 +77,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     One timer per connection, in one of three phases: *headers* (armed when the connection
     opens, or at a later request's first byte; an absolute deadline, so trickled bytes do not
     extend it), *body* (re-armed by every piece of body that arrives: a stall timer), *idle*
-    (no timer of ours; uvicorn's keep-alive timer applies). Subclassed per server by
+    (no timer of ours; uvicorn's keep-alive timer applies). In the body phase the timer is
+    also capped by the body's total deadline (``body_deadline_s`` from its headers), so a body
+    trickled a byte at a time is cut there; time the server spends not reading (flow control)
+    moves the deadline on. Subclassed per server by
     :func:`protocol_for`, which sets the class attributes.
     """
 
@@ -90,6 +94,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._phase = _IDLE
         self._begun = False  # a byte of the current request has arrived
         self._rejected = False
+        self._body_deadline = 0.0  # loop time by which the current body must be complete
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -121,7 +126,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         super().data_received(data)
         if self._phase == _BODY and not self.transport.is_closing():
-            self._arm(self.limits.body_timeout_s)
+            left = self._body_deadline - self.loop.time()
+            self._arm(max(0.0, min(self.limits.body_timeout_s, left)))
 
     # -- parser callbacks ------------------------------------------------------------------------
 
@@ -135,6 +141,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel()
         self._phase = _BODY
+        self._body_deadline = self.loop.time() + self.limits.body_deadline_s
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -169,11 +176,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             or (previous is not None and not previous.response_complete)
         )
         if waiting_on_us:  # we are not reading, or not ready to answer: not the client's stall
-            self._arm(
+            delay = (
                 self.limits.header_timeout_s
                 if self._phase == _HEADERS
                 else self.limits.body_timeout_s
             )
+            self._body_deadline += delay  # nor the client's time
+            self._arm(delay)
             return
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         if self._phase == _HEADERS:
@@ -181,7 +190,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self._begun:
                 transport.write(_REQUEST_TIMEOUT)
         else:
-            log.debug("closing %s: request body stalled", client)
+            log.debug("closing %s: request body stalled or past its deadline", client)
             if cycle is not None and not cycle.response_started:
                 cycle.disconnected = True  # the app's receive() now says http.disconnect
                 cycle.message_event.set()

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
@@ -47,7 +48,7 @@ from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import resumable
-from gateway.ratelimit import InProcessRateLimiter, RateLimiter
+from gateway.ratelimit import InProcessRateLimiter, RateDecision, RateLimiter
 from gateway.request_log import RequestLog
 from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
@@ -57,6 +58,10 @@ from routing.policies import Decision
 from routing.policy_config import ConfigSource
 from routing.profile import RequestProfile
 from routing.router import Router
+
+# a request body's declared bytes per token charged before it is read (text runs 3 to 4 bytes
+# a token, token ids about 6 with their JSON): an under-estimate, corrected once tokenized
+BODY_BYTES_PER_TOKEN = 6
 
 SSE_REPLY_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -163,7 +168,11 @@ class Gateway:
             from gateway.ratelimit import RedisKeyStore
 
             store = RedisKeyStore(self.config.redis_url, client=self.redis)
-        return Authenticator(self.config.auth, key_store=store)
+        return Authenticator(
+            self.config.auth,
+            key_store=store,
+            client_of=lambda scope: self.client_ip.from_scope(scope) or "",
+        )
 
     async def _fetch_state(self, url: str) -> NodeState:
         resp = await self.client.get(url.rstrip("/") + "/load", timeout=1.0)
@@ -227,9 +236,11 @@ class Gateway:
         identity: KeyIdentity,
         *,
         strict_json: bool = False,
+        rate: RateDecision | None = None,
     ) -> Response:
         """Route and relay one request. ``strict_json``: ``data`` was parsed by orjson (see
-        :mod:`gateway.front.fastjson`), so it may be serialized by orjson too.
+        :mod:`gateway.front.fastjson`), so it may be serialized by orjson too. ``rate``: the
+        charge :meth:`admit` made before the body was read (None: charge it here).
 
         Owns the request's :class:`Dispatch` (see the module's docstring) until it returns a
         streamed reply, which owns it from then on."""
@@ -238,7 +249,9 @@ class Gateway:
         response: Response | None = None
         try:
             async with cancel_on_disconnect(request.receive):
-                response = await self._dispatch(d, request, data, route, req, identity, strict_json)
+                response = await self._dispatch(
+                    d, request, data, route, req, identity, strict_json, rate
+                )
             hide_decision(response.headers, self.config.decision_headers)
             outcome = Outcome.OK if response.status_code == 200 else Outcome.REJECTED
             return response
@@ -263,20 +276,23 @@ class Gateway:
         req: OpenAIRequest,
         identity: KeyIdentity,
         strict_json: bool,
+        early: RateDecision | None = None,
     ) -> Response:
         rid = request.headers.get("x-request-id") or request_id()
         model = self.path.concrete_model(req.model)
         region = self.path.client_region(request)
         t_start = time.perf_counter()
         salt = self.scopes.salt(identity)
-        prof, view = await self.path.profile(data, route, model, region, identity.key_id, salt)
-        decision = self.path.decide(prof, view)
+        try:
+            prof, view = await self.path.profile(data, route, model, region, identity.key_id, salt)
+            decision = self.path.decide(prof, view)
+        except APIError:
+            if early is not None:  # the request counts; the tokens its body stood for do not
+                await self.limiter.settle(early, 0)
+            raise
         self.metrics.observe_decision(decision.policy, decision.reason)
         completion = int(prof.max_tokens or prof.expected_output_tokens) * prof.choices
-        estimate = prof.prompt_tokens + completion
-        rate = await enforce_rate_limit(
-            self.limiter, identity, estimate, on_limited=self.metrics.observe_rate_limited
-        )
+        rate = await self._charge(identity, prof.prompt_tokens + completion, early)
         if req.stream:
             body = {**data, "model": model, "stream_options": {"include_usage": True}}
         else:
@@ -306,6 +322,37 @@ class Gateway:
         fmt = self.path.tokenizers.cached(prof.model_identity)
         relay = StreamRelay(d, opened, self.stream_stats, fmt)
         return RelayResponse(relay, {**hdrs, **SSE_REPLY_HEADERS})
+
+    async def admit(self, request: Request, identity: KeyIdentity) -> RateDecision:
+        """Charge one request, and the tokens the body's declared length stands for, before
+        the body is read or a prompt tokenized: a key over its limit gets its 429 here."""
+        declared = request.headers.get("content-length")
+        tokens = int(declared) // BODY_BYTES_PER_TOKEN if declared and declared.isdigit() else 0
+        return await enforce_rate_limit(
+            self.limiter, identity, tokens, on_limited=self.metrics.observe_rate_limited
+        )
+
+    async def _charge(
+        self, identity: KeyIdentity, bound: int, early: RateDecision | None
+    ) -> RateDecision:
+        """The request's charge at its real bound (prompt tokens plus its completion): charged
+        here, or the early charge (:meth:`admit`) brought up to it; a bound the key's token
+        bucket cannot hold is a 429 (the early charge given back)."""
+        if early is None or identity.limits.tpm is None:
+            if early is None:
+                return await enforce_rate_limit(
+                    self.limiter, identity, bound, on_limited=self.metrics.observe_rate_limited
+                )
+            return replace(early, charged_tokens=bound)
+        more = bound - early.charged_tokens
+        left = early.remaining_tokens
+        if bound > identity.limits.tpm or (more > 0 and left is not None and more > left):
+            await self.limiter.refund(early)
+            return await enforce_rate_limit(
+                self.limiter, identity, bound, on_limited=self.metrics.observe_rate_limited
+            )
+        await self.limiter.settle(early, bound)  # charges ``more`` (or gives it back)
+        return replace(early, charged_tokens=bound)
 
     # ---- informational ------------------------------------------------------------------------------
     async def route_only(
