@@ -113,9 +113,7 @@ def test_trickled_bodies_are_cut_by_the_total_deadline(tmp_path: Path, clients: 
     port = free_port()
     args = ["--config", str(cfg), "--port", str(port), "--max-connections", str(clients)]
     limits = ["--body-deadline", "2", "--body-timeout", "30"]
-    proc = Proc(cli("gateway", *args, *limits), port, tmp_path / "gw.log").wait_ready(
-        path="/livez"
-    )
+    proc = Proc(cli("gateway", *args, *limits), port, tmp_path / "gw.log").wait_ready(path="/livez")
     try:
         closed = asyncio.run(_trickle(port, clients))
         assert closed == clients, f"{closed} of {clients} trickling connections were cut"
