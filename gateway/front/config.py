@@ -18,7 +18,10 @@ Safe defaults (each refused or narrowed unless the operator says otherwise):
   URL and mode that name nothing are refused at load); the password from the URL or, better,
   ``$EDGECLOUD_REDIS_PASSWORD``. One connection pool is shared
   by the rate limiter, the key store and the fleet store, of ``redis_max_connections``
-  (default: from ``max_in_flight``, :func:`routing.redis_link.pool_size_for`).
+  (default: from ``max_in_flight``, :func:`routing.redis_link.pool_size_for`). With a node
+  token, node records in Redis must be signed with it (:mod:`routing.fleet.signing`), and
+  ``allowed_node_urls`` may narrow the URLs routed to; a Redis URL off loopback without a
+  password or TLS, or without a node token, is warned of (:meth:`GatewayConfig.redis_warnings`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from gateway.auth import NODE_TOKEN_ENV, NODE_TOKEN_HEADER, AuthConfig, check_no
 from gateway.cache_scope import CacheScope
 from gateway.geo import GeoConfig
 from routing.fleet.memory_store import OpenAINodeConfig
-from routing.redis_connect import RedisClient, RedisMode, parse_redis_url
+from routing.redis_connect import PASSWORD_ENV, RedisClient, RedisMode, parse_redis_url
 from routing.redis_link import pool_size_for, redis_client
 
 
@@ -150,6 +153,11 @@ class GatewayConfig(BaseModel):
     observability: Literal["open", "loopback", "admin"] = Field(
         default="open", description="who may read /health details and /metrics (see above)"
     )
+    allowed_node_urls: list[str] = Field(
+        default_factory=list,
+        description="shell patterns (https://10.0.*) a Redis-registered node's URL must "
+        "match to be routed to; empty: any signed registration",
+    )
     cache_scope: CacheScope = Field(
         default="key",
         description="who shares prefix-cache blocks: key (each API key alone), team (keys of "
@@ -193,6 +201,26 @@ class GatewayConfig(BaseModel):
             max_connections=self.redis_pool_size,
             pool_timeout_s=self.redis_pool_timeout_s,
         )
+
+    def redis_warnings(self) -> list[str]:
+        """What is unsafe about ``redis_url`` beyond loopback: no password, no TLS, or no
+        node token to sign the fleet's records with (logged at start, shown in /health)."""
+        if not self.redis_url:
+            return []
+        target = parse_redis_url(self.redis_url, self.redis_mode)
+        if all(is_loopback_host(h) for h, _ in target.hosts):
+            return []
+        out = []
+        if not target.password and not os.environ.get(PASSWORD_ENV):
+            out.append("redis_url has no password (set $EDGECLOUD_REDIS_PASSWORD)")
+        if not target.tls:
+            out.append("redis_url is not TLS (use rediss://): the fleet's traffic is in clear")
+        if self.node_token is None:
+            out.append(
+                "no node_token: node registrations in Redis are not signed, so anyone who can "
+                "write to Redis can register a node and receive traffic"
+            )
+        return out
 
     def node_headers(self) -> dict[str, str]:
         """Headers every request to a node carries (the node token, when one is set)."""

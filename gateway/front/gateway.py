@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Any
@@ -62,6 +63,8 @@ from routing.router import Router
 # a request body's declared bytes per token charged before it is read (text runs 3 to 4 bytes
 # a token, token ids about 6 with their JSON): an under-estimate, corrected once tokenized
 BODY_BYTES_PER_TOKEN = 6
+
+log = logging.getLogger(__name__)
 
 SSE_REPLY_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -116,6 +119,7 @@ class Gateway:
             max_attempts=config.max_attempts,
             request_log=RequestLog(config.request_log) if config.request_log else None,
         )
+        self.warnings = config.redis_warnings()  # logged at start, shown in /health
         self.stream_stats = StreamStats()
         self.resume_streams = True  # ask nodes for token ids so broken streams can resume
 
@@ -140,8 +144,16 @@ class Gateway:
         trackers = list(self.trackers.values())
         if self.config.redis_url:
             from routing.fleet.redis_store import RedisFleetStore
+            from routing.fleet.signing import RecordSigner
 
-            return RedisFleetStore(self.config.redis_url, openai_nodes=trackers, client=self.redis)
+            token = self.config.node_token
+            return RedisFleetStore(
+                self.config.redis_url,
+                openai_nodes=trackers,
+                client=self.redis,
+                signer=RecordSigner(token.get_secret_value()) if token else None,
+                allowed_urls=self.config.allowed_node_urls,
+            )
         return InProcessFleetStore(
             self.config.nodes,
             fetch_state=self._fetch_state,
@@ -188,6 +200,8 @@ class Gateway:
         return BlockFeedPage.from_json(resp.json())
 
     async def start(self) -> None:
+        for warning in self.warnings:
+            log.warning("%s", warning)
         start = getattr(self.store, "start", None)
         if start is not None:
             await start()
@@ -398,4 +412,5 @@ class Gateway:
             },
             "policy": self.policy_override or self.router.config.policy,
             "policy_reload_error": self.policy_source.last_error,
+            "warnings": self.warnings,
         }

@@ -29,13 +29,18 @@ def default_node_id(kind: str, region: str, port: int) -> str:
     return f"{kind}-{region}-{socket.gethostname()}-{port}"
 
 
-def make_store(redis_url: str | None, mode: RedisMode = "standalone") -> FleetStore | None:
-    """The fleet store a node registers in (None: no Redis, gateways poll it)."""
+def make_store(
+    redis_url: str | None, mode: RedisMode = "standalone", node_token: str | None = None
+) -> FleetStore | None:
+    """The fleet store a node registers in (None: no Redis, gateways poll it); with a node
+    token its records are signed (``routing.fleet.signing``)."""
     if not redis_url:
         return None
     from routing.fleet.redis_store import RedisFleetStore
+    from routing.fleet.signing import RecordSigner
 
-    return RedisFleetStore(redis_url, mode=mode)
+    signer = RecordSigner(node_token) if node_token else None
+    return RedisFleetStore(redis_url, mode=mode, signer=signer)
 
 
 def build_service(
@@ -91,7 +96,7 @@ def serve_node(
         watts=watts,
     )
     app = create_node_app(
-        service, make_store(redis_url, redis_mode), node_token=node_token, tune_gc=True
+        service, make_store(redis_url, redis_mode, node_token), node_token=node_token, tune_gc=True
     )
     log.info(
         "node %s (%s) serving %s on %s",
