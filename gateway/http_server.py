@@ -13,6 +13,7 @@ this module adds:
   body trickled a byte at a time is cut), with a 408 when no response has started. Time during which uvicorn
   itself has paused reading (flow control, a pipelined request waiting its turn, a client
   waiting for ``100 Continue``) never counts against the client.
+* **No ``server`` header.** Replies do not name the server software (uvicorn's default).
 * **A connection cap.** Past ``max_connections`` open connections a new one gets a 503 and is
   closed at once, so a flood cannot exhaust the open-file limit (which is raised to the hard
   limit first).
@@ -322,6 +323,7 @@ class DrainingServer(uvicorn.Server):
             timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
             timeout_graceful_shutdown=limits.drain_timeout_s,  # type: ignore[arg-type]
             backlog=limits.backlog,
+            server_header=False,  # replies do not name the server software
         )
         super().__init__(config)
 
