@@ -34,9 +34,11 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from gateway.auth import NODE_TOKEN_ENV, NODE_TOKEN_HEADER, AuthConfig, check_node_token
+from gateway.auth_config import AuthConfig
 from gateway.cache_scope import CacheScope
 from gateway.geo import GeoConfig
+from gateway.node_token import NODE_TOKEN_ENV, NODE_TOKEN_HEADER
+from gateway.secret_strength import check_node_token
 from routing.fleet.memory_store import OpenAINodeConfig
 from routing.redis_connect import PASSWORD_ENV, RedisClient, RedisMode, parse_redis_url
 from routing.redis_link import pool_size_for, redis_client

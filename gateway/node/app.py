@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway import gc_tuning
-from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
@@ -34,6 +33,7 @@ from gateway.node_headers import (
     NODE_TTFT_HEADER,
     PREFILL_MS_HEADER,
 )
+from gateway.node_token import NodeTokenMiddleware
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
 from gateway.sse import sse_event
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
@@ -54,7 +54,7 @@ def create_node_app(
     tune_gc: bool = False,
 ) -> FastAPI:
     """The Node API over ``service``; with ``node_token``, every route but ``GET /health``
-    answers 401 without it (:class:`gateway.auth.NodeTokenMiddleware`); with ``tune_gc``
+    answers 401 without it (:class:`gateway.node_token.NodeTokenMiddleware`); with ``tune_gc``
     (a node process of its own), what exists once the engine has started is frozen
     (:mod:`gateway.gc_tuning`)."""
     publisher: StatePublisher | None = None
