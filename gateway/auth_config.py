@@ -5,17 +5,27 @@ Invariants:
 - Authentication is on when ``enabled`` says so, or (when it is unset) as soon as any key is
   configured or Redis keys are enabled.
 - Weak secrets are refused when the config is loaded: with authentication on and any key
-  configured, the salt must have at least :data:`MIN_SECRET_CHARS` characters, and no key (user
-  or admin) may be one of :data:`WEAK_KEYS` (checked by hashing them with the salt).
+  configured, the salt must pass :func:`gateway.secret_strength.check_secret` (length,
+  character classes, no repetition, no common word, not a published example), and no key
+  (user or admin) may be one of :data:`WEAK_KEYS` (checked by hashing them with the salt).
+- The salt defaults to ``$EDGECLOUD_AUTH_SALT``, so it need not be written in the YAML.
 - Key names are unique (they name the rate-limit buckets) and no hash appears twice.
 """
 
 from __future__ import annotations
 
+import os
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from gateway.api_keys import hash_key, valid_hash
-from gateway.secret_strength import MIN_SECRET_CHARS, WEAK_KEYS
+from gateway.secret_strength import WEAK_KEYS, check_secret
+
+SALT_ENV = "EDGECLOUD_AUTH_SALT"
+
+
+def _env_salt() -> SecretStr:
+    return SecretStr(os.environ.get(SALT_ENV, ""))
 
 
 class ApiKeyEntry(BaseModel):
@@ -54,7 +64,8 @@ class AuthConfig(BaseModel):
     Example::
 
         auth:
-          salt: "a long random per-deployment secret"
+          # salt: from $EDGECLOUD_AUTH_SALT (python -c 'import secrets;
+          #       print(secrets.token_urlsafe(32))')
           default_rpm: 600
           keys:
             - {name: alice, key_hash: "hmac-sha256:3f...", rpm: 60, tpm: 100000}
@@ -66,7 +77,10 @@ class AuthConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool | None = Field(default=None, description="unset: on iff any key is configured")
-    salt: SecretStr = Field(default=SecretStr(""), description="per-deployment secret")
+    salt: SecretStr = Field(
+        default_factory=_env_salt,
+        description=f"per-deployment secret (default ${SALT_ENV}); random, 16+ characters",
+    )
     keys: list[ApiKeyEntry] = Field(default_factory=list)
     admin_keys: list[AdminKeyEntry] = Field(default_factory=list)
     redis_keys: bool = Field(default=False, description="also accept keys from the Redis store")
@@ -98,12 +112,7 @@ class AuthConfig(BaseModel):
         if not self.is_enabled or not (self.keys or self.admin_keys or self.redis_keys):
             return self
         salt = self.salt.get_secret_value()
-        if len(salt) < MIN_SECRET_CHARS:
-            raise ValueError(
-                f"auth.salt must have at least {MIN_SECRET_CHARS} characters (got {len(salt)}): "
-                "use a long random secret, e.g. python -c 'import secrets; "
-                "print(secrets.token_urlsafe(32))'"
-            )
+        check_secret(salt, "auth.salt")
         weak = {hash_key(w, salt): w for w in WEAK_KEYS}
         for section, entries in (("keys", self.keys), ("admin_keys", self.admin_keys)):
             for k in entries:

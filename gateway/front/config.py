@@ -6,9 +6,10 @@ Safe defaults (each refused or narrowed unless the operator says otherwise):
 - The node token (``node_token``, default ``$EDGECLOUD_NODE_TOKEN``) is sent to every node on
   every request (:meth:`GatewayConfig.node_headers`); nodes started with the same token refuse
   requests without it. It is a secret: never logged, hidden in reprs.
-- ``observability`` says who may read ``/health`` and ``/metrics``: ``open`` (anyone; the
-  details of ``/health`` only to loopback or admin callers), ``loopback`` (loopback callers or
-  an admin key), ``admin`` (an admin key; loopback callers only while auth is off).
+- ``observability`` says who may read ``/health`` and ``/metrics``: ``loopback`` (the default:
+  loopback callers or an admin key; a Prometheus scraper elsewhere sends an admin key as its
+  bearer token), ``admin`` (an admin key; loopback callers only while auth is off), ``open``
+  (anyone; the details of ``/health`` only to loopback or admin callers).
 - Tenants: ``cache_scope`` (``key``, the default; ``team``; ``global``) says which callers
   share prefix-cache blocks (:mod:`gateway.cache_scope`); ``decision_headers`` (``full``,
   ``minimal``, ``off``) how much of the routing decision a caller sees in ``x-edgecloud-*``
@@ -153,7 +154,9 @@ class GatewayConfig(BaseModel):
         default=1, ge=1, description="replicas sharing Redis: each admits 1/n while it is down"
     )
     observability: Literal["open", "loopback", "admin"] = Field(
-        default="open", description="who may read /health details and /metrics (see above)"
+        default="loopback",
+        description="who may read /health details and /metrics: loopback (loopback callers or "
+        "an admin key, e.g. a scraper's bearer token), admin (an admin key), open (anyone)",
     )
     allowed_node_urls: list[str] = Field(
         default_factory=list,
