@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import write_rows_and_summary
 from bench._serve import embedded_default
 from bench.tier_contention import _ask, _node_urls, _text, _warm
-from gateway.auth import NODE_TOKEN_HEADER
+from gateway.node_token import NODE_TOKEN_HEADER
 
 
 async def _with(

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import write_rows_and_summary
 from bench._serve import embedded_default
 from bench.edge_shared_prompt import WORDS
-from gateway.auth import NODE_TOKEN_HEADER
+from gateway.node_token import NODE_TOKEN_HEADER
 
 MODEL = "smollm2-135m-instruct"
 

@@ -18,7 +18,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from routing.blocks import BLOCK_SIZE, hash_block
+from routing.blocks import BLOCK_SIZE, hash_block, scope_seed
 from routing.engine import FinishReason, GenerationRequest, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -111,9 +111,12 @@ class Sequence:
         return (self.request.priority, self.order)
 
     def extend_hashes(self, seed: int, block_size: int = BLOCK_SIZE) -> None:
-        """Hash every full block of ``token_ids`` not hashed yet."""
+        """Hash every full block of ``token_ids`` not hashed yet, in the request's cache
+        scope (``seed``: the model's; ``request.cache_salt`` re-seeds it)."""
         n_full = len(self.token_ids) // block_size
-        parent = self.hashes[-1] if self.hashes else seed
+        if n_full <= len(self.hashes):
+            return
+        parent = self.hashes[-1] if self.hashes else scope_seed(seed, self.request.cache_salt)
         for i in range(len(self.hashes), n_full):
             parent = hash_block(parent, self.token_ids[i * block_size : (i + 1) * block_size])
             self.hashes.append(parent)

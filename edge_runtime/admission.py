@@ -69,7 +69,7 @@ class Admission:
     def hash(self, r: SlotRequest) -> None:
         """Fill ``r.hashes`` (no shared state: called outside the lock)."""
         if self.cache is not None:
-            r.hashes = self.cache.hashes(r.request.prompt_token_ids)
+            r.hashes = self.cache.hashes(r.request.prompt_token_ids, r.request.cache_salt)
 
     def push(self, r: SlotRequest) -> None:
         heapq.heappush(self._waiting, (r.sort_key(), self._seq, r))
@@ -116,7 +116,7 @@ class Admission:
             return Placement(free[0], 0)
         prompt, limit = r.request.prompt_token_ids, reusable_blocks(r.prompt_len)
         slot, blocks = self.cache.choose(free, prompt, r.hashes, limit)
-        self.cache.take(slot, blocks)
+        self.cache.take(slot, blocks, r.request.cache_salt)
         source, more = self.cache.best_source(prompt, r.hashes, limit, exclude=slot)
         if more <= blocks:
             return Placement(slot, blocks)

@@ -19,7 +19,9 @@ Each slot has one :class:`SlotEntry`: the token ids whose KV is valid at positio
 
 Invariants (checked by :meth:`SlotCache.check_integrity`):
 
-- ``entry.hashes == block_hashes(entry.tokens, seed)`` for every slot (full blocks only);
+- ``entry.hashes == block_hashes(entry.tokens, scope_seed(seed, entry.salt))`` for every slot
+  (full blocks only; ``entry.salt``: the cache scope of the request that wrote it, so a slot
+  is reused only within its scope);
 - a free slot keeps at most ``max_kept`` tokens (``context - 1``: a decode step writes one
   dummy position at a free slot's kept length, so that position must lie past the kept KV and
   inside the context);
@@ -45,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from routing.admission import PREFIX_FIRST_MIN_BLOCKS
-from routing.blocks import BLOCK_SIZE, BlockEvents, block_hashes, hash_block
+from routing.blocks import BLOCK_SIZE, BlockEvents, block_hashes, hash_block, scope_seed
 
 
 class IntegrityError(AssertionError):
@@ -59,6 +61,7 @@ class SlotEntry:
     busy: bool = False
     released: int = 0  # the cache's clock when the slot last became free (LRU order)
     shared: int = 0  # leading blocks of ``hashes`` two requests have used (an app's prompt)
+    salt: str = ""  # the cache scope its tokens were written in (routing.blocks.scope_seed)
 
 
 class SlotCache:
@@ -82,16 +85,17 @@ class SlotCache:
 
     # --- hashing (no state: callable outside the lock) ------------------------------------------
 
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
-        """The chained hashes of every full block of ``tokens``."""
-        return block_hashes(tokens, self.seed, self.block_size)
+    def hashes(self, tokens: Sequence[int], salt: str = "") -> list[int]:
+        """The chained hashes of every full block of ``tokens`` in cache scope ``salt``."""
+        return block_hashes(tokens, scope_seed(self.seed, salt), self.block_size)
 
-    def extend(self, tokens: Sequence[int], known: Sequence[int]) -> list[int]:
-        """The hashes of every full block of ``tokens``, given ``known``: the hashes of a
-        prefix of them (e.g. of the prompt, when ``tokens`` is the prompt plus its output)."""
+    def extend(self, tokens: Sequence[int], known: Sequence[int], salt: str = "") -> list[int]:
+        """The hashes of every full block of ``tokens`` in scope ``salt``, given ``known``: the
+        hashes of a prefix of them (e.g. of the prompt, when ``tokens`` is the prompt plus its
+        output)."""
         bs, n = self.block_size, len(tokens) // self.block_size
         out = list(known[:n])
-        parent = out[-1] if out else self.seed
+        parent = out[-1] if out else scope_seed(self.seed, salt)
         for i in range(len(out), n):
             parent = hash_block(parent, tokens[i * bs : (i + 1) * bs])
             out.append(parent)
@@ -176,9 +180,10 @@ class SlotCache:
 
     # --- slot life cycle -------------------------------------------------------------------------
 
-    def take(self, slot: int, blocks: int) -> None:
-        """A request starts in free ``slot`` reusing its leading ``blocks`` blocks: the rest
-        of the kept KV is overwritten, so its hashes leave the cache."""
+    def take(self, slot: int, blocks: int, salt: str = "") -> None:
+        """A request of cache scope ``salt`` starts in free ``slot`` reusing its leading
+        ``blocks`` blocks (matched by hash, so of that scope): the rest of the kept KV is
+        overwritten, so its hashes leave the cache."""
         e = self.entries[slot]
         if e.busy:
             raise IntegrityError(f"slot {slot} taken twice")
@@ -188,6 +193,7 @@ class SlotCache:
         e.tokens = e.tokens[: blocks * self.block_size]
         e.hashes = e.hashes[:blocks]
         e.busy = True
+        e.salt = salt
         e.shared = blocks  # its last request's and this one's
 
     def grow(self, slot: int, tokens: Sequence[int], hashes: Sequence[int]) -> None:
@@ -232,7 +238,7 @@ class SlotCache:
         kept = list(tokens[: self.max_kept])
         if kept[: len(e.tokens)] != e.tokens:
             raise IntegrityError(f"slot {slot}: the request did not extend the reused prefix")
-        new = self.extend(kept, known)
+        new = self.extend(kept, known, e.salt)
         self._add(new)  # before the drop: the reused leading blocks never leave the cache
         self._drop(e.hashes)
         e.tokens, e.hashes, e.busy = kept, new, False
@@ -296,7 +302,7 @@ class SlotCache:
         entries' hashes."""
         counts: dict[int, int] = {}
         for slot, e in enumerate(self.entries):
-            if e.hashes != self.hashes(e.tokens):
+            if e.hashes != self.hashes(e.tokens, e.salt):
                 raise IntegrityError(f"slot {slot}: hashes do not match its tokens")
             if not e.busy and len(e.tokens) > self.max_kept:
                 raise IntegrityError(f"slot {slot} keeps {len(e.tokens)} > {self.max_kept}")

@@ -9,9 +9,11 @@ this module adds:
   is held forever. :class:`GuardedHttpToolsProtocol` (uvicorn's httptools protocol plus one
   timer) closes a connection whose headers are not complete ``header_timeout_s`` after it
   opened (or after its next request's first byte), and one whose body stalls for
-  ``body_timeout_s``, with a 408 when no response has started. Time during which uvicorn
+  ``body_timeout_s`` or is not complete ``body_deadline_s`` after its headers (a total: a
+  body trickled a byte at a time is cut), with a 408 when no response has started. Time during which uvicorn
   itself has paused reading (flow control, a pipelined request waiting its turn, a client
   waiting for ``100 Continue``) never counts against the client.
+* **No ``server`` header.** Replies do not name the server software (uvicorn's default).
 * **A connection cap.** Past ``max_connections`` open connections a new one gets a 503 and is
   closed at once, so a flood cannot exhaust the open-file limit (which is raised to the hard
   limit first).
@@ -20,7 +22,9 @@ this module adds:
   as a traceback (:class:`ServedApp`, and :class:`DisconnectNoiseFilter` on the app's error
   logger).
 * **A drain that the caller finishes.** On SIGTERM or SIGINT the server stops accepting, lets
-  in-flight requests finish for up to ``drain_timeout_s``, cancels the rest, runs the app's
+  in-flight requests finish for up to ``drain_timeout_s``, cancels the rest (a stream cut so
+  ends with its API's error event naming the reason, and its end: :mod:`gateway.drain_word`,
+  never a truncated body), runs the app's
   shutdown and *returns* a :class:`ServeResult` (uvicorn would re-raise the signal, killing
   the process before the caller could stop its children). Another thread stops it with
   :meth:`DrainingServer.request_stop`.
@@ -40,9 +44,10 @@ from typing import Any, ClassVar
 
 import uvicorn
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.drain_word import drain_message, drain_words
 from gateway.server_limits import ServerLimits, raise_open_file_limit
 
 log = logging.getLogger(__name__)
@@ -76,7 +81,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     One timer per connection, in one of three phases: *headers* (armed when the connection
     opens, or at a later request's first byte; an absolute deadline, so trickled bytes do not
     extend it), *body* (re-armed by every piece of body that arrives: a stall timer), *idle*
-    (no timer of ours; uvicorn's keep-alive timer applies). Subclassed per server by
+    (no timer of ours; uvicorn's keep-alive timer applies). In the body phase the timer is
+    also capped by the body's total deadline (``body_deadline_s`` from its headers), so a body
+    trickled a byte at a time is cut there; time the server spends not reading (flow control)
+    moves the deadline on. Subclassed per server by
     :func:`protocol_for`, which sets the class attributes.
     """
 
@@ -90,6 +98,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._phase = _IDLE
         self._begun = False  # a byte of the current request has arrived
         self._rejected = False
+        self._body_deadline = 0.0  # loop time by which the current body must be complete
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -121,7 +130,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         super().data_received(data)
         if self._phase == _BODY and not self.transport.is_closing():
-            self._arm(self.limits.body_timeout_s)
+            left = self._body_deadline - self.loop.time()
+            self._arm(max(0.0, min(self.limits.body_timeout_s, left)))
 
     # -- parser callbacks ------------------------------------------------------------------------
 
@@ -135,6 +145,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel()
         self._phase = _BODY
+        self._body_deadline = self.loop.time() + self.limits.body_deadline_s
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -169,11 +180,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             or (previous is not None and not previous.response_complete)
         )
         if waiting_on_us:  # we are not reading, or not ready to answer: not the client's stall
-            self._arm(
+            delay = (
                 self.limits.header_timeout_s
                 if self._phase == _HEADERS
                 else self.limits.body_timeout_s
             )
+            self._body_deadline += delay  # nor the client's time
+            self._arm(delay)
             return
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         if self._phase == _HEADERS:
@@ -181,7 +194,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             if self._begun:
                 transport.write(_REQUEST_TIMEOUT)
         else:
-            log.debug("closing %s: request body stalled", client)
+            log.debug("closing %s: request body stalled or past its deadline", client)
             if cycle is not None and not cycle.response_started:
                 cycle.disconnected = True  # the app's receive() now says http.disconnect
                 cycle.message_event.set()
@@ -222,27 +235,66 @@ def quiet_client_disconnects() -> None:
             logger.addFilter(_noise_filter)
 
 
+class _Stream:
+    """What one request's response has sent so far (for the drain's last words)."""
+
+    __slots__ = ("ended", "mid_event", "sse", "started")
+
+    def __init__(self) -> None:
+        self.started = self.sse = self.ended = self.mid_event = False
+
+    def saw(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            for name, value in message.get("headers") or ():
+                if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
+                    self.sse = True
+        elif message["type"] == "http.response.body":
+            body = message.get("body") or b""
+            if body:
+                self.mid_event = not body.endswith(b"\n\n")
+            if not message.get("more_body", False):
+                self.ended = True
+
+
 class ServedApp:
     """The ASGI app as served: counts requests in flight and those cut off by the drain
-    deadline; a request ended by its client's disconnect ends quietly."""
+    deadline; a request ended by its client's disconnect ends quietly.
+
+    A server-sent-event stream cut at the drain deadline (its task cancelled while
+    ``draining``) is not left truncated: it gets :func:`gateway.drain_word.drain_words` (its
+    API's error event naming ``stop_reason``, and its end) and its body is ended cleanly; it
+    counts in ``cancelled`` and in ``worded``."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.active = 0
         self.cancelled = 0
+        self.worded = 0
         self.draining = False
+        self.stop_reason: str | None = None
+        self.drain_s = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         self.active += 1
+        stream = _Stream()
+
+        async def watched(message: Message) -> None:
+            stream.saw(message)
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, watched)
         except asyncio.CancelledError:
-            if self.draining:
-                self.cancelled += 1
-            raise
+            if not self.draining:
+                raise
+            self.cancelled += 1
+            if not (stream.sse and stream.started and not stream.ended):
+                raise
+            await self._last_words(scope, send, stream)
         except BaseException as exc:
             if not _only_disconnects(exc):
                 raise
@@ -250,18 +302,32 @@ class ServedApp:
         finally:
             self.active -= 1
 
+    async def _last_words(self, scope: Scope, send: Send, stream: _Stream) -> None:
+        """End a cut stream with its error event and end (the request is over: its task was
+        cancelled to stop it, and it has stopped; nothing is re-raised)."""
+        words = drain_words(
+            scope.get("path", ""),
+            drain_message(self.stop_reason, self.drain_s),
+            mid_event=stream.mid_event,
+        )
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": words, "more_body": False})
+            self.worded += 1
+
 
 @dataclass(frozen=True)
 class ServeResult:
     """How a server stopped. ``reason``: the signal's name, :meth:`DrainingServer.request_stop`'s
     reason, or None (it stopped by itself). ``in_flight``: requests running when the stop began;
-    ``cancelled``: those cut off at the drain deadline. ``seconds``: from the stop request to
-    the server's return (drain and the app's shutdown)."""
+    ``cancelled``: those cut off at the drain deadline, ``worded`` of which were streams ended
+    with an error event (:mod:`gateway.drain_word`). ``seconds``: from the stop request to the
+    server's return (drain and the app's shutdown)."""
 
     reason: str | None
     in_flight: int
     cancelled: int
     seconds: float
+    worded: int = 0
 
     def describe(self, what: str) -> str:
         if self.in_flight == 0:
@@ -271,7 +337,7 @@ class ServeResult:
         else:
             drained = (
                 f"{self.in_flight} request(s) in flight, {self.cancelled} cancelled at the drain "
-                "deadline"
+                f"deadline ({self.worded} stream(s) ended with an error event)"
             )
         return f"stopped {what} in {self.seconds:.1f} s ({drained})"
 
@@ -313,6 +379,7 @@ class DrainingServer(uvicorn.Server):
             timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
             timeout_graceful_shutdown=limits.drain_timeout_s,  # type: ignore[arg-type]
             backlog=limits.backlog,
+            server_header=False,  # replies do not name the server software
         )
         super().__init__(config)
 
@@ -350,6 +417,8 @@ class DrainingServer(uvicorn.Server):
         if self._stop_at is None:
             self._stop_at = time.monotonic()
         self._in_flight = self.served.active
+        self.served.stop_reason = self.stop_reason
+        self.served.drain_s = self.limits.drain_timeout_s
         self.served.draining = True
         await super().shutdown(sockets=sockets)
 
@@ -361,6 +430,7 @@ class DrainingServer(uvicorn.Server):
             in_flight=self._in_flight,
             cancelled=self.served.cancelled,
             seconds=end - (self._stop_at if self._stop_at is not None else end),
+            worded=self.served.worded,
         )
 
 

@@ -12,6 +12,11 @@ of the request's own prompt chunks (the cloud's: its share of the mixed steps th
 beyond their decode rows' time); the rest of the node's time to first token is waiting (for a
 slot, behind other prompts, beside their decode steps): :func:`node_wait_ms`. The gateway's
 latency model learns prefill rates from the compute alone, however busy the node was.
+
+The other way, :data:`CACHE_SALT_HEADER` on a request names its cache scope (an opaque value
+the gateway derives per tenant, :mod:`gateway.cache_scope`); the node's engine hashes the
+request's prefix blocks in that scope (:func:`routing.blocks.scope_seed`). Clients never set
+it: the gateway builds every header it sends to a node.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from collections.abc import Mapping
 HEADERS_AT_FIRST_TOKEN = "x-edgecloud-headers-at-first-token"
 PREFILL_MS_HEADER = "x-edgecloud-prefill-ms"
 NODE_TTFT_HEADER = "x-edgecloud-measured-ttft-ms"
+CACHE_SALT_HEADER = "x-edgecloud-cache-salt"
+MAX_CACHE_SALT_CHARS = 128
 
 
 def _ms(headers: Mapping[str, str], name: str) -> float | None:

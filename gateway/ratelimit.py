@@ -610,6 +610,7 @@ class KeyRecord:
     name: str
     rpm: int | None = None
     tpm: int | None = None
+    team: str | None = None  # keys of one team may share a cache scope (``cache_scope: team``)
 
 
 class KeyStoreUnavailable(ConnectionError):
@@ -621,7 +622,7 @@ def _opt_int(raw: str | None) -> int | None:
 
 
 class RedisKeyStore:
-    """API keys by hash: ``edgecloud:v1:apikey:{key_hash}`` -> hash {name, rpm, tpm}.
+    """API keys by hash: ``edgecloud:v1:apikey:{key_hash}`` -> hash {name, rpm, tpm, team}.
 
     Every method is one round trip and raises :class:`KeyStoreUnavailable` when Redis is down.
     """
@@ -648,11 +649,19 @@ class RedisKeyStore:
         if not raw or "name" not in raw:
             return None
         return KeyRecord(
-            name=raw["name"], rpm=_opt_int(raw.get("rpm")), tpm=_opt_int(raw.get("tpm"))
+            name=raw["name"],
+            rpm=_opt_int(raw.get("rpm")),
+            tpm=_opt_int(raw.get("tpm")),
+            team=raw.get("team") or None,
         )
 
     async def put(self, key_hash: str, record: KeyRecord) -> None:
-        mapping = {"name": record.name, "rpm": record.rpm or "", "tpm": record.tpm or ""}
+        mapping = {
+            "name": record.name,
+            "rpm": record.rpm or "",
+            "tpm": record.tpm or "",
+            "team": record.team or "",
+        }
         try:  # every field at once: one command on one key, so atomic on a cluster too
             await self.redis.hset(self.key(key_hash), mapping=mapping)
         except REDIS_ERRORS as exc:

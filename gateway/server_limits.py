@@ -28,6 +28,8 @@ class ServerLimits:
     * ``body_timeout_s``: the longest pause between two pieces of a request body (a stall,
       not a total: a slow but moving upload is fine); otherwise 408 if no response has
       started, and close.
+    * ``body_deadline_s``: the longest a whole request body may take from its headers on
+      (a total, beside the stall timeout: a body trickled a byte at a time is cut here).
     * ``keep_alive_s``: an idle kept-alive connection is closed after this.
     * ``max_connections``: open client connections; one more is answered 503 and closed at
       once. None: half the open-file limit less a reserve (see :func:`default_max_connections`).
@@ -37,13 +39,14 @@ class ServerLimits:
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
+    body_deadline_s: float = 60.0
     keep_alive_s: float = 5.0
     max_connections: int | None = None
     backlog: int = 2048
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "body_deadline_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.drain_timeout_s < 0:
@@ -112,6 +115,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"seconds a request body may stall between two pieces (default {d.body_timeout_s:g})",
     )
     g.add_argument(
+        "--body-deadline",
+        type=float,
+        default=d.body_deadline_s,
+        help="seconds a whole request body may take, however it trickles (default "
+        f"{d.body_deadline_s:g})",
+    )
+    g.add_argument(
         "--max-connections",
         type=int,
         default=None,
@@ -123,6 +133,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
+        body_deadline_s=args.body_deadline,
         max_connections=args.max_connections,
         drain_timeout_s=args.drain_timeout,
     )

@@ -5,6 +5,10 @@ Invariants:
 - ``hash[i]`` depends on ``hash[i-1]`` and the token ids of block ``i``, so equal hashes mean
   equal token prefixes (up to 64-bit collisions, which the cloud engine guards against).
 - Hashes are seeded by the model's identity: two models never share a block hash space.
+- A request's cache scope (``cache_salt``, an opaque string the gateway derives per tenant)
+  re-seeds the chain (:func:`scope_seed`): two scopes never share a block hash, so no tenant
+  is credited, served or told of another's prefixes. The empty salt is the model's own seed
+  (one scope: the embedded default without keys hashes exactly as before).
 - Hashes are stable across processes, machines and Python versions (blake2b, not ``hash()``).
 """
 
@@ -14,6 +18,7 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 BLOCK_SIZE = 16
 _MASK64 = (1 << 64) - 1
@@ -30,6 +35,16 @@ def model_seed(model_identity: str) -> int:
     return int.from_bytes(
         hashlib.blake2b(model_identity.encode(), digest_size=8).digest(), "little"
     )
+
+
+@lru_cache(maxsize=4096)
+def scope_seed(seed: int, cache_salt: str = "") -> int:
+    """The root hash of a cache scope: ``seed`` itself for the empty salt, else the seed
+    chained with the salt's bytes (a pure function, cached)."""
+    if not cache_salt:
+        return seed
+    payload = (seed & _MASK64).to_bytes(8, "little") + b"scope:" + cache_salt.encode()
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
 
 
 def hash_block(parent: int, token_ids: Sequence[int]) -> int:

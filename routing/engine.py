@@ -72,7 +72,11 @@ class GenerationRequest:
 
     ``prefill_with``: the id of a request submitted just before with the same prompt (another
     choice of one ``n > 1`` request); an engine with a prefix cache may hold this one back
-    until that one's prompt is computed, and then reuse its blocks (one prefill)."""
+    until that one's prompt is computed, and then reuse its blocks (one prefill).
+
+    ``cache_salt``: the request's cache scope (:func:`routing.blocks.scope_seed`); an engine
+    with a prefix cache hashes its blocks in that scope only, so requests of two scopes never
+    share cached KV."""
 
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -80,6 +84,7 @@ class GenerationRequest:
     priority: int = 0  # lower value is served first; ties FCFS by arrival_time
     arrival_time: float = field(default_factory=time.monotonic)
     prefill_with: str | None = None
+    cache_salt: str = ""
 
 
 class FinishReason(enum.StrEnum):

@@ -4,7 +4,8 @@ Invariants:
 - The prompt is rendered with the target model's own chat template and tokenized with its own
   tokenizer exactly as the node does (``template_messages`` flattening, no BOS of our own), so
   the block hashes here are the hashes the cloud engine's prefix cache publishes.
-- ``block_hashes`` are seeded by the model's identity (see :mod:`routing.blocks`).
+- ``block_hashes`` are seeded by the model's identity and the caller's cache scope
+  (``cache_salt``, see :mod:`routing.blocks`): the same prompt of two scopes shares no hash.
 - ``expected_output_tokens`` is in ``[1, max_tokens]`` (when ``max_tokens`` is set): learned per
   (API key, route) as an EWMA of observed completion tokens, else the configured default.
 - Building a profile is CPU work (tokenizing): the gateway runs long prompts off its event loop.
@@ -24,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.blocks import BLOCK_SIZE, block_hashes, model_seed, reusable_blocks
+from routing.blocks import BLOCK_SIZE, block_hashes, model_seed, reusable_blocks, scope_seed
 from routing.choices import MAX_CHOICES
 from routing.fleet.state import Capability, NodeKind
 from routing.prompt import PromptFormatter, UnencodableText
@@ -392,13 +393,13 @@ def requested_max_tokens(body: Any) -> int | None:
 _SEEDS: dict[str, int] = {}  # model identity -> model_seed(identity), a pure function
 
 
-def _seed(model_identity: str) -> int:
+def _seed(model_identity: str, cache_salt: str = "") -> int:
     seed = _SEEDS.get(model_identity)
     if seed is None:
         if len(_SEEDS) >= 1024:
             _SEEDS.clear()
         seed = _SEEDS[model_identity] = model_seed(model_identity)
-    return seed
+    return scope_seed(seed, cache_salt) if cache_salt else seed
 
 
 def build_profile(
@@ -411,12 +412,14 @@ def build_profile(
     client_region: str,
     outputs: OutputLengthEstimator | None = None,
     api_key: str | None = None,
+    cache_salt: str = "",
 ) -> RequestProfile:
-    """Profile an OpenAI chat or completion body (a validated dict or pydantic model)."""
+    """Profile an OpenAI chat or completion body (a validated dict or pydantic model);
+    its block hashes are those of cache scope ``cache_salt``."""
     ids = prompt_token_ids(body, formatter, route)
     max_tokens = requested_max_tokens(body)
     estimator = outputs if outputs is not None else OutputLengthEstimator()
-    hashes = block_hashes(ids, _seed(model_identity))
+    hashes = block_hashes(ids, _seed(model_identity, cache_salt))
     first = hashes[0] if hashes else None
     whole = prompt_key(ids, hashes)
     last = last_message_key(body) if route == "chat" else None

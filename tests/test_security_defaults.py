@@ -157,7 +157,7 @@ def test_auth_off_is_local_only_for_admin_and_urls(node: dict[str, Any]) -> None
         assert httpx.get(gw.url + "/health", headers=proxied).status_code == 403
     finally:
         gw.stop()
-    gw = _gateway(node)  # observability: open (the default)
+    gw = _gateway(node, observability="open")
     try:
         assert httpx.get(gw.url + "/health", headers=proxied).json().keys() == {"status"}
         assert "store" in httpx.get(gw.url + "/health").json()
@@ -191,7 +191,10 @@ def test_node_on_a_public_address_without_a_token_refuses_to_start() -> None:
     assert r.returncode == 2, r.stderr
     assert "without a node token" in r.stderr and "Traceback" not in r.stderr
     r = _run("edge", "serve", "--node-token", "short", "--port", "0")
-    assert r.returncode == 2 and "node token must have at least 16" in r.stderr
+    assert r.returncode == 2 and "node token is too weak" in r.stderr
+    assert "at least 16 characters" in r.stderr
+    r = _run("edge", "serve", "--node-token", "passwordpassword", "--port", "0")
+    assert r.returncode == 2 and "node token is too weak" in r.stderr, r.stderr
 
 
 def test_weak_admin_key_and_salt_are_refused(tmp_path: Path) -> None:
@@ -199,7 +202,7 @@ def test_weak_admin_key_and_salt_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="well-known weak key"):
         AuthConfig.model_validate(weak)
     short = {"salt": "salt", "keys": [{"name": "u", "key_hash": hash_key(USER, "salt")}]}
-    with pytest.raises(ValueError, match=r"auth\.salt must have at least 16"):
+    with pytest.raises(ValueError, match=r"auth\.salt is too weak: it must have at least 16"):
         AuthConfig.model_validate(short)
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(

@@ -23,7 +23,7 @@ from gateway.commands.argtypes import (
 )
 from gateway.server_limits import ServerLimits
 
-NODE_TOKEN_ENV = "EDGECLOUD_NODE_TOKEN"  # = gateway.auth.NODE_TOKEN_ENV (not imported: light)
+NODE_TOKEN_ENV = "EDGECLOUD_NODE_TOKEN"  # = gateway.node_token.NODE_TOKEN_ENV (not imported: light)
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ def node_token_from_args(args: argparse.Namespace, prog: str) -> str | None:
     """The node token (flag, else environment), checked; exits with status 2 (and a message)
     when it is weak, or when the node would listen beyond loopback without one and without
     ``--insecure-no-auth``."""
-    from gateway.auth import check_node_token
+    from gateway.secret_strength import check_node_token
 
     token = args.node_token or os.environ.get(NODE_TOKEN_ENV) or None
     if token is not None:

@@ -26,8 +26,10 @@ from gateway.auth import KeyIdentity, enforce_rate_limit, is_local
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, bad_request, install_error_handlers, public_error
 from gateway.fleet_gauges import FleetGauges
+from gateway.front import fastjson
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
+from gateway.front.headers import visible_route
 from gateway.front.openapi import (
     ADMIN_ERRORS,
     HEALTH_RESPONSES,
@@ -215,14 +217,20 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     # The two hot routes: served by GatewayApp directly (see its docstring), and also plain
     # Starlette routes (FastAPI's per-request dependency solving was about a tenth of the
     # gateway's CPU per request) for when the app is not on its fast path. Either way the auth
-    # check is the same ``gw.auth`` dependency, called first, and the body is read after it.
+    # check is the same ``gw.auth`` dependency, called first, then the rate limit on the
+    # body's declared length (``gw.admit``), and the body is read after both.
     def hot(model_cls: Any, route: str) -> Endpoint:
         async def endpoint(request: Request, read_body: Callable[[], Awaitable[bytes]]) -> Response:
             who = await gw.auth(request)
-            data, req, strict = gw.parse_json(
-                await read_body(), model_cls, request.headers.get("content-type")
-            )
-            return await gw.forward(request, data, route, req, who, strict_json=strict)
+            rate = await gw.admit(request, who)  # limits before the body is read
+            try:
+                data, req, strict = gw.parse_json(
+                    await read_body(), model_cls, request.headers.get("content-type")
+                )
+            except BaseException:
+                await gw.limiter.settle(rate, 0)  # the request counts, its tokens do not
+                raise
+            return await gw.forward(request, data, route, req, who, strict_json=strict, rate=rate)
 
         return endpoint
 
@@ -241,22 +249,25 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
 
     @app.post("/v1/route", tags=["Gateway"], responses=ROUTE_RESPONSES, openapi_extra=ROUTE_BODY)
     async def route(request: Request) -> dict[str, Any]:
-        """Where a request would go. Node URLs only for admins (with auth off: local callers);
-        anyone else is charged one request (no tokens) against their rate limit first."""
+        """Where a request would go, in the caller's cache scope. Node URLs only for admins
+        (with auth off: local callers); anyone else is charged one request (no tokens)
+        against their rate limit first, and sees what ``decision_headers`` allows."""
         who = await gw.auth.admin_or_none(request) or await gw.auth(request)
+        level = config.decision_headers
         if not who.admin:
+            if level == "off":
+                raise APIError(
+                    403,
+                    "Routing decisions are not shown to callers on this gateway.",
+                    type_="permission_error",
+                    code="decision_hidden",
+                )
             await enforce_rate_limit(gw.limiter, who, 0, gw.metrics.observe_rate_limited)
         raw = await request.body()
         is_chat = b'"messages"' in raw
         data, req = await gw.parse(request, ChatCompletionRequest if is_chat else CompletionRequest)
-        out = await gw.route_only(
-            data, "chat" if is_chat else "completion", req, request, who.key_id
-        )
-        if not who.admin:
-            out.pop("url", None)
-            for c in out.get("candidates", ()):
-                c.pop("url", None)
-        return out
+        out = await gw.route_only(data, "chat" if is_chat else "completion", req, request, who)
+        return out if who.admin else visible_route(out, level)
 
     async def observer(request: Request) -> bool:
         """May the caller see ``/metrics`` and ``/health``'s details (``config.observability``)?
@@ -326,10 +337,19 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
             }
         },
     )
-    async def admin_set_policy(
-        body: dict[str, Any], _: KeyIdentity = Depends(gw.auth.require_admin)
-    ) -> dict[str, Any]:
-        name = body.get("policy")
+    async def admin_set_policy(request: Request) -> dict[str, Any]:
+        """The admin key is checked before the body is read (a body parameter would make
+        FastAPI read it first)."""
+        await gw.auth.require_admin(request)
+        try:
+            data, _ = fastjson.loads_request(
+                await request.body(), request.headers.get("content-type")
+            )
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the body is not JSON: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object", code="invalid_json")
+        name = data.get("policy")
         if name is not None:
             try:
                 make_policy(str(name))

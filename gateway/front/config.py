@@ -6,15 +6,23 @@ Safe defaults (each refused or narrowed unless the operator says otherwise):
 - The node token (``node_token``, default ``$EDGECLOUD_NODE_TOKEN``) is sent to every node on
   every request (:meth:`GatewayConfig.node_headers`); nodes started with the same token refuse
   requests without it. It is a secret: never logged, hidden in reprs.
-- ``observability`` says who may read ``/health`` and ``/metrics``: ``open`` (anyone; the
-  details of ``/health`` only to loopback or admin callers), ``loopback`` (loopback callers or
-  an admin key), ``admin`` (an admin key; loopback callers only while auth is off).
+- ``observability`` says who may read ``/health`` and ``/metrics``: ``loopback`` (the default:
+  loopback callers or an admin key; a Prometheus scraper elsewhere sends an admin key as its
+  bearer token), ``admin`` (an admin key; loopback callers only while auth is off), ``open``
+  (anyone; the details of ``/health`` only to loopback or admin callers).
+- Tenants: ``cache_scope`` (``key``, the default; ``team``; ``global``) says which callers
+  share prefix-cache blocks (:mod:`gateway.cache_scope`); ``decision_headers`` (``full``,
+  ``minimal``, ``off``) how much of the routing decision a caller sees in ``x-edgecloud-*``
+  headers and ``POST /v1/route`` (admins always see all of it).
 - Redis: ``redis://`` or ``rediss://`` (TLS) URLs, ``redis+sentinel://`` for a Sentinel-managed
   primary, ``redis+cluster://`` for a Redis Cluster (see :mod:`routing.redis_connect`; a URL
   that names nothing is refused at load); the password from the URL or, better,
   ``$EDGECLOUD_REDIS_PASSWORD``. One connection pool is shared
   by the rate limiter, the key store and the fleet store, of ``redis_max_connections``
-  (default: from ``max_in_flight``, :func:`routing.redis_link.pool_size_for`).
+  (default: from ``max_in_flight``, :func:`routing.redis_link.pool_size_for`). With a node
+  token, node records in Redis must be signed with it (:mod:`routing.fleet.signing`), and
+  ``allowed_node_urls`` may narrow the URLs routed to; a Redis URL off loopback without a
+  password or TLS, or without a node token, is warned of (:meth:`GatewayConfig.redis_warnings`).
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from gateway.auth import NODE_TOKEN_ENV, NODE_TOKEN_HEADER, AuthConfig, check_node_token
+from gateway.auth_config import AuthConfig
+from gateway.cache_scope import CacheScope
 from gateway.geo import GeoConfig
+from gateway.node_token import NODE_TOKEN_ENV, NODE_TOKEN_HEADER
+from gateway.secret_strength import check_node_token
 from routing.fleet.memory_store import OpenAINodeConfig
-from routing.redis_connect import RedisClient, parse_redis_url
+from routing.redis_connect import PASSWORD_ENV, RedisClient, parse_redis_url
 from routing.redis_link import pool_size_for, redis_client
 
 
@@ -139,7 +150,25 @@ class GatewayConfig(BaseModel):
         default=1, ge=1, description="replicas sharing Redis: each admits 1/n while it is down"
     )
     observability: Literal["open", "loopback", "admin"] = Field(
-        default="open", description="who may read /health details and /metrics (see above)"
+        default="loopback",
+        description="who may read /health details and /metrics: loopback (loopback callers or "
+        "an admin key, e.g. a scraper's bearer token), admin (an admin key), open (anyone)",
+    )
+    allowed_node_urls: list[str] = Field(
+        default_factory=list,
+        description="shell patterns (https://10.0.*) a Redis-registered node's URL must "
+        "match to be routed to; empty: any signed registration",
+    )
+    cache_scope: CacheScope = Field(
+        default="key",
+        description="who shares prefix-cache blocks: key (each API key alone), team (keys of "
+        "one team), global (everyone); without keys there is one scope",
+    )
+    decision_headers: Literal["full", "minimal", "off"] = Field(
+        default="full",
+        description="what callers see of the routing decision: full (x-edgecloud-* headers "
+        "and /v1/route), minimal (tier and request id; /v1/route names the tier only), off "
+        "(request id only; /v1/route for admins only)",
     )
     insecure_no_auth: bool = Field(
         default=False, description="allow a non-loopback host with authentication off"
@@ -172,6 +201,26 @@ class GatewayConfig(BaseModel):
             max_connections=self.redis_pool_size,
             pool_timeout_s=self.redis_pool_timeout_s,
         )
+
+    def redis_warnings(self) -> list[str]:
+        """What is unsafe about ``redis_url`` beyond loopback: no password, no TLS, or no
+        node token to sign the fleet's records with (logged at start, shown in /health)."""
+        if not self.redis_url:
+            return []
+        target = parse_redis_url(self.redis_url)
+        if all(is_loopback_host(h) for h, _ in target.hosts):
+            return []
+        out = []
+        if not target.password and not os.environ.get(PASSWORD_ENV):
+            out.append("redis_url has no password (set $EDGECLOUD_REDIS_PASSWORD)")
+        if not target.tls:
+            out.append("redis_url is not TLS (use rediss://): the fleet's traffic is in clear")
+        if self.node_token is None:
+            out.append(
+                "no node_token: node registrations in Redis are not signed, so anyone who can "
+                "write to Redis can register a node and receive traffic"
+            )
+        return out
 
     def node_headers(self) -> dict[str, str]:
         """Headers every request to a node carries (the node token, when one is set)."""

@@ -41,6 +41,7 @@ from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.front.node_client import NodeClient
 from gateway.metrics import GatewayMetrics
 from gateway.node_headers import (
+    CACHE_SALT_HEADER,
     HEADERS_AT_FIRST_TOKEN,
     node_ttft_ms,
     node_wait_ms,
@@ -129,12 +130,15 @@ class Plan:
         return "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
 
     resume: bool = False  # ask nodes for token ids, so the stream can be resumed
+    cache_salt: str = ""  # the caller's cache scope (gateway.cache_scope), sent to every node
 
     @property
     def headers(self) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": self.request_id}
         if self.resume:
             h[TOKEN_IDS_HEADER] = "1"
+        if self.cache_salt:
+            h[CACHE_SALT_HEADER] = self.cache_salt
         return h
 
 

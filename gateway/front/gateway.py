@@ -18,13 +18,16 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from gateway.auth import Authenticator, KeyIdentity, enforce_rate_limit
+from gateway.cache_scope import CacheScopes
 from gateway.circuit import CircuitBreakers
 from gateway.client_ip import ClientIPResolver
 from gateway.errors import APIError
@@ -32,6 +35,7 @@ from gateway.front import fastjson
 from gateway.front.config import GatewayConfig
 from gateway.front.disconnect import ClientGone, cancel_on_disconnect
 from gateway.front.dispatch import Dispatch, DispatchDeps, Outcome, Plan, RouteName, Slots
+from gateway.front.headers import hide_decision
 from gateway.front.node_client import make_client
 from gateway.front.relay import RelayResponse, StreamRelay, StreamStats
 from gateway.front.request_path import (
@@ -45,7 +49,7 @@ from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import resumable
-from gateway.ratelimit import InProcessRateLimiter, RateLimiter
+from gateway.ratelimit import InProcessRateLimiter, RateDecision, RateLimiter
 from gateway.request_log import RequestLog
 from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
@@ -55,6 +59,12 @@ from routing.policies import Decision
 from routing.policy_config import ConfigSource
 from routing.profile import RequestProfile
 from routing.router import Router
+
+# a request body's declared bytes per token charged before it is read (text runs 3 to 4 bytes
+# a token, token ids about 6 with their JSON): an under-estimate, corrected once tokenized
+BODY_BYTES_PER_TOKEN = 6
+
+log = logging.getLogger(__name__)
 
 SSE_REPLY_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -85,6 +95,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.limiter = self._make_limiter()
         self.auth = self._make_auth()
+        self.scopes = CacheScopes(config.cache_scope, config.auth.salt.get_secret_value())
         self.path = RequestPath(
             self.store,
             self.tokenizers,
@@ -108,6 +119,7 @@ class Gateway:
             max_attempts=config.max_attempts,
             request_log=RequestLog(config.request_log) if config.request_log else None,
         )
+        self.warnings = config.redis_warnings()  # logged at start, shown in /health
         self.stream_stats = StreamStats()
         self.resume_streams = True  # ask nodes for token ids so broken streams can resume
 
@@ -132,8 +144,16 @@ class Gateway:
         trackers = list(self.trackers.values())
         if self.config.redis_url:
             from routing.fleet.redis_store import RedisFleetStore
+            from routing.fleet.signing import RecordSigner
 
-            return RedisFleetStore(self.config.redis_url, openai_nodes=trackers, client=self.redis)
+            token = self.config.node_token
+            return RedisFleetStore(
+                self.config.redis_url,
+                openai_nodes=trackers,
+                client=self.redis,
+                signer=RecordSigner(token.get_secret_value()) if token else None,
+                allowed_urls=self.config.allowed_node_urls,
+            )
         return InProcessFleetStore(
             self.config.nodes,
             fetch_state=self._fetch_state,
@@ -160,7 +180,11 @@ class Gateway:
             from gateway.ratelimit import RedisKeyStore
 
             store = RedisKeyStore(self.config.redis_url, client=self.redis)
-        return Authenticator(self.config.auth, key_store=store)
+        return Authenticator(
+            self.config.auth,
+            key_store=store,
+            client_of=lambda scope: self.client_ip.from_scope(scope) or "",
+        )
 
     async def _fetch_state(self, url: str) -> NodeState:
         resp = await self.client.get(url.rstrip("/") + "/load", timeout=1.0)
@@ -176,6 +200,8 @@ class Gateway:
         return BlockFeedPage.from_json(resp.json())
 
     async def start(self) -> None:
+        for warning in self.warnings:
+            log.warning("%s", warning)
         start = getattr(self.store, "start", None)
         if start is not None:
             await start()
@@ -224,9 +250,11 @@ class Gateway:
         identity: KeyIdentity,
         *,
         strict_json: bool = False,
+        rate: RateDecision | None = None,
     ) -> Response:
         """Route and relay one request. ``strict_json``: ``data`` was parsed by orjson (see
-        :mod:`gateway.front.fastjson`), so it may be serialized by orjson too.
+        :mod:`gateway.front.fastjson`), so it may be serialized by orjson too. ``rate``: the
+        charge :meth:`admit` made before the body was read (None: charge it here).
 
         Owns the request's :class:`Dispatch` (see the module's docstring) until it returns a
         streamed reply, which owns it from then on."""
@@ -235,7 +263,10 @@ class Gateway:
         response: Response | None = None
         try:
             async with cancel_on_disconnect(request.receive):
-                response = await self._dispatch(d, request, data, route, req, identity, strict_json)
+                response = await self._dispatch(
+                    d, request, data, route, req, identity, strict_json, rate
+                )
+            hide_decision(response.headers, self.config.decision_headers)
             outcome = Outcome.OK if response.status_code == 200 else Outcome.REJECTED
             return response
         except ClientGone:
@@ -259,19 +290,23 @@ class Gateway:
         req: OpenAIRequest,
         identity: KeyIdentity,
         strict_json: bool,
+        early: RateDecision | None = None,
     ) -> Response:
         rid = request.headers.get("x-request-id") or request_id()
         model = self.path.concrete_model(req.model)
         region = self.path.client_region(request)
         t_start = time.perf_counter()
-        prof, view = await self.path.profile(data, route, model, region, identity.key_id)
-        decision = self.path.decide(prof, view)
+        salt = self.scopes.salt(identity)
+        try:
+            prof, view = await self.path.profile(data, route, model, region, identity.key_id, salt)
+            decision = self.path.decide(prof, view)
+        except APIError:
+            if early is not None:  # the request counts; the tokens its body stood for do not
+                await self.limiter.settle(early, 0)
+            raise
         self.metrics.observe_decision(decision.policy, decision.reason)
         completion = int(prof.max_tokens or prof.expected_output_tokens) * prof.choices
-        estimate = prof.prompt_tokens + completion
-        rate = await enforce_rate_limit(
-            self.limiter, identity, estimate, on_limited=self.metrics.observe_rate_limited
-        )
+        rate = await self._charge(identity, prof.prompt_tokens + completion, early)
         if req.stream:
             body = {**data, "model": model, "stream_options": {"include_usage": True}}
         else:
@@ -289,6 +324,7 @@ class Gateway:
             t_start=t_start,
             # a stream is resumed from its token ids: one choice, no logprobs, no echo
             resume=req.stream and self.resume_streams and resumable(req),
+            cache_salt=salt,
         )
         opened, cand = await d.open(plan)
         hdrs = d.headers_of(opened, cand)
@@ -301,6 +337,37 @@ class Gateway:
         relay = StreamRelay(d, opened, self.stream_stats, fmt)
         return RelayResponse(relay, {**hdrs, **SSE_REPLY_HEADERS})
 
+    async def admit(self, request: Request, identity: KeyIdentity) -> RateDecision:
+        """Charge one request, and the tokens the body's declared length stands for, before
+        the body is read or a prompt tokenized: a key over its limit gets its 429 here."""
+        declared = request.headers.get("content-length")
+        tokens = int(declared) // BODY_BYTES_PER_TOKEN if declared and declared.isdigit() else 0
+        return await enforce_rate_limit(
+            self.limiter, identity, tokens, on_limited=self.metrics.observe_rate_limited
+        )
+
+    async def _charge(
+        self, identity: KeyIdentity, bound: int, early: RateDecision | None
+    ) -> RateDecision:
+        """The request's charge at its real bound (prompt tokens plus its completion): charged
+        here, or the early charge (:meth:`admit`) brought up to it; a bound the key's token
+        bucket cannot hold is a 429 (the early charge given back)."""
+        if early is None or identity.limits.tpm is None:
+            if early is None:
+                return await enforce_rate_limit(
+                    self.limiter, identity, bound, on_limited=self.metrics.observe_rate_limited
+                )
+            return replace(early, charged_tokens=bound)
+        more = bound - early.charged_tokens
+        left = early.remaining_tokens
+        if bound > identity.limits.tpm or (more > 0 and left is not None and more > left):
+            await self.limiter.refund(early)
+            return await enforce_rate_limit(
+                self.limiter, identity, bound, on_limited=self.metrics.observe_rate_limited
+            )
+        await self.limiter.settle(early, bound)  # charges ``more`` (or gives it back)
+        return replace(early, charged_tokens=bound)
+
     # ---- informational ------------------------------------------------------------------------------
     async def route_only(
         self,
@@ -308,11 +375,13 @@ class Gateway:
         route: RouteName,
         req: OpenAIRequest,
         request: Request,
-        api_key: str | None,
+        who: KeyIdentity,
     ) -> dict[str, Any]:
+        """Where the request would go, in ``who``'s cache scope (its credited tokens only)."""
         model = self.path.concrete_model(req.model)
         region = self.path.client_region(request)
-        prof, view = await self.path.profile(data, route, model, region, api_key)
+        salt = self.scopes.salt(who)
+        prof, view = await self.path.profile(data, route, model, region, who.key_id, salt)
         out = self.path.decide(prof, view).to_dict()
         out["client_region"] = region
         return out
@@ -343,4 +412,5 @@ class Gateway:
             },
             "policy": self.policy_override or self.router.config.policy,
             "policy_reload_error": self.policy_source.last_error,
+            "warnings": self.warnings,
         }

@@ -13,9 +13,15 @@ Invariants:
   each one's predicted time to first token and end-to-end time for the answering node.
 - A reply sent whole reports the time to first token its client would have seen streamed
   (:func:`ttft_of_whole_reply`), or none when the node sent no timings.
+- What a caller sees of them is the operator's choice (``decision_headers``,
+  :func:`hide_decision`): ``full``, all of them; ``minimal``, the tier, attempts and the
+  request id; ``off``, the request id. Every figure is of the caller's own cache scope.
 """
 
 from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import Any, Literal
 
 from gateway.front.upstream import UpstreamHeaders
 from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, NODE_TTFT_HEADER, PREFILL_MS_HEADER
@@ -69,6 +75,33 @@ def decision_headers(
     h["x-edgecloud-attempts"] = str(attempts)
     h["x-request-id"] = request_id
     return h
+
+
+DecisionHeaders = Literal["full", "minimal", "off"]
+_MINIMAL = frozenset(("x-edgecloud-tier", "x-edgecloud-attempts"))
+
+
+def hide_decision(headers: MutableMapping[str, str], level: DecisionHeaders) -> None:
+    """Remove from a reply's ``headers`` what a caller may not see at ``level``: at
+    ``minimal`` every ``x-edgecloud-*`` header but the tier and attempts, at ``off`` all of
+    them (the request id stays); at ``full`` nothing."""
+    if level == "full":
+        return
+    keep = _MINIMAL if level == "minimal" else ()
+    for name in [k for k in headers if k.lower().startswith("x-edgecloud-")]:
+        if name.lower() not in keep:
+            del headers[name]
+
+
+def visible_route(out: dict[str, Any], level: DecisionHeaders) -> dict[str, Any]:
+    """The ``POST /v1/route`` answer ``out`` a caller who is not an admin may see at
+    ``level`` (``off`` is refused before: the route is for admins only)."""
+    out.pop("url", None)
+    for c in out.get("candidates", ()):
+        c.pop("url", None)
+    if level == "minimal":
+        return {k: out[k] for k in ("tier", "client_region") if k in out}
+    return out
 
 
 def ttft_of_whole_reply(

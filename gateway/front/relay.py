@@ -11,7 +11,8 @@ Invariants:
   is dropped without being called, its finalizer does it.
 - Once the first byte has gone to the client, a stream is never silently truncated: either it
   is resumed (below) or the client gets an SSE error event and ``[DONE]``.
-- A stream whose node dies (connection lost, stream closed before ``[DONE]``) before its
+- A stream whose node dies (connection lost, stream closed before ``[DONE]``, or ended by the
+  node's drain word, :mod:`gateway.drain_word`) before its
   finish reason went out is resumed on another edge or cloud node serving the model, when
   the node sent the token ids of what it streamed (``gateway.token_ids``) and the cut fell on a
   token boundary: the client reads one uninterrupted answer (``gateway.front.resume``). At
@@ -32,6 +33,7 @@ import httpx
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.drain_word import DRAIN_MARK
 from gateway.front.dispatch import Dispatch, Outcome, measured_of
 from gateway.front.resume import (
     Resumed,
@@ -101,6 +103,7 @@ class StreamRelay:
         self._earlier_completion = 0
 
     def _take_leg(self, opened: Opened) -> None:
+        self.node_drained = False  # this leg ended with its node's drain word
         resp = opened.response
         self.reader: SSEReader = resp.extensions["edgecloud_batches"]
         self.got: tuple[bytes, int] | None = resp.extensions["edgecloud_first_batch"]
@@ -116,7 +119,11 @@ class StreamRelay:
                     yield data
                 if self.done:
                     return
-                broken = "the node closed the stream before it finished"
+                broken = (
+                    "the node shut down mid-stream"
+                    if self.node_drained
+                    else "the node closed the stream before it finished"
+                )
             except (httpx.TransportError, OSError) as exc:
                 broken = f"the node failed mid-stream ({type(exc).__name__})"
             self.stats.broken += 1
@@ -129,6 +136,8 @@ class StreamRelay:
         got, self.got = self.got, None
         while got is not None:
             data = got[0]
+            if DRAIN_MARK in data:
+                data = self._drop_drain_word(data)
             if self.with_ids and IDS_PREFIX in data:
                 data = self._strip_ids(data)
                 self.dispatch.progress(self.node_id, len(self.sent_ids) - self._earlier_completion)
@@ -140,7 +149,20 @@ class StreamRelay:
                 self.finished = True
             if data:
                 yield data
+            if self.node_drained:
+                return
             got = await self.reader.next_events()
+
+    def _drop_drain_word(self, data: bytes) -> bytes:
+        """The events before a node's drain word (:mod:`gateway.drain_word`); the word and
+        its ``[DONE]`` are dropped and the leg counts as broken, so it is resumed."""
+        out = []
+        for ev in split_events(data):
+            if DRAIN_MARK in ev and ev.startswith(b'data: {"error"'):
+                self.node_drained = True
+                break
+            out.append(ev)
+        return b"".join(out)
 
     def _strip_ids(self, data: bytes) -> bytes:
         out = []

@@ -204,8 +204,16 @@ class RequestPath:
                 self.identities[name] = ident
 
     async def profile(
-        self, body: dict[str, Any], route: str, model: str, region: str, api_key: str | None
+        self,
+        body: dict[str, Any],
+        route: str,
+        model: str,
+        region: str,
+        api_key: str | None,
+        cache_salt: str = "",
     ) -> tuple[RequestProfile, FleetView]:
+        """The request's profile (block hashes in cache scope ``cache_salt``) and the one
+        fleet view for them."""
         for _ in range(2):  # a second pass only when the model's identity changed under us
             ident, view0 = await self._identity(model)
             fmt = self.tokenizers.cached(ident)
@@ -228,6 +236,7 @@ class RequestPath:
                 client_region=region,
                 outputs=self.router.outputs,
                 api_key=api_key,
+                cache_salt=cache_salt,
             )
             try:
                 big = prompt_chars(body) > _OFFLOAD_CHARS

@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway import gc_tuning
-from gateway.auth import NodeTokenMiddleware
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, install_error_handlers
 from gateway.json_limits import validated_body
@@ -28,10 +27,13 @@ from gateway.node.publisher import StatePublisher
 from gateway.node.replies import Reply
 from gateway.node.service import Delta, NodeService, Prepared
 from gateway.node_headers import (
+    CACHE_SALT_HEADER,
     HEADERS_AT_FIRST_TOKEN,
+    MAX_CACHE_SALT_CHARS,
     NODE_TTFT_HEADER,
     PREFILL_MS_HEADER,
 )
+from gateway.node_token import NodeTokenMiddleware
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
 from gateway.sse import sse_event
 from gateway.token_ids import TOKEN_IDS_HEADER, ids_line
@@ -52,7 +54,7 @@ def create_node_app(
     tune_gc: bool = False,
 ) -> FastAPI:
     """The Node API over ``service``; with ``node_token``, every route but ``GET /health``
-    answers 401 without it (:class:`gateway.auth.NodeTokenMiddleware`); with ``tune_gc``
+    answers 401 without it (:class:`gateway.node_token.NodeTokenMiddleware`); with ``tune_gc``
     (a node process of its own), what exists once the engine has started is frozen
     (:mod:`gateway.gc_tuning`)."""
     publisher: StatePublisher | None = None
@@ -106,6 +108,10 @@ def create_node_app(
         t0 = time.perf_counter()
         plain = len(prep.choices) == 1 and prep.logprobs is None and prep.echo is None
         with_ids = stream and plain and request.headers.get(TOKEN_IDS_HEADER) == "1"
+        salt = request.headers.get(CACHE_SALT_HEADER)
+        if salt:  # the gateway's cache scope for this request's prefix blocks
+            for gen in prep.choices:
+                gen.cache_salt = salt[:MAX_CACHE_SALT_CHARS]
         deltas = service.run_choices(prep, with_ids=with_ids)
         if stream:
             return await stream_response(prep, deltas, request, t0, with_ids)

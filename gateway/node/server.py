@@ -28,13 +28,16 @@ def default_node_id(kind: str, region: str, port: int) -> str:
     return f"{kind}-{region}-{socket.gethostname()}-{port}"
 
 
-def make_store(redis_url: str | None) -> FleetStore | None:
-    """The fleet store a node registers in (None: no Redis, gateways poll it)."""
+def make_store(redis_url: str | None, node_token: str | None = None) -> FleetStore | None:
+    """The fleet store a node registers in (None: no Redis, gateways poll it); with a node
+    token its records are signed (``routing.fleet.signing``)."""
     if not redis_url:
         return None
     from routing.fleet.redis_store import RedisFleetStore
+    from routing.fleet.signing import RecordSigner
 
-    return RedisFleetStore(redis_url)
+    signer = RecordSigner(node_token) if node_token else None
+    return RedisFleetStore(redis_url, signer=signer)
 
 
 def build_service(
@@ -88,7 +91,9 @@ def serve_node(
         public_url=public_url,
         watts=watts,
     )
-    app = create_node_app(service, make_store(redis_url), node_token=node_token, tune_gc=True)
+    app = create_node_app(
+        service, make_store(redis_url, node_token), node_token=node_token, tune_gc=True
+    )
     log.info(
         "node %s (%s) serving %s on %s",
         service.config.node_id,

@@ -50,6 +50,7 @@ from pydantic import ValidationError
 
 from routing.fleet.memory_store import OpenAINodeTracker
 from routing.fleet.redis_view import ClusterViewReader, FleetKeys, ScriptViewReader, ViewReader
+from routing.fleet.signing import CLOCK_SKEW_S, RecordSigner, unsigned_payload, url_allowed
 from routing.fleet.state import NodeState
 from routing.fleet.store import KEY_PREFIX, FleetStore, FleetView
 from routing.redis_connect import RedisClient, is_cluster
@@ -64,6 +65,10 @@ class FleetStoreUnavailable(ConnectionError):
 
 def hex_hash(h: int) -> str:
     return f"{h & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+class _Rejected(Exception):
+    """A node record this gateway does not trust (the message says why)."""
 
 
 class RedisFleetStore(OverRedisLink, FleetStore):
@@ -82,8 +87,16 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         client: RedisClient | None = None,
         members_refresh_s: float = 0.5,
         clock: Callable[[], float] = time.time,
+        signer: RecordSigner | None = None,
+        allowed_urls: Sequence[str] = (),
     ) -> None:
         self.ns = namespace
+        # with a signer: node states are written signed, and only signed ones are read
+        # (routing.fleet.signing); ``allowed_urls``: shell patterns a node's URL must match
+        self.signer = signer
+        self.allowed_urls = tuple(allowed_urls)
+        self.rejected_total = 0  # node records ignored (unsigned, forged, stale, not allowed)
+        self._rejected: dict[str, str] = {}  # raw record -> why, for the last view's rows
         self.keys = FleetKeys(namespace)
         self.retry_interval_s = retry_interval_s
         self.prune_after_s = prune_after_s
@@ -132,6 +145,7 @@ class RedisFleetStore(OverRedisLink, FleetStore):
             "recovering": self._recovering,
             "carried_views_total": self.carried_views_total,
             "recoveries_total": self.recoveries_total,
+            "rejected_records_total": self.rejected_total,
         }
 
     # ---- writes ------------------------------------------------------------------------------
@@ -149,6 +163,8 @@ class RedisFleetStore(OverRedisLink, FleetStore):
     async def put_node(self, state: NodeState) -> bool:
         ttl_ms = max(1, int(state.ttl_s * 1000))
         payload = state.model_dump_json()
+        if self.signer is not None:
+            payload = self.signer.sign(payload)
         now = self.clock()
 
         k = self.keys
@@ -248,26 +264,53 @@ class RedisFleetStore(OverRedisLink, FleetStore):
         nodes: list[NodeState] = []
         prefix: dict[str, int] = {}
         parsed: dict[str, tuple[NodeState, float]] = {}
+        rejected: dict[str, str] = {}
         for raw, count in rows:
             got = self._parsed.get(raw)  # states change once a second; views run per request
             if got is None:
+                if raw in self._rejected:
+                    rejected[raw] = self._rejected[raw]
+                    continue
                 try:
-                    got = (NodeState.model_validate_json(raw), now)
+                    state = self._admit(raw, now)
                 except ValidationError as exc:
                     log.warning("fleet store: ignoring an unreadable node state: %s", exc)
                     continue
+                except _Rejected as why:
+                    self.rejected_total += 1
+                    rejected[raw] = str(why)
+                    log.warning("fleet store: ignoring a node record: %s", why)
+                    continue
+                got = (state, now)
             parsed[raw] = got
             node = got[0]
             nodes.append(node)
             if count:
                 prefix[node.id] = count
         self._parsed = parsed
+        self._rejected = rejected
         carried = self._recover(epoch, parsed, now)
         if carried:
             self.carried_views_total += 1
             nodes = [*nodes, *carried]
         self._last_nodes = nodes
         return FleetView(nodes=self._with_local(nodes), prefix_blocks=prefix, stale=bool(carried))
+
+    def _admit(self, raw: str, now: float) -> NodeState:
+        """The state a record holds, if this gateway may trust it; else :class:`_Rejected`
+        (unsigned or forged with a signer set, stale, or a URL not allowed)."""
+        if self.signer is None:
+            state = NodeState.model_validate_json(unsigned_payload(raw))
+        else:
+            payload = self.signer.open(raw)
+            if payload is None:
+                raise _Rejected("unsigned, or not signed with this fleet's node token")
+            state = NodeState.model_validate_json(payload)
+            if now - state.timestamp > state.ttl_s + CLOCK_SKEW_S:
+                raise _Rejected(f"node {state.id}: a stale signed record (replayed?)")
+        if not url_allowed(state.url, self.allowed_urls):
+            raise _Rejected(f"node {state.id}: its URL {state.url} is not in allowed_node_urls")
+        return state
 
     def _recover(
         self, epoch: str | None, parsed: dict[str, tuple[NodeState, float]], now: float

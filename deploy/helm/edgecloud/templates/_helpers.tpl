@@ -59,7 +59,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- fail "cloud.tp x cloud.pp > 1 needs cloud.gpus: parallel ranks run one per GPU" -}}
 {{- end -}}
 {{- end -}}
-{{- if and .Values.monitoring.serviceMonitor.enabled (ne (.Values.gateway.config.observability | default "open") "open") (not .Values.monitoring.serviceMonitor.adminKeySecret) -}}
+{{- if and .Values.monitoring.serviceMonitor.enabled (ne (.Values.gateway.config.observability | default "loopback") "open") (not .Values.monitoring.serviceMonitor.adminKeySecret) -}}
 {{- fail "monitoring.serviceMonitor.adminKeySecret is required while gateway.config.observability is not 'open': /metrics then needs an admin key" -}}
 {{- end -}}
 {{- end -}}
