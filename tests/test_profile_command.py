@@ -62,7 +62,7 @@ def test_profile_of_a_node_that_wants_a_token_says_so(
 ) -> None:
     node = serve_node(
         tiny_cloud_engine(tiny_model_path), tiny_model_path, "cloud-locked",
-        node_token="profile-test-token-0123456789abcdef",
+        node_token="profile-Tok-9q2Z7xW4mK8vR3nL5j",
     )  # fmt: skip
     try:
         done = subprocess.run(
