@@ -623,6 +623,12 @@ def main(argv: list[str] | None = None) -> int:
         "otherwise pool together: each variant (a shadow's too, ARM~NAME) named gets the new "
         "name (NEW+NEW2: counted under both), the rest are left out",
     )
+    ap.add_argument(
+        "--summary",
+        default="prediction_error",
+        help="the committed summary's name in bench/results/ (a GPU machine's run: "
+        "device_prediction_error, beside the CPU one)",
+    )
     args = ap.parse_args(argv)
     if args.names is not None and (not args.pool or len(args.names) != len(args.pool)):
         ap.error("--as takes one renaming for each --pool JSON")
@@ -637,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant, met in goal_cells_met(rows).items():
             print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
         print(table(explain(pooled), EXPLAIN_COLUMNS))
-        write_summary_of(rows)
+        write_summary_of(rows, args.summary)
         return 0
 
     if args.repeat < 1:
@@ -680,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {met[variant]} of {4 * len(args.concurrency)} goal cells met alone")
         samples += mine
         # after every round, so that a later round's failure keeps the finished ones
-        write_results(args.out, summarize(samples), metrics, learned, samples)
+        write_results(args.out, summarize(samples), metrics, learned, samples, args.summary)
     rows = summarize(samples)
     print(table(rows, COLUMNS))
     for variant, met in goal_cells_met(rows).items():
@@ -696,9 +702,10 @@ def write_results(
     metrics: dict[str, str],
     learned: dict[str, Any],
     samples: list[Sample],
+    summary: str = "prediction_error",
 ) -> None:
     """The run's JSON so far: its summary rows, what each round's gateway exported and
-    learned, and every sample (``--pool`` reads these)."""
+    learned, and every sample (``--pool`` reads these); its summary as ``summary``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -715,16 +722,15 @@ def write_results(
             indent=1,
         )
     )
-    write_summary_of([r for r in rows if r["tier"] == "all"])
+    write_summary_of([r for r in rows if r["tier"] == "all"], summary)
 
 
-def write_summary_of(rows: list[dict[str, Any]]) -> None:
-    """The benchmark's committed summary, ``bench/results/prediction_error.{json,md}``."""
+def write_summary_of(rows: list[dict[str, Any]], name: str = "prediction_error") -> None:
+    """The benchmark's committed summary, ``bench/results/NAME.{json,md}``."""
     command = recorded_command("prediction_error.py", sys.argv[1:], ("--out", "--log"))
-    markdown = "\n\n".join(["# prediction_error", f"`{command}`", table(rows, COLUMNS)])
-    write_summary(
-        "prediction_error", {"command": command, "machine": machine(), "results": rows}, markdown
-    )
+    where = machine()
+    markdown = "\n\n".join([f"# {name}", f"`{command}`", f"Machine: {where}", table(rows, COLUMNS)])
+    write_summary(name, {"command": command, "machine": where, "results": rows}, markdown)
 
 
 if __name__ == "__main__":
