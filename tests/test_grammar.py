@@ -403,6 +403,8 @@ def test_cuda_grammar_rows_in_graphs_and_look_ahead(
     """The CUDA runner (Triton kernels, CUDA graphs, fp32): a permissive grammar gives the
     plain greedy tokens; a JSON-schema grammar's replies parse and follow the schema, and the
     plain rows beside them keep their tokens."""
+    import copy
+
     from cloud_engine.config import EngineConfig
     from cloud_engine.core import EngineCore
     from cloud_engine.model.loader import load_model
@@ -414,7 +416,7 @@ def test_cuda_grammar_rows_in_graphs_and_look_ahead(
             device="cuda", kv_memory_bytes=64 << 20, max_running=16, max_tokens_per_step=512,
             overlap=overlap, debug_checks=True,
         )  # fmt: skip
-        core = EngineCore(model, "gpu-grammar", cfg)
+        core = EngineCore(copy.deepcopy(model), "gpu-grammar", cfg)  # its runner takes the weights
         return _drive(core, _mixed_requests(fmt, compiler, grammar)), core
 
     plain, _ = run("none")
