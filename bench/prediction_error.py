@@ -634,8 +634,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--as takes one renaming for each --pool JSON")
     if args.pool:
         pooled: list[Sample] = []
+        ran_on: dict[str, Any] | None = None  # the machine the first run was measured on
         for i, f in enumerate(args.pool):
-            samples = [Sample(**x) for x in json.loads(f.read_text())["samples"]]
+            run = json.loads(f.read_text())
+            ran_on = ran_on or run.get("machine")
+            samples = [Sample(**x) for x in run["samples"]]
             names = None if args.names is None else parse_names(args.names[i])
             pooled += renamed(samples, names)
         rows = [r for r in summarize(pooled) if r["tier"] == "all"]
@@ -643,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant, met in goal_cells_met(rows).items():
             print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
         print(table(explain(pooled), EXPLAIN_COLUMNS))
-        write_summary_of(rows, args.summary)
+        write_summary_of(rows, args.summary, ran_on)
         return 0
 
     if args.repeat < 1:
@@ -725,10 +728,13 @@ def write_results(
     write_summary_of([r for r in rows if r["tier"] == "all"], summary)
 
 
-def write_summary_of(rows: list[dict[str, Any]], name: str = "prediction_error") -> None:
-    """The benchmark's committed summary, ``bench/results/NAME.{json,md}``."""
+def write_summary_of(
+    rows: list[dict[str, Any]], name: str = "prediction_error", ran_on: dict[str, Any] | None = None
+) -> None:
+    """The benchmark's committed summary, ``bench/results/NAME.{json,md}``; ``ran_on``: the
+    machine the samples were measured on (default: this one)."""
     command = recorded_command("prediction_error.py", sys.argv[1:], ("--out", "--log"))
-    where = machine()
+    where = ran_on or machine()
     markdown = "\n\n".join([f"# {name}", f"`{command}`", f"Machine: {where}", table(rows, COLUMNS)])
     write_summary(name, {"command": command, "machine": where, "results": rows}, markdown)
 
