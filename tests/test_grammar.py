@@ -184,6 +184,11 @@ def test_numpy_and_torch_masks_agree_and_leave_plain_rows_alone(
     out = np.zeros((6, many[0].words), dtype=np.int32)
     fill_masks(many, out)
     assert all(np.array_equal(out[i], s.mask()) for i, s in enumerate(many))
+    # into chosen rows of a larger buffer, the other rows left alone
+    wide = np.full((9, many[0].words), 7, dtype=np.int32)
+    fill_masks(many, wide, rows=[8, 0, 2, 4, 6, 1])
+    assert all(np.array_equal(wide[r], out[i]) for i, r in enumerate([8, 0, 2, 4, 6, 1]))
+    assert (wide[[3, 5, 7]] == 7).all()
 
 
 def test_router_sends_grammar_requests_only_to_capable_nodes() -> None:
