@@ -30,13 +30,21 @@ TRACES = SHARED_DATA / "traces"
 
 def machine() -> dict[str, Any]:
     import os
+    import shutil
+    import subprocess
 
-    return {
+    out: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    if shutil.which("nvidia-smi"):  # the GPUs, where the machine has any
+        q = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        r = subprocess.run(q, capture_output=True, text=True, timeout=30, check=False)
+        if r.returncode == 0 and r.stdout.strip():
+            out["gpus"] = r.stdout.strip().splitlines()
+    return out
 
 
 def recorded_command(script: str, argv: list[str], path_options: tuple[str, ...]) -> str:

@@ -21,13 +21,6 @@ node's rates from them. Errors are relative: ``|predicted - measured| / measured
 
     python bench/prediction_error.py --concurrency 1 4 16 --requests 48
 
-``--shadows NAME ...`` runs latency-knob variants as shadow models of every arm's gateway
-(``shadow_latency``): they predict the same requests from the same replies, and each shows as
-its own variant ``ARM~NAME`` measured on exactly the arm's requests, so a knob's effect on the
-error is read without the run-to-run spread between rounds (what it would change in routing
-is not: that takes ``--variants``).
-
-    python bench/prediction_error.py --shadows prefill_pass busy_wait --repeat 2
 """
 
 from __future__ import annotations
@@ -42,12 +35,11 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -119,8 +111,6 @@ class Sample:
     prompt_tokens: int = 0
     sent_at_s: float = 0.0  # the client's clock (perf_counter) when it was sent
     error: str = ""  # the body of a reply other than 200
-    # each shadow latency model's predicted (TTFT, e2e) ms for the node that answered
-    shadow: dict[str, list[float]] = field(default_factory=dict)
 
 
 # Policy files for --variants (the default policy is the gateway's own).
@@ -129,14 +119,6 @@ VARIANTS = {
     "no_prompt_key": "expected_output:\n  whole_prompt: false\n",
     # an app's requests under one cap pooled (no last-message or prompt-length statistics)
     "app_output_keys": "expected_output:\n  last_message: false\n  length_bucket: false\n",
-    # learned forward passes on every node, CPUs too (the default: accelerators only)
-    "prefill_pass": "latency:\n  prefill_pass: 'on'\n",
-    # learned busy waits on every node, CPUs too (the default: accelerators only)
-    "busy_wait": "latency:\n  busy_wait: 'on'\n",
-    # both, on every node
-    "pass_wait": "latency:\n  prefill_pass: 'on'\n  busy_wait: 'on'\n",
-    # neither, on any node
-    "no_pass_wait": "latency:\n  prefill_pass: 'off'\n  busy_wait: 'off'\n",
     # the delay a request's prefill adds to the requests decoding on a node counted beside its own
     "interference": "interference_weight: 1\n",
 }
@@ -248,38 +230,7 @@ async def send(
             ((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0
         ),
         "completion_tokens": int(usage.get("completion_tokens") or 0),
-        "shadow": parse_shadows(h.get("x-edgecloud-shadow-predicted-ms", "")),
     }
-
-
-def parse_shadows(header: str) -> dict[str, list[float]]:
-    """``x-edgecloud-shadow-predicted-ms`` (``name=TTFT/E2E, ...``) as name -> [TTFT, e2e]."""
-    out: dict[str, list[float]] = {}
-    for part in filter(None, (p.strip() for p in header.split(","))):
-        name, _, times = part.partition("=")
-        ttft, _, e2e = times.partition("/")
-        out[name] = [float(ttft), float(e2e)]
-    return out
-
-
-def with_shadows(samples: list[Sample]) -> list[Sample]:
-    """``samples`` and, for each shadow prediction a sample holds, a copy as variant
-    ``VARIANT~NAME`` with that prediction (its other predicted figures unknown)."""
-    nan = float("nan")
-    extra = [
-        replace(
-            s,
-            variant=f"{s.variant}~{name}",
-            predicted_ttft_ms=ttft,
-            predicted_e2e_ms=e2e,
-            predicted_queue_ms=nan,
-            predicted_prefill_ms=nan,
-            shadow={},
-        )
-        for s in samples
-        for name, (ttft, e2e) in s.shadow.items()
-    ]
-    return samples + extra
 
 
 def parse_names(spec: str) -> dict[str, list[str]]:
@@ -292,26 +243,11 @@ def parse_names(spec: str) -> dict[str, list[str]]:
 
 
 def renamed(samples: list[Sample], names: dict[str, list[str]] | None) -> list[Sample]:
-    """``samples`` with each shadow's predictions a variant of its own (``with_shadows``),
-    under the ``names`` given (one copy per new name, the variants not named left out); all
-    of them with ``names`` None."""
-    flat = [replace(s, shadow={}) for s in with_shadows(samples)]
+    """``samples`` under the ``names`` given (one copy per new name, the variants not named
+    left out); all of them with ``names`` None."""
     if names is None:
-        return flat
-    return [replace(s, variant=n) for s in flat for n in names.get(s.variant, ())]
-
-
-def shadow_policy(arm: str, shadows: list[str]) -> str:
-    """The policy file of ``arm`` (its own variant's, else the default's) with ``shadows``
-    as shadow latency models (each a ``latency``-only variant of :data:`VARIANTS`)."""
-    policy = yaml.safe_load(VARIANTS[arm]) if arm in VARIANTS else {}
-    policy["shadow_latency"] = {n: yaml.safe_load(VARIANTS[n])["latency"] for n in shadows}
-    return yaml.safe_dump(policy)
-
-
-def shadowable(name: str) -> bool:
-    """A variant that only changes ``latency`` knobs can run as a shadow model."""
-    return set(yaml.safe_load(VARIANTS[name]) or {}) == {"latency"}
+        return samples
+    return [replace(s, variant=n) for s in samples for n in names.get(s.variant, ())]
 
 
 async def run_level(
@@ -373,7 +309,6 @@ def quantile(xs: list[float], q: float) -> float:
 
 def summarize(samples: list[Sample]) -> list[dict[str, Any]]:
     rows = []
-    samples = with_shadows(samples)
     variants = list(dict.fromkeys(s.variant for s in samples))
     levels = sorted({s.concurrency for s in samples})
     for v, c, tier in itertools.product(variants, levels, ("all", "edge", "cloud")):
@@ -575,15 +510,6 @@ def main(argv: list[str] | None = None) -> int:
         help="policy or node variants to run one after the other, each on a fresh fleet",
     )
     ap.add_argument(
-        "--shadows",
-        nargs="+",
-        default=[],
-        choices=[v for v in VARIANTS if shadowable(v)],
-        metavar="VARIANT",
-        help="latency-knob variants run as shadow models in every arm (reported as "
-        "ARM~VARIANT, on the arm's own requests)",
-    )
-    ap.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -620,16 +546,26 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="OLD=NEW,...",
         help="with --pool, one renaming for each JSON, so that arms of runs that named them "
-        "otherwise pool together: each variant (a shadow's too, ARM~NAME) named gets the new "
+        "otherwise pool together: each variant named gets the new "
         "name (NEW+NEW2: counted under both), the rest are left out",
+    )
+    ap.add_argument(
+        "--summary",
+        default="prediction_error",
+        help="the committed summary's name in bench/results/ (a GPU machine's run: "
+        "device_prediction_error, beside the CPU one)",
     )
     args = ap.parse_args(argv)
     if args.names is not None and (not args.pool or len(args.names) != len(args.pool)):
         ap.error("--as takes one renaming for each --pool JSON")
     if args.pool:
         pooled: list[Sample] = []
+        ran_on: dict[str, Any] | None = None  # the machine the first run was measured on
         for i, f in enumerate(args.pool):
-            samples = [Sample(**x) for x in json.loads(f.read_text())["samples"]]
+            run = json.loads(f.read_text())
+            ran_on = ran_on or run.get("machine")
+            known = {f.name for f in fields(Sample)}  # runs from before a field left
+            samples = [Sample(**{k: v for k, v in x.items() if k in known}) for x in run["samples"]]
             names = None if args.names is None else parse_names(args.names[i])
             pooled += renamed(samples, names)
         rows = [r for r in summarize(pooled) if r["tier"] == "all"]
@@ -637,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant, met in goal_cells_met(rows).items():
             print(f"{variant}: {met} of {4 * len(args.concurrency)} goal cells met")
         print(table(explain(pooled), EXPLAIN_COLUMNS))
-        write_summary_of(rows)
+        write_summary_of(rows, args.summary, ran_on)
         return 0
 
     if args.repeat < 1:
@@ -654,11 +590,9 @@ def main(argv: list[str] | None = None) -> int:
         seed = args.seed + 10 * r
         key = variant if r == 0 else f"{variant}#{r}"  # what the gateway learned, per round
         extra: list[str] = []
-        if variant in VARIANTS or args.shadows:
+        if variant in VARIANTS:
             policy = Path(tempfile.mkdtemp(prefix="prediction-error-")) / f"{variant}.yaml"
-            policy.write_text(
-                shadow_policy(variant, args.shadows) if args.shadows else VARIANTS[variant]
-            )
+            policy.write_text(VARIANTS[variant])
             extra = ["--policy-file", str(policy)]
         extra += [*SERVE_VARIANTS.get(variant, []), "--edge-variant", args.edge_variant]
         # every variant gets a fresh fleet (nothing learned or cached carries over), the same mix
@@ -680,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {met[variant]} of {4 * len(args.concurrency)} goal cells met alone")
         samples += mine
         # after every round, so that a later round's failure keeps the finished ones
-        write_results(args.out, summarize(samples), metrics, learned, samples)
+        write_results(args.out, summarize(samples), metrics, learned, samples, args.summary)
     rows = summarize(samples)
     print(table(rows, COLUMNS))
     for variant, met in goal_cells_met(rows).items():
@@ -696,9 +630,10 @@ def write_results(
     metrics: dict[str, str],
     learned: dict[str, Any],
     samples: list[Sample],
+    summary: str = "prediction_error",
 ) -> None:
     """The run's JSON so far: its summary rows, what each round's gateway exported and
-    learned, and every sample (``--pool`` reads these)."""
+    learned, and every sample (``--pool`` reads these); its summary as ``summary``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -715,16 +650,18 @@ def write_results(
             indent=1,
         )
     )
-    write_summary_of([r for r in rows if r["tier"] == "all"])
+    write_summary_of([r for r in rows if r["tier"] == "all"], summary)
 
 
-def write_summary_of(rows: list[dict[str, Any]]) -> None:
-    """The benchmark's committed summary, ``bench/results/prediction_error.{json,md}``."""
+def write_summary_of(
+    rows: list[dict[str, Any]], name: str = "prediction_error", ran_on: dict[str, Any] | None = None
+) -> None:
+    """The benchmark's committed summary, ``bench/results/NAME.{json,md}``; ``ran_on``: the
+    machine the samples were measured on (default: this one)."""
     command = recorded_command("prediction_error.py", sys.argv[1:], ("--out", "--log"))
-    markdown = "\n\n".join(["# prediction_error", f"`{command}`", table(rows, COLUMNS)])
-    write_summary(
-        "prediction_error", {"command": command, "machine": machine(), "results": rows}, markdown
-    )
+    where = ran_on or machine()
+    markdown = "\n\n".join([f"# {name}", f"`{command}`", f"Machine: {where}", table(rows, COLUMNS)])
+    write_summary(name, {"command": command, "machine": where, "results": rows}, markdown)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,28 @@ mask figures are measured for xgrammar too, on the same schemas and replies.
 
     python bench/structured.py [--schemas 16] [--max-tokens 128] [--variant int8]
 
-Writes bench/results/structured.json and .md and prints a table.
+On a GPU (``--device cuda``) the cloud engine's core runs random bf16 models of real shapes
+(``--shapes``, those of ``bench/cloud_throughput.py``; the default model's tokenizer, its ids
+below the shape's vocabulary, the masks as wide as the shape's) at each ``--batches`` size:
+every row plain, then every row under a JSON-schema grammar, in turn (``--rounds`` of each),
+with the core's look-ahead overlap on (the default) and off. A random model rarely closes a
+free string, so each generated schema is followed by a required string ``note`` (of at least
+``--note-min-length`` characters; a counted length makes llguidance's masks several times
+dearer): the rows run to ``--max-tokens`` or nearly, and decode tok/s is the rate over the
+steps in which at least 90% of the batch's rows decode (prefill left out).
+
+    python bench/structured.py --device cuda --shapes qwen3-0.6b,llama-3.1-8b --batches 1 64
+
+Writes bench/results/structured.json and .md and prints a table (the GPU rows beside the
+CPU ones, naming the card).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -28,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import machine, recorded_command, table, write_results
+from bench._common import RESULTS, machine, recorded_command, table, write_results
 from tests.json_schemas import prompt, schema
 
 
@@ -230,6 +245,153 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {"decode": rows, "libraries": libs, "vocab": vocab}
 
 
+def _with_note(s: dict, min_length: int = 0) -> dict:
+    """``s`` under a required ``data`` key, followed by a required string ``note`` (of at
+    least ``min_length`` characters): a random model rarely closes a free string, so its
+    rows seldom end before their max_tokens."""
+    note: dict[str, Any] = {"type": "string"}
+    if min_length:
+        note["minLength"] = min_length
+    return {
+        "type": "object",
+        "properties": {"data": s, "note": note},
+        "required": ["data", "note"],
+        "additionalProperties": False,
+    }
+
+
+def _gpu_run(core: Any, work: list[tuple[list[int], Any]]) -> tuple[float, int, int]:
+    """Run every request of ``work`` (prompt ids, params) at once: the decode tok/s over the
+    steps in which at least 90% of the rows emitted a token (after every row's first), those
+    steps, and the tokens over all steps."""
+    import torch
+
+    from routing.engine import GenerationRequest
+
+    for i, (ids, sp) in enumerate(work):
+        core.add(GenerationRequest(list(ids), sp, request_id=f"r{i}"))
+    rows, started = len(work), set()
+    least = max(1, -(-9 * rows // 10))
+    secs, full, tokens, total = 0.0, 0, 0, 0
+    if core.pool.device.type == "cuda":
+        torch.cuda.synchronize()
+    last = time.perf_counter()
+    while core.has_work():
+        outs = core.step()
+        now = time.perf_counter()
+        got = [o for o in outs if o.new_token_ids]
+        total += sum(len(o.new_token_ids) for o in got)
+        if len(got) >= least and len(started) == rows:
+            secs += now - last
+            tokens += len(got)
+            full += 1
+        started.update(o.seq.request_id for o in got)
+        last = now
+    return (tokens / secs if secs else 0.0), full, total
+
+
+def _gpu_work(
+    prompts: list[list[int]], plain: Any, grams: list[Any], b: int, grammar: bool
+) -> list[tuple[list[int], Any]]:
+    """``b`` requests over the prompts in turn, plain or each under its schema's grammar."""
+    return [
+        (
+            prompts[i % len(prompts)],
+            dataclasses.replace(plain, grammar=grams[i % len(grams)]) if grammar else plain,
+        )
+        for i in range(b)
+    ]
+
+
+def gpu_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The cloud core on CUDA, plain against grammar rows (see the module docstring)."""
+    import gc
+
+    import torch
+
+    from bench.cloud_throughput import SHAPES, random_model
+    from cloud_engine.config import EngineConfig
+    from cloud_engine.core import EngineCore
+    from cloud_engine.model.config import ModelConfig
+    from routing.engine import SamplingParams
+    from routing.grammar import Grammar, GrammarCompiler, json_schema_spec
+    from routing.model_store import resolve
+    from routing.prompt import PromptFormatter
+
+    folder = Path(args.tokenizer) if args.tokenizer else resolve(args.model).path
+    fmt = PromptFormatter.from_folder(folder)
+    stops = fmt.stop_token_ids
+    schemas = [schema(i) for i in range(args.schemas)]
+    prompts = [fmt.encode_chat([{"role": "user", "content": prompt(s)}]) for s in schemas]
+    rows: list[dict[str, Any]] = []
+    dev = args.device
+    card = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    for name in args.shapes.split(","):
+        cfg = ModelConfig.from_dict(dict(SHAPES[name]))
+        t0 = time.perf_counter()
+        compiler = GrammarCompiler(fmt.tokenizer.to_str(), cfg.vocab_size, stops)
+        grams = [
+            Grammar(compiler.compile(json_schema_spec(_with_note(s, args.note_min_length))))
+            for s in schemas
+        ]
+        compile_s = time.perf_counter() - t0
+        model = random_model(cfg, torch.bfloat16, dev, seed=0)
+        top = max(args.batches)
+        ecfg = EngineConfig(
+            device=dev, max_running=top, kv_memory_bytes=args.kv_gb << 30, overlap=True
+        )
+        core = EngineCore(model, name, ecfg)
+        plain = SamplingParams(max_tokens=args.max_tokens, temperature=0, stop_token_ids=stops)
+
+        work = functools.partial(_gpu_work, prompts, plain, grams)
+        _gpu_run(core, work(min(4, top), True))  # warm-up: graphs, kernels, the mask path
+        _gpu_run(core, work(min(4, top), False))
+        for overlap in (True, False):
+            core.config = dataclasses.replace(core.config, overlap=overlap)
+            for b in args.batches:
+                got: dict[str, list[float]] = {"plain": [], "grammar": []}
+                for r in range(args.rounds):
+                    for mode in ("plain", "grammar") if r % 2 == 0 else ("grammar", "plain"):
+                        tps, steps, _ = _gpu_run(core, work(b, mode == "grammar"))
+                        got[mode].append(tps)
+                p, g = statistics.median(got["plain"]), statistics.median(got["grammar"])
+                rows.append(
+                    {
+                        "card": card,
+                        "shape": name,
+                        "overlap": "on" if overlap else "off",
+                        "batch": b,
+                        "plain_tok_s": p,
+                        "grammar_tok_s": g,
+                        "grammar_vs_plain": g / p if p else 0.0,
+                        "plain_spread": f"{min(got['plain']):.0f}-{max(got['plain']):.0f}",
+                        "grammar_spread": f"{min(got['grammar']):.0f}-{max(got['grammar']):.0f}",
+                        "counted_steps": steps,
+                        "compile_s": compile_s,
+                    }
+                )
+                print(rows[-1], flush=True)
+        del core, model
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return {"gpu": rows, "gpu_meta": {**machine(), "card": card, "torch": torch.__version__}}
+
+
+GPU_COLS = [
+    "card",
+    "shape",
+    "overlap",
+    "batch",
+    "plain_tok_s",
+    "grammar_tok_s",
+    "grammar_vs_plain",
+    "plain_spread",
+    "grammar_spread",
+    "counted_steps",
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -240,7 +402,19 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--engines", nargs="+", default=["edge", "cloud"])
     ap.add_argument("--compare-xgrammar", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--shapes", default="qwen3-0.6b,llama-3.1-8b", help="CUDA: model shapes")
+    ap.add_argument("--rounds", type=int, default=2, help="CUDA: runs of each mode (median)")
+    ap.add_argument("--kv-gb", type=int, default=8, help="CUDA: the KV pool's GiB")
+    ap.add_argument(
+        "--note-min-length", type=int, default=0, help="CUDA: the note string's minLength"
+    )
+    ap.add_argument(
+        "--tokenizer", default=None, help="CUDA: a folder of tokenizer files (default: --model's)"
+    )
     args = ap.parse_args()
+    if args.device == "cuda":
+        return gpu_main(args)
     res = asyncio.run(bench(args))
     command = recorded_command("structured.py", sys.argv[1:], ())
     decode_cols = [
@@ -266,7 +440,40 @@ def main() -> None:
         ]
     )
     payload = {"meta": {**machine(), **vars(args), "command": command}, **res}
-    write_results("structured", payload, markdown)
+    old = RESULTS / "structured.json"
+    if old.exists():  # the GPU rows of an earlier run stay beside the new CPU ones
+        kept = json.loads(old.read_text())
+        payload.update({k: kept[k] for k in ("gpu", "gpu_meta") if k in kept})
+    write_results("structured", payload, markdown + _gpu_markdown(payload))
+
+
+def _gpu_markdown(payload: dict[str, Any]) -> str:
+    if not payload.get("gpu"):
+        return ""
+    meta = payload["gpu_meta"]
+    return "\n".join(
+        [
+            "",
+            "",
+            f"## On a GPU: {meta['card']} (random bf16 weights, {meta['date']})",
+            "",
+            f"`{meta['command']}`",
+            "",
+            table(payload["gpu"], GPU_COLS),
+        ]
+    )
+
+
+def gpu_main(args: argparse.Namespace) -> None:
+    """Run :func:`gpu_bench` and put its rows beside the CPU rows of the committed results."""
+    res = gpu_bench(args)
+    res["gpu_meta"]["command"] = recorded_command("structured.py", sys.argv[1:], ("--tokenizer",))
+    old = RESULTS / "structured.json"
+    payload = json.loads(old.read_text()) if old.exists() else {}
+    payload.update(res)
+    cpu_md = (RESULTS / "structured.md").read_text().rstrip("\n") if old.exists() else ""
+    cpu_md = cpu_md.split("\n\n## On a GPU")[0]
+    write_results("structured", payload, cpu_md + _gpu_markdown(payload))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ tokens, its input ids fed on the device from the tokens not yet read (:class:`ru
 the host's commit and planning hide behind the device's work. The look-ahead step is exactly
 the batch the scheduler would plan (every running sequence, one token, same order), minus the
 sequences that end by length; a sequence that turns out to stop on a stop token (or is aborted)
-still runs in it, and its result is dropped. A batch with a grammar row is never looked ahead
-(the row's mask needs the token not yet read). It never preempts: if the pool cannot hold every
-next token, the core falls back to a planned step. Blocks and rows a dropped sequence released
+still runs in it, and its result is dropped. A look-ahead batch with a grammar row is launched
+pending (``runner.Launched.pending``): its forward pass is enqueued, its masks and sampling only
+at the start of the next step, once this step's tokens are committed to the grammar states, so
+the masks are computed while the device runs that forward pass. It never preempts: if the pool
+cannot hold every next token, the core falls back to a planned step. Blocks and rows a dropped sequence released
 are safe to reuse at once: every later write to them is enqueued after the look-ahead step.
 
 Per-request failures stay per-request: :meth:`EngineCore.check` refuses token ids outside the
@@ -293,6 +295,8 @@ class EngineCore:
             self.blocks.check_integrity()
         if self._ahead is not None:
             cur, self._ahead = self._ahead, None
+            if cur.launched.pending is not None:  # grammar rows: the last step is committed now
+                cur.launched = cur.launched.pending()
         else:
             self.scheduler.prefill_beside_decode = self.chunk_beside_decode()
             batch = self.scheduler.schedule()
@@ -351,8 +355,6 @@ class EngineCore:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             live += 1
-            if seq.grammar is not None:
-                return None  # its mask needs cur's token: grammar rows are never looked ahead
             if seq.num_output + 1 >= seq.max_output:
                 continue  # cur's token is its last
             start = it.start + it.num_new

@@ -10,7 +10,8 @@ Anything else (prefill chunks, mixed batches) runs eagerly with prefill tiling. 
 the device; greedy batches take the argmax captured inside the graph (fused into the logits
 product for small batches). Rows with a grammar run in the graphs like any other; their masks
 are applied to the graph's logits after the replay (``cloud_engine.grammar_mask``), and their
-batch samples from those logits instead of taking the in-graph argmax.
+batch samples from those logits instead of taking the in-graph argmax; in a look-ahead step that
+sampling waits until the core has committed the step before (``runner.Launched.pending``).
 
 Every size has two graphs, one per *parity*, used alternately replay after replay: the graph of
 parity ``p`` reads its own step-integer tensor and writes its greedy tokens into token buffer
@@ -48,7 +49,7 @@ from cloud_engine.kv_pool import KVPool
 from cloud_engine.logprobs import collect_prompt_logprobs, sampled_logprobs
 from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps
 from cloud_engine.model.llama import LlamaForCausalLM
-from cloud_engine.runner import Feed, Launched, generated_before
+from cloud_engine.runner import Feed, Launched, generated_before, sample_when_ready
 from cloud_engine.sampler import banned_stops, make_generator, sample_batch, to_device
 from cloud_engine.scheduler import ScheduledBatch
 from cloud_engine.sequence import Sequence
@@ -212,12 +213,19 @@ class CudaRunner:
             if q.generator is None and not q.sampling.greedy:
                 q.generator = make_generator(q.sampling, self.device)
             gens.append(q.generator)
-        masked = apply_grammar_masks(logits[: len(seqs)], grammars)
-        tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
-        launched = self._to_host(tokens)
-        # of the raw logits, as without a grammar (SamplingParams.logprobs)
-        launched.logprobs = sampled_logprobs(logits[: len(seqs)], tokens, wants)
-        return launched
+        # a graph's are the shared buffer's rows: no replay rewrites them before this sampling
+        # is enqueued (a pending one too: the core enqueues it before its next launch)
+        row_logits = logits[: len(seqs)]
+
+        def sample() -> Launched:
+            masked = apply_grammar_masks(row_logits, grammar_states(seqs))
+            tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
+            launched = self._to_host(tokens)
+            # of the raw logits, as without a grammar (SamplingParams.logprobs)
+            launched.logprobs = sampled_logprobs(row_logits, tokens, wants)
+            return launched
+
+        return sample() if feed is None else sample_when_ready(sample, seqs, self.device)
 
     def _to_host(self, tokens: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Launched:
         """Start the copy of ``tokens`` into the next of two host buffers, each with its event

@@ -13,6 +13,7 @@ that step's input ids on the device from this launch's sampled tokens (:class:`F
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,15 +46,24 @@ class Launched:
     """A launched step: its sampled ids on the device and their copy on the way to the host.
 
     ``tokens`` stays valid until the runner's next launch has been enqueued (a feed reads it
-    in stream order); ``host`` is safe to read once ``done`` has completed."""
+    in stream order); ``host`` is safe to read once ``done`` has completed.
+
+    A look-ahead step with grammar rows is launched *pending*: its forward pass is enqueued,
+    but its rows' masks need the tokens of the step before it, which the host has not read
+    yet. ``pending`` enqueues its masks and sampling and returns the step launched; the core
+    calls it once it has committed the step before (the states then include its tokens),
+    before it launches anything else, so the masks are computed while the device still runs
+    this step's forward pass."""
 
     tokens: torch.Tensor  # [M] int64 on the device
     host: torch.Tensor  # [>= M] int64 host buffer the copy lands in
     done: torch.cuda.Event | None  # None: the copy already happened (CPU)
     # per sampled token, its log-probabilities where its sequence asks (None: no row asks)
     logprobs: list[TokenLogprob | None] | None = None
+    pending: Callable[[], Launched] | None = None  # its sampling, not yet enqueued
 
     def read(self) -> list[int]:
+        assert self.pending is None, "a pending launch samples first"
         if self.done is not None:
             self.done.synchronize()
         return self.host[: self.tokens.shape[0]].tolist()
@@ -115,16 +125,32 @@ class TorchRunner:
             gens.append(s.generator)
         params = [s.sampling for s in seqs]
         banned = banned_stops(params, [generated_before(it) for it in items])
-        masked = apply_grammar_masks(logits, grammar_states(seqs))
-        tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
-        # of the raw logits, grammar or not (SamplingParams.logprobs)
-        lps = sampled_logprobs(logits, tokens, [p.logprobs for p in params])
-        return Launched(tokens, tokens.cpu(), None, lps)
+
+        def sample() -> Launched:
+            masked = apply_grammar_masks(logits, grammar_states(seqs))
+            tokens = sample_batch(masked, params, gens, banned)  # type: ignore[arg-type]
+            # of the raw logits, grammar or not (SamplingParams.logprobs)
+            lps = sampled_logprobs(logits, tokens, [p.logprobs for p in params])
+            return Launched(tokens, tokens.cpu(), None, lps)
+
+        return sample() if feed is None else sample_when_ready(sample, seqs, dev)
 
 
 def generated_before(item: ScheduledSeq) -> int:
     """Tokens its sequence had generated before the one this sampling item samples."""
     return item.start + item.num_new - item.seq.num_prompt
+
+
+def sample_when_ready(
+    sample: Callable[[], Launched], seqs: list[Sequence], device: torch.device
+) -> Launched:
+    """``sample()`` now, or, where a row has a grammar, a pending launch that calls it later
+    (a fed step's grammar states lack the tokens it is fed: see :class:`Launched`)."""
+    if not any(s.grammar is not None for s in seqs):
+        return sample()
+    launched = _no_tokens(device)
+    launched.pending = sample
+    return launched
 
 
 def _no_tokens(device: torch.device) -> Launched:

@@ -174,14 +174,6 @@ class GatewayMetrics:
             namespace=NAMESPACE,
             registry=r,
         )
-        self.shadow_prediction_error = Gauge(
-            "shadow_prediction_error_ratio",
-            "prediction_error_ratio of each shadow latency model (policy shadow_latency), "
-            "on the same replies as the model that routes.",
-            ["shadow", "metric", "tier"],
-            namespace=NAMESPACE,
-            registry=r,
-        )
         self._requests = _children(self.requests)
         self._ttft = _children(self.ttft)
         self._e2e = _children(self.e2e)
@@ -223,11 +215,6 @@ class GatewayMetrics:
         for (metric, tier), st in errors.stats.items():
             self.prediction_error.labels(metric, tier).set(st.mean_abs_rel)
             self.prediction_bias.labels(metric, tier).set(st.bias_ms / 1000.0)
-
-    def observe_shadow_errors(self, name: str, errors: PredictionErrors) -> None:
-        """Export one shadow latency model's running errors."""
-        for (metric, tier), st in errors.stats.items():
-            self.shadow_prediction_error.labels(name, metric, tier).set(st.mean_abs_rel)
 
     def observe_rate_limited(self, limit: str) -> None:
         self.rate_limited.labels(_v(limit)).inc()

@@ -9,8 +9,7 @@ and when its last does.
 
 Invariants:
 - Time only moves forward; each loop costs ``chunk tokens * prefill_ms_per_token`` plus one
-  decode step ``decode_step_ms(rows, context)`` when any request decodes (``step_fixed_ms``,
-  the pass itself, when none does), ``context`` being
+  decode step ``decode_step_ms(rows, context)`` when any request decodes, ``context`` being
   the tokens every decoding row attends to (its prompt and its output so far, summed over the
   rows: each decode step adds one to each row's); a prompt's first chunk also
   costs ``prefill_fixed_ms`` (its admission: rendering, tokenizing, the first step's setup).
@@ -96,13 +95,6 @@ class EngineShape:
     mixed_steps: bool = False  # a chunk and the decode rows run as one step (first token after)
     # what one token of context adds to a decode step (reading its KV), summed over the rows
     decode_ms_per_context_token: float = 0.0
-    # a forward pass's own cost, charged on each pass that holds no decode row (a prompt's
-    # chunk alone); a step with rows has it in ``decode_step_ms_b1``. 0 where the prefill rate
-    # carries it (rates learned per request); the pass of a node's fitted ``StepCost``
-    step_fixed_ms: float = 0.0
-    # what a mixed step's prompt chunk adds beside decode rows beyond its tokens: 0 where the
-    # rows' step has the pass (a CPU), an eager pass where decode steps alone are CUDA graphs
-    chunk_beside_ms: float = 0.0
     cached_token_ms: float = 0.0  # what a cached prompt token still costs its prompt's prefill
     # a request takes the prefix an earlier one in hand writes before each of its chunks
     # (NodeState.prefix_catch_up), not only at admission
@@ -386,9 +378,9 @@ def _advance(
         if pre is not None and shape.mixed_steps:
             # one step: chunks of the oldest prompts under the budget, and the decode rows
             ms, own, finished = _run_step_chunks(prefilling, shape, len(decoding))
-            t += ms + (shape.chunk_beside_ms if decoding else shape.step_fixed_ms)
+            t += ms
             if own > 0:
-                stall += (own + shape.chunk_beside_ms) * len(decoding)
+                stall += own * len(decoding)
             for _ in finished:  # the finished ones are the oldest
                 prefilling.popleft()
             n = len(decoding)
@@ -412,7 +404,7 @@ def _advance(
                     start_decoding(r)
             continue
         if pre is not None:
-            ms = _run_chunk(pre, shape, shape.chunk(len(decoding))) + shape.step_fixed_ms
+            ms = _run_chunk(pre, shape, shape.chunk(len(decoding)))
             t += ms
             if pre.new:
                 stall += ms * len(decoding)

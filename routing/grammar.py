@@ -321,21 +321,31 @@ _PARALLEL_ROWS = 4  # from this many rows on, masks are filled by llguidance's t
 _executor: llg.LLExecutor | None = None
 
 
-def fill_masks(states: Sequence[GrammarState], out: np.ndarray) -> None:
-    """Each state's next-token mask into row ``i`` of ``out`` (int32 ``[R, words]``,
-    contiguous): several rows at once on llguidance's threads (the GIL released)."""
+def fill_masks(
+    states: Sequence[GrammarState], out: np.ndarray, rows: Sequence[int] | None = None
+) -> None:
+    """Each state's next-token mask into a row of ``out`` (int32 ``[N, words]``, contiguous):
+    state ``i`` into row ``rows[i]`` (default: row ``i``), the other rows left as they are;
+    several rows at once on llguidance's threads (the GIL released)."""
     global _executor
-    if out.dtype != np.int32 or not out.flags["C_CONTIGUOUS"] or out.shape[0] != len(states):
-        raise ValueError("the masks must be contiguous int32 [rows, words]")
+    where = list(range(len(states))) if rows is None else list(rows)
+    if (
+        out.dtype != np.int32
+        or out.ndim != 2
+        or not out.flags["C_CONTIGUOUS"]
+        or len(where) != len(states)
+        or (where and not 0 <= min(where) <= max(where) < out.shape[0])
+    ):
+        raise ValueError("the masks must be contiguous int32 [rows, words], one row a state")
     words = out.shape[1]
     if len(states) < _PARALLEL_ROWS or any(s.words != words for s in states):
-        for i, s in enumerate(states):
-            s.fill(out[i, : s.words])
+        for r, s in zip(where, states, strict=True):
+            s.fill(out[r, : s.words])
         return
     if _executor is None:
         _executor = llg.LLExecutor()
-    pairs = [(s.matcher, i) for i, s in enumerate(states)]
-    _executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4, len(states))
+    pairs = [(s.matcher, r) for r, s in zip(where, states, strict=True)]
+    _executor.unsafe_compute_mask_ptr(pairs, out.ctypes.data, words * 4, out.shape[0])
 
 
 def allowed_bits(bitmask: np.ndarray, width: int) -> np.ndarray:

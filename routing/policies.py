@@ -51,8 +51,6 @@ class NoRoute(LookupError):
 class Candidate:
     node: NodeState
     estimate: Estimate
-    # the shadow latency models' estimates for this node, by name (``shadow_latency``)
-    shadow: tuple[tuple[str, Estimate], ...] = ()
 
     @property
     def node_id(self) -> str:
@@ -101,7 +99,6 @@ class Decision:
     stale_view: bool = False
     expected_output_tokens: float = 0.0
     prompt_tokens: int = 0
-    shadow: tuple[tuple[str, Estimate], ...] = ()  # the chosen node's (``Candidate.shadow``)
 
     @property
     def node_id(self) -> str:
@@ -139,7 +136,7 @@ class Decision:
 
     @property
     def chosen(self) -> Candidate:
-        return Candidate(self.node, self.estimate, self.shadow)
+        return Candidate(self.node, self.estimate)
 
     def candidates(self) -> list[Candidate]:
         """The chosen node first, then the fallbacks: the order to try them in."""
@@ -240,7 +237,6 @@ def _decision(
         stale_view=inp.stale_view,
         expected_output_tokens=inp.profile.expected_output_on(first.node.kind),
         prompt_tokens=inp.profile.prompt_tokens,
-        shadow=first.shadow,
     )
 
 

@@ -12,16 +12,14 @@ Invariants:
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from routing.latency import LatencyKnobs
 from routing.profile import OutputKnobs
 from routing.regions import RegionKnobs
 
@@ -29,7 +27,6 @@ PolicyName = Literal[
     "latency", "threshold", "round_robin", "least_loaded", "edge_first", "cloud_only"
 ]
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__  # type: ignore[attr-defined]
-SHADOW_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 
 class ThresholdKnobs(BaseModel):
@@ -65,40 +62,12 @@ class PolicyConfig(BaseModel):
     default_region: str = Field(default="local", description="clients of unknown location")
     gateway_region: str | None = Field(default=None, description="where the gateway runs")
     expected_output: OutputKnobs = Field(default_factory=OutputKnobs)
-    latency: LatencyKnobs = Field(default_factory=LatencyKnobs)
-    shadow_latency: dict[str, LatencyKnobs] = Field(
-        default_factory=dict,
-        description="named latency models that predict beside the routing one (the `latency` "
-        "settings with their changes) but route nothing; use one to measure a change to "
-        "`latency` on live traffic (/metrics, x-edgecloud-shadow-predicted-ms)",
-    )
     threshold: ThresholdKnobs = Field(default_factory=ThresholdKnobs)
     circuit: CircuitKnobs = Field(default_factory=CircuitKnobs)
     regions: RegionKnobs = Field(default_factory=RegionKnobs)
     edge_first_max_load: float = Field(
         default=1.0, gt=0, description="edge_first skips edges at or above this occupancy"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shadows_over_latency(cls, data: object) -> object:
-        """Each shadow's knobs are the ``latency`` section with its own changes on top."""
-        if not isinstance(data, dict) or not isinstance(data.get("shadow_latency"), dict):
-            return data
-        base = data.get("latency") or {}
-        if isinstance(base, LatencyKnobs):
-            base = base.model_dump()
-        shadows: dict[object, object] = {}
-        for name, changes in data["shadow_latency"].items():
-            if not isinstance(name, str) or not SHADOW_NAME.fullmatch(name):
-                raise ValueError(
-                    f"shadow_latency name {name!r}: use lower-case letters, digits and _ "
-                    "(it names a header value and a metrics label)"
-                )
-            if isinstance(changes, dict) and isinstance(base, dict):
-                changes = {**base, **changes}
-            shadows[name] = changes
-        return {**data, "shadow_latency": shadows}
 
     @property
     def home_region(self) -> str:

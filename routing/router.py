@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NODE_API_VERSION, Capability, NodeState, api_compatible
@@ -56,7 +56,6 @@ class Ticket:
     estimate: Estimate
     dispatched_at: float
     profile: RequestProfile | None = None
-    shadow: tuple[tuple[str, Estimate], ...] = ()  # the shadow models' estimates for its node
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,14 +96,11 @@ class Router:
         else:
             self.source = ConfigSource.fixed(config)
         cfg = self.source.current
-        self.model = model if model is not None else LatencyModel(cfg.latency)
+        self.model = model if model is not None else LatencyModel()
         self.regions = regions if regions is not None else RegionTable(cfg.regions)
         self.outputs = (
             outputs if outputs is not None else OutputLengthEstimator(cfg.expected_output)
         )
-        # the shadow latency models (``PolicyConfig.shadow_latency``): they estimate every
-        # candidate and learn from every reply as ``model`` does, and route nothing
-        self.shadows: dict[str, LatencyModel] = {}
         self.ledger = DispatchLedger()
         self.clock = clock
         self._ids = itertools.count(1)
@@ -125,17 +121,8 @@ class Router:
         if cfg is self._cfg:
             return
         if self._cfg is not None:
-            self.model.configure(cfg.latency)
             self.regions.configure(cfg.regions)
             self.outputs.configure(cfg.expected_output)
-        # a shadow kept by name keeps what it learned; a new one starts afresh
-        for name in set(self.shadows) - set(cfg.shadow_latency):
-            del self.shadows[name]
-        for name, knobs in cfg.shadow_latency.items():
-            if name in self.shadows:
-                self.shadows[name].configure(knobs)
-            else:
-                self.shadows[name] = LatencyModel(knobs)
         self._cfg = cfg
 
     def reload_if_changed(self) -> bool:
@@ -155,7 +142,7 @@ class Router:
         self, profile: RequestProfile, view: FleetView, exclude: Collection[str] = ()
     ) -> tuple[list[Candidate], dict[str, str]]:
         """Eligible nodes with their estimates (sorted by id), and why the others are not."""
-        self._sync()  # a reloaded config (its shadows too) takes effect here
+        self._sync()  # a reloaded config takes effect here
         now = self.clock()
         out: list[Candidate] = []
         left_out: dict[str, str] = {}
@@ -175,12 +162,7 @@ class Router:
             elif node.id in exclude:
                 left_out[node.id] = "excluded"
             else:
-                est = self._estimate(self.model, node, profile, view, now)
-                shadow = tuple(
-                    (name, self._estimate(m, node, profile, view, now))
-                    for name, m in self.shadows.items()
-                )
-                out.append(Candidate(node, est, shadow))
+                out.append(Candidate(node, self._estimate(self.model, node, profile, view, now)))
         out.sort(key=lambda c: c.node.id)
         return out, left_out
 
@@ -288,7 +270,7 @@ class Router:
         """Count a dispatch to ``candidate`` (default: the chosen node) as in flight."""
         cand = candidate or decision.chosen
         now = self.clock()
-        ticket = Ticket(next(self._ids), cand.node, cand.estimate, now, profile, cand.shadow)
+        ticket = Ticket(next(self._ids), cand.node, cand.estimate, now, profile)
         out = profile.expected_output_on(cand.node.kind) if profile is not None else 0.0
         hashes = profile.reusable_hashes if profile is not None else ()
         rows = profile.choices if profile is not None else 1
@@ -347,10 +329,6 @@ class Router:
             estimate=ticket.estimate,
         )
         errors = self.model.observe(obs)
-        for name, est in ticket.shadow:  # each learns from its own prediction for it
-            shadow = self.shadows.get(name)
-            if shadow is not None:
-                shadow.observe(replace(obs, estimate=est))
         if ticket.profile is not None:
             p = ticket.profile
             self.outputs.observe(

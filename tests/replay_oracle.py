@@ -73,9 +73,9 @@ def replay_literal(
             rows = [r for r in running if r.prefill <= 0 and r.steps > 0]
             prompts = (r for r in running if r.prefill > 0)
             ms, own, finished = _run_step_chunks(prompts, shape, len(rows))
-            t += ms + (shape.chunk_beside_ms if rows else shape.step_fixed_ms)
+            t += ms
             if own > 0:
-                stall += (own + shape.chunk_beside_ms) * len(rows)
+                stall += own * len(rows)
             if rows:
                 decode(rows, 1.0)
                 if target in rows and target.steps <= 0:
@@ -88,7 +88,7 @@ def replay_literal(
             continue
         if pre is not None:
             rows_n = sum(1 for r in running if r.prefill <= 0 and r.steps > 0)
-            ms = _run_chunk(pre, shape, shape.chunk(rows_n)) + shape.step_fixed_ms
+            ms = _run_chunk(pre, shape, shape.chunk(rows_n))
             t += ms
             if pre.new:
                 stall += ms * rows_n

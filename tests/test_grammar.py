@@ -196,6 +196,11 @@ def test_numpy_and_torch_masks_agree_and_leave_plain_rows_alone(
     out = np.zeros((6, many[0].words), dtype=np.int32)
     fill_masks(many, out)
     assert all(np.array_equal(out[i], s.mask()) for i, s in enumerate(many))
+    # into chosen rows of a larger buffer, the other rows left alone
+    wide = np.full((9, many[0].words), 7, dtype=np.int32)
+    fill_masks(many, wide, rows=[8, 0, 2, 4, 6, 1])
+    assert all(np.array_equal(wide[r], out[i]) for i, r in enumerate([8, 0, 2, 4, 6, 1]))
+    assert (wide[[3, 5, 7]] == 7).all()
 
 
 def test_router_sends_grammar_requests_only_to_capable_nodes() -> None:
@@ -317,3 +322,124 @@ async def test_cloud_grammar_rows_survive_preemption_and_cancellation(
     assert results[1:] == want[1:]
     assert all(len(w) == 40 for w in want)  # the schema keeps every row going
     assert preempted > 0, "the pool was meant to force preemption"
+
+
+# ---- the cloud core's look-ahead steps with grammar rows ---------------------------------
+
+SMALL = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+def _mixed_requests(
+    fmt: PromptFormatter, compiler: GrammarCompiler, grammar: str = "schema"
+) -> list[GenerationRequest]:
+    """Six prompts: even rows plain, odd rows under the small schema (``schema``), a
+    structural tag of free text that the random model's greedy tokens never leave
+    (``permissive``), or no grammar (``none``)."""
+    tag = StructuralTag("<tool_call>", canonical({"type": "object"}), "</tool_call>")
+    spec = structural_tag_spec([tag]) if grammar == "permissive" else json_schema_spec(SMALL)
+    g = None if grammar == "none" else Grammar(compiler.compile(spec))
+    stops = fmt.stop_token_ids
+    reqs = []
+    for i in range(6):
+        ids = fmt.encode(f"Row {i}: " + "fill " * (3 + 5 * i))
+        sp = SamplingParams(
+            max_tokens=24, temperature=0, stop_token_ids=stops, grammar=g if i % 2 else None
+        )
+        reqs.append(GenerationRequest(ids, sp, request_id=f"m{i}"))
+    return reqs
+
+
+def _drive(core, reqs) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        for o in core.step():
+            out[o.seq.request_id] += o.new_token_ids
+    return out
+
+
+def _check_small_replies(fmt: PromptFormatter, out: dict[str, list[int]]) -> int:
+    """The grammar rows' replies that ended before max_tokens parse and follow ``SMALL``;
+    returns how many ended."""
+    ended = 0
+    for i in (1, 3, 5):
+        toks = out[f"m{i}"]
+        if len(toks) == 24:
+            continue
+        ended += 1
+        obj = json.loads(fmt.decode(toks))
+        assert set(obj) == {"name", "n"} and isinstance(obj["name"], str)
+        assert len(obj["name"]) <= 8 and isinstance(obj["n"], int) and 0 <= obj["n"] <= 99
+    return ended
+
+
+def test_cloud_look_ahead_steps_sample_grammar_rows_after_the_step_before(
+    tiny_model_path: Path, fmt: PromptFormatter, compiler: GrammarCompiler, one_torch_thread
+) -> None:
+    """With overlap, a decode batch with grammar rows is looked ahead too (its masks and
+    sampling wait until the step before is committed): the same tokens as planned steps on
+    the reference runner, for the grammar rows and the plain rows beside them."""
+    from cloud_engine.model.loader import load_model
+    from tests.test_cloud_core import make_core
+
+    model = load_model(tiny_model_path)
+    planned = make_core(model, "reference", overlap=False)
+    want = _drive(planned, _mixed_requests(fmt, compiler))
+    ahead = make_core(model, "fused", overlap=True, max_kv_blocks=200)
+    launch, pending = ahead.runner.launch, []
+
+    def counted(batch, feed=None):
+        launched = launch(batch, feed)
+        pending.append(launched.pending is not None)
+        return launched
+
+    ahead.runner.launch = counted  # type: ignore[method-assign]
+    got = _drive(ahead, _mixed_requests(fmt, compiler))
+    assert got == want
+    assert sum(pending) >= 5  # look-ahead steps with grammar rows, sampled after the one before
+    assert _check_small_replies(fmt, got) >= 1
+    ahead.blocks.check_integrity()
+    assert ahead.blocks.num_used == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_cuda_grammar_rows_in_graphs_and_look_ahead(
+    tiny_model_path: Path, fmt: PromptFormatter, compiler: GrammarCompiler, overlap: bool
+) -> None:
+    """The CUDA runner (Triton kernels, CUDA graphs, fp32): a permissive grammar gives the
+    plain greedy tokens; a JSON-schema grammar's replies parse and follow the schema, and the
+    plain rows beside them keep their tokens."""
+    import copy
+
+    from cloud_engine.config import EngineConfig
+    from cloud_engine.core import EngineCore
+    from cloud_engine.model.loader import load_model
+
+    model = load_model(tiny_model_path, device="cuda")
+
+    def run(grammar: str) -> tuple[dict[str, list[int]], EngineCore]:
+        cfg = EngineConfig(
+            device="cuda", kv_memory_bytes=64 << 20, max_running=16, max_tokens_per_step=512,
+            overlap=overlap, debug_checks=True,
+        )  # fmt: skip
+        core = EngineCore(copy.deepcopy(model), "gpu-grammar", cfg)  # its runner takes the weights
+        return _drive(core, _mixed_requests(fmt, compiler, grammar)), core
+
+    plain, _ = run("none")
+    out, core = run("schema")
+    assert core.runner.graphs  # type: ignore[attr-defined]
+    assert (core.counters.ahead_steps > 0) == overlap
+    assert all(out[f"m{i}"] == plain[f"m{i}"] for i in (0, 2, 4))
+    assert _check_small_replies(fmt, out) >= 1
+    assert run("permissive")[0] == plain

@@ -23,9 +23,6 @@ gateway_region: eu-central
 expected_output:
   default_tokens: 64
   alpha: 0.3
-latency:
-  prefill_pass: "on"
-  busy_wait: false
 threshold:
   prompt_tokens: 256
 circuit:
@@ -48,7 +45,6 @@ def test_full_file_parses_into_every_section():
     assert cfg.policy == "threshold" and cfg.objective == "e2e"
     assert cfg.home_region == "eu-central"
     assert cfg.expected_output.default_tokens == 64
-    assert (cfg.latency.prefill_pass, cfg.latency.busy_wait) == ("on", "off")
     assert cfg.circuit.open_s == 5 and cfg.circuit.half_open_probes == 1  # unset: the default
     assert cfg.threshold.prompt_tokens == 256
     assert cfg.circuit.failure_threshold == 3
@@ -66,7 +62,7 @@ def test_empty_file_is_all_defaults():
     [
         ("policy: fastest\n", "policy"),
         ("polcy: latency\n", "polcy"),  # a typo is an error, not a silent default
-        ("latency: {prefill_pass: sometimes}\n", "prefill_pass"),
+        ("latency: {prefill_pass: on}\n", "latency"),  # a setting that left is an error
         ("threshold: {prompt_tokens: -1}\n", "prompt_tokens"),
         ("- a list\n", "mapping"),
         ("policy: [unclosed\n", "YAML"),

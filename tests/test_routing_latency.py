@@ -6,7 +6,7 @@ import pytest
 
 from routing.backlog import Work
 from routing.fleet.state import NodeKind, NodeState
-from routing.latency import LatencyKnobs, LatencyModel, Observation, priors, rates
+from routing.latency import LatencyModel, Observation, priors, rates
 
 
 @pytest.fixture
@@ -469,8 +469,7 @@ def test_a_plane_of_cached_and_new_tokens_that_move_together_is_not_used(consts)
 def test_a_prompts_own_time_is_at_least_one_forward_pass():
     """16 new tokens after 1,152 cached: their per-token share (16 ms at 1,000 tokens/s) is
     less than the forward pass that computes them, which reads every weight as a decode step
-    of one row does (60 ms here). Without ``prefill_pass`` (the default) the prediction takes
-    the step's time as a floor."""
+    of one row does (60 ms here): the prediction takes the step's time as a floor."""
     m = LatencyModel()
     cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
     e = est(m, cloud, prompt=1168, cached=1152)
@@ -480,125 +479,6 @@ def test_a_prompts_own_time_is_at_least_one_forward_pass():
     assert e.e2e_ms == pytest.approx(65.0 + 9 * 60.0)
     # a long cold prompt costs its tokens, above the floor
     assert est(m, cloud, prompt=1168).prefill_ms == pytest.approx(1168.0)
-
-
-def test_a_prompt_alone_on_a_mixed_step_node_pays_a_pass_and_its_tokens():
-    """With ``prefill_pass`` the cloud engine's chunk alone is one pass (the one-row step,
-    60 ms, less one token's 1 ms) plus its tokens; beside decode rows only its tokens, the
-    rows' step having the pass already."""
-    m = LatencyModel(LatencyKnobs(prefill_pass=True))
-    cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=1000.0, decode_ms_per_token=60.0)
-    e = est(m, cloud, prompt=1168, cached=1152)
-    assert e.basis.pass_ms == pytest.approx(59.0)
-    assert e.prefill_ms == pytest.approx(59.0 + 16.0) == e.own_prefill_ms
-    # a cold prompt past one 1,024-token chunk: two passes
-    cold = est(m, cloud, prompt=1168)
-    assert cold.basis.pass_ms == pytest.approx(2 * 59.0)
-    assert cold.prefill_ms == pytest.approx(2 * 59.0 + 1168.0)
-    # beside a request decoding: no pass of its own
-    busy = est(m, cloud, prompt=1168, cached=1152, ahead=[Work(0.0, 20.0, context=1200.0)])
-    assert busy.basis.pass_ms == 0.0 and busy.own_prefill_ms == pytest.approx(16.0)
-
-
-def test_the_pass_a_prompt_paid_alone_is_not_learned_as_its_tokens_cost(consts):
-    """The node's account of a prompt that ran alone holds a pass: learning takes it off, so
-    the per-token rate is the tokens' own (2 ms) and not the pass spread over a few tokens."""
-    consts(self_report_weight=0.0)
-    m = LatencyModel(LatencyKnobs(prefill_pass=True))
-    cloud = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=0.0, decode_ms_per_token=100.0)
-    for uncached in (40, 60, 80, 100, 120, 140):
-        e = est(m, cloud, prompt=uncached)
-        assert e.basis.pass_ms > 0
-        m.observe(
-            Observation(
-                node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=uncached, cached_tokens=0,
-                completion_tokens=1, ttft_ms=5.0 + e.basis.pass_ms + 2.0 * uncached, e2e_ms=1000.0,
-                net_rtt_ms=5.0, node_queue_ms=0.0, estimate=e,
-            )
-        )  # fmt: skip
-    fixed, per_token, _ = m.prefill_cost(cloud)
-    assert per_token == pytest.approx(2.0, rel=0.01) and fixed == pytest.approx(0.0, abs=0.5)
-
-
-@pytest.mark.parametrize("beside", [0.0, 14.0])
-def test_the_pass_of_a_prompt_is_learned_from_the_nodes_account(beside: float, consts):
-    """A GPU node's decode steps run as CUDA graphs (1.3 ms a row) while a prompt alone runs
-    an eager pass (12 ms here): the one-row step says nothing of it. The node's account of
-    the prompts that ran alone, beyond their tokens' cost, is the pass the next one pays; of
-    those that ran beside decode rows, what a chunk adds to the rows' step: nothing on a CPU
-    (the rows' step is a pass already), an eager step on that GPU (14 ms)."""
-    consts(self_report_weight=0.0)
-    m = LatencyModel(LatencyKnobs(prefill_pass=True))
-    gpu = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=8000.0, decode_ms_per_token=1.3)
-    assert est(m, gpu, prompt=40).basis.pass_ms == pytest.approx(1.3 - 0.125)  # before: the step
-    rows = [Work(0.0, 20.0, context=200.0)]
-    for i, uncached in enumerate([40, 60, 80, 100, 120, 140, 50, 90] * 6):
-        # each alone (a pass and its tokens), then one beside decode rows (its tokens and what
-        # its chunk adds, after a 3 ms wait for the step in flight)
-        for ahead, pass_ms, wait in (([], 12.0, 0.0), (rows, beside, 3.0)):
-            e = est(m, gpu, prompt=uncached, ahead=ahead)
-            m.observe(
-                Observation(
-                    node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=uncached, cached_tokens=0,
-                    completion_tokens=1, ttft_ms=1.0 + wait + pass_ms + 0.125 * uncached,
-                    e2e_ms=30.0, net_rtt_ms=1.0, node_queue_ms=wait, estimate=e,
-                )
-            )  # fmt: skip
-        if i == 1:  # two seen: not yet its own
-            assert m.alone_pass_ms("c1", 1.0) == 1.0 and m.beside_pass_ms("c1") == 0.0
-    # the first prompts' rates still held the pass they were predicted then: a few rounds on,
-    # the passes and the rate are the node's
-    assert m.alone_pass_ms("c1", 1.0) == pytest.approx(12.0, rel=0.05)
-    assert m.beside_pass_ms("c1") == pytest.approx(beside, abs=1.0)
-    e = est(m, gpu, prompt=70)
-    assert e.basis.pass_ms == pytest.approx(12.0, rel=0.05) and e.basis.passes == 1
-    assert e.own_prefill_ms == pytest.approx(12.0 + 0.125 * 70, rel=0.05)
-    busy = est(m, gpu, prompt=70, ahead=rows)
-    assert busy.own_prefill_ms == pytest.approx(beside + 0.125 * 70, abs=1.5)
-    # its chunk holds up the decoding request's step by as much
-    assert busy.stalled_others_ms == pytest.approx(busy.own_prefill_ms, rel=0.01)
-
-
-def test_passes_and_busy_waits_apply_by_default_where_a_node_is_not_on_a_cpu():
-    """``accelerators`` (the default of ``prefill_pass`` and ``busy_wait``): on for a node
-    whose device is not a CPU; ``true``/``false`` still mean on and off."""
-    m = LatencyModel()
-    for device, passes in (("cpu", 0), ("CPU", 0), ("cuda", 1), ("cuda:0", 1)):
-        n = node("c1", NodeKind.CLOUD, device=device, decode_ms_per_token=2.0)
-        assert est(m, n, prompt=40).basis.passes == passes, device
-    k = LatencyKnobs(prefill_pass=True, busy_wait=False)
-    assert (k.prefill_pass, k.busy_wait) == ("on", "off")
-    assert k.enabled(k.prefill_pass, node(device="cpu"))
-    assert not k.enabled(k.busy_wait, node(device="cuda"))
-
-
-def test_a_wait_the_replay_does_not_see_is_learned_by_load():
-    """A busy node's own account of its requests' waits held 18 ms more than the replay
-    predicted with two in hand (on the GPU machine: HTTP and tokenizing while the engine
-    thread holds the interpreter); with ``busy_wait`` the next prediction at that load adds
-    it, an idle node's or another load's does not."""
-    m = LatencyModel(LatencyKnobs(busy_wait=True))
-    n = node("c1", NodeKind.CLOUD, prefill_tokens_per_s=8000.0, decode_ms_per_token=2.0)
-    two = [Work(0.0, 10.0, context=100.0), Work(0.0, 10.0, context=100.0)]
-    before = est(m, n, prompt=40, ahead=two)
-    for _ in range(5):
-        e = est(m, n, prompt=40, ahead=two)
-        replayed = e.ttft_ms - e.rtt_ms - e.own_prefill_ms
-        m.observe(
-            Observation(
-                node_id="c1", kind=NodeKind.CLOUD, prompt_tokens=40, cached_tokens=0,
-                completion_tokens=1, ttft_ms=e.ttft_ms + 18.0, e2e_ms=e.ttft_ms + 18.0,
-                net_rtt_ms=e.rtt_ms, node_queue_ms=replayed + 18.0, estimate=e,
-            )
-        )  # fmt: skip
-    after = est(m, n, prompt=40, ahead=two)
-    assert after.basis.extra_wait_ms == pytest.approx(18.0, abs=0.5)
-    assert after.ttft_ms == pytest.approx(before.ttft_ms + 18.0, abs=0.5)
-    assert est(m, n, prompt=40).basis.extra_wait_ms == 0.0  # idle
-    assert est(m, n, prompt=40, ahead=two * 4).basis.extra_wait_ms == 0.0  # 8 in hand: not seen
-    off = LatencyModel()
-    off.rates = m.rates
-    assert est(off, n, prompt=40, ahead=two).basis.extra_wait_ms == 0.0
 
 
 def test_what_requests_take_beyond_the_engine_is_learned_and_added():

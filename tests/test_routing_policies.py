@@ -16,7 +16,7 @@ from routing.backlog import SharedPrefix
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
-from routing.latency import Estimate, LatencyKnobs
+from routing.latency import Estimate
 from routing.latency import estimate as latency_estimate
 from routing.latency.priors import ARRIVAL_WINDOW_S
 from routing.policies import NoRoute
@@ -422,62 +422,9 @@ def test_a_reply_of_n_choices_teaches_the_length_of_one():
     assert r.outputs.expected("team-n", "chat") == 40.0
 
 
-def test_shadow_models_predict_each_candidate_and_learn_from_the_same_replies(tmp_path):
-    """A shadow latency model is the routing knobs with its changes: it estimates every
-    candidate on the same ledger, routes nothing, learns from its own prediction of each reply,
-    and survives a reload under its name (a new name starts afresh, a dropped one goes)."""
-    path = tmp_path / "policy.yaml"
-    path.write_text("latency: {busy_wait: on}\nshadow_latency:\n  no_pass: {prefill_pass: off}\n")
-    src = ConfigSource(path, check_interval_s=0.0)
-    r = Router(src, clock=lambda: NOW + 1)
-    shadow = r.shadows["no_pass"]
-    assert (shadow.knobs.busy_wait, shadow.knobs.prefill_pass) == ("on", "off")  # over latency
-    fleet = view(edge(), cloud(running=0))
-    p = profile(1100)
-    plain = Router(PolicyConfig(latency=LatencyKnobs(busy_wait="on")), clock=lambda: NOW + 1)
-    d, alone = r.decide(p, fleet), plain.decide(p, fleet)
-    assert (d.node_id, d.estimate) == (alone.node_id, alone.estimate)  # it routes nothing
-    cands = {c.node.id: c for c in r.candidates(p, fleet)[0]}
-    # the GPU cloud's chunks pay a pass in the routing model, none in the shadow
-    cloud_shadow = dict(cands["cloud-us"].shadow)["no_pass"]
-    routed = cands["cloud-us"].estimate
-    assert routed.basis.passes == 2 and cloud_shadow.basis.passes == 0
-    assert cloud_shadow.ttft_ms < routed.ttft_ms
-    assert dict(cands["edge-eu"].shadow)["no_pass"] == cands["edge-eu"].estimate  # a CPU: same
-    assert dict(d.chosen.shadow)["no_pass"].node_id == d.node_id
-    ticket = r.begin(d, profile=p)
-    assert [name for name, _ in ticket.shadow] == ["no_pass"]
-    measured = Measured(ttft_ms=400.0, e2e_ms=900.0, prompt_tokens=1100, completion_tokens=16)
-    r.finish(ticket, measured)
-    tier = d.node.kind.value
-    assert shadow.errors.get("e2e", tier).count == r.model.errors.get("e2e", tier).count == 1
-    own = dict(ticket.shadow)["no_pass"]
-    # each error is of its own prediction (both with the same RTT swapped in)
-    gap = shadow.errors.get("e2e", tier).bias_ms - r.model.errors.get("e2e", tier).bias_ms
-    assert gap == pytest.approx(d.estimate.e2e_ms - own.e2e_ms)
-    path.write_text("shadow_latency:\n  no_pass: {prefill_pass: on}\n  waits: {busy_wait: on}\n")
-    os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
-    assert src.check() is True
-    r.decide(p, fleet)
-    assert r.shadows["no_pass"] is shadow and shadow.knobs.prefill_pass == "on"
-    assert shadow.errors.get("e2e", tier).count == 1  # kept what it learned
-    assert r.shadows["waits"].errors.get("e2e", tier).count == 0
-    path.write_text("policy: latency\n")
-    os.utime(path, ns=(path.stat().st_mtime_ns + 2 * 10**9,) * 2)
-    assert src.check() is True
-    assert r.decide(p, fleet).shadow == () and r.shadows == {}
-
-
-def test_a_shadow_name_must_fit_a_header_and_a_label():
-    with pytest.raises(ValueError, match="lower-case letters"):
-        PolicyConfig.model_validate({"shadow_latency": {"Half-Credit": {}}})
-    with pytest.raises(ValueError, match="extra"):
-        PolicyConfig.model_validate({"shadow_latency": {"x": {"no_such_knob": 1}}})
-
-
 def test_hot_reloaded_config_changes_the_policy_and_keeps_learning(tmp_path):
     path = tmp_path / "policy.yaml"
-    path.write_text("policy: latency\nlatency: {busy_wait: on}\n")
+    path.write_text("policy: latency\nobjective: e2e\n")
     src = ConfigSource(path, check_interval_s=0.0)
     r = Router(src, clock=lambda: NOW)
     d = r.decide(profile(40), FLEET)
@@ -486,12 +433,12 @@ def test_hot_reloaded_config_changes_the_policy_and_keeps_learning(tmp_path):
         r.begin(d), Measured(ttft_ms=500.0, e2e_ms=900.0, prompt_tokens=100, completion_tokens=20)
     )
     learned = r.model.rates["edge-eu"].prefill_tokens_per_s.n
-    path.write_text("policy: cloud_only\nlatency: {busy_wait: off}\n")
+    path.write_text("policy: cloud_only\nobjective: ttft\n")
     os.utime(path, ns=(path.stat().st_mtime_ns + 10**9,) * 2)
     assert src.check() is True
     d = r.decide(profile(40), FLEET)
     assert d.policy == "cloud_only" and d.node_id == "cloud-us"
-    assert r.model.knobs.busy_wait == "off"
+    assert r.config.objective == "ttft"
     assert r.model.rates["edge-eu"].prefill_tokens_per_s.n == learned == 1
 
 

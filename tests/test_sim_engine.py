@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from routing.latency import LatencyKnobs
 from routing.policy_config import PolicyConfig
 from routing.sim.fleet import FleetSpec, load_fleet
 from routing.sim.generator import MorningPeak, generate
@@ -63,8 +62,8 @@ def _req(t: float, prompt: int, out: int, **kw: object) -> TraceRequest:
     return TraceRequest(arrival_s=t, prompt_tokens=prompt, output_tokens=out, **kw)
 
 
-def _run(fleet: FleetSpec, trace: list[TraceRequest], policy: str = "latency", **latency: object):
-    return simulate(trace, fleet, PolicyConfig(latency=LatencyKnobs(**latency)), policy=policy)
+def _run(fleet: FleetSpec, trace: list[TraceRequest], policy: str = "latency"):
+    return simulate(trace, fleet, PolicyConfig(), policy=policy)
 
 
 def test_cloud_batches_prefills_then_decodes(tmp_path: Path) -> None:

@@ -7,10 +7,8 @@ import random
 
 import pytest
 
-from routing.backlog import EngineShape, Work, replay
 from routing.fleet.state import StepCost
 from routing.step_cost import StepCostFit
-from tests.replay_oracle import replay_literal
 
 
 def fed(
@@ -73,25 +71,6 @@ def test_a_term_fitted_negative_is_dropped_and_the_rest_refitted():
     got = fit.solve()
     assert got is not None and got.ms_per_context_token == 0.0
     assert got.ms_per_prompt_token == pytest.approx(2.0, rel=0.05)
-
-
-def test_a_chunk_beside_decode_rows_pays_no_second_pass():
-    # pass 50, a row 10, a prompt token 2: the new 20-token prompt alone is one pass (t=90);
-    # beside A decoding, the 16-token cut makes two steps, each A's row and a chunk: 50 + 10 +
-    # 32 (t=92) and 50 + 10 + 8 (t=160)
-    shape = EngineShape(slots=4, chunk_tokens=1024, prefill_ms_per_token=2.0,
-                        decode_step_ms_b1=60.0, batch_slope=10.0 / 60.0, mixed_steps=True,
-                        chunk_tokens_decoding=16, step_fixed_ms=50.0)  # fmt: skip
-    assert replay(shape, [], Work(20, 0)).first_token_ms == 90.0
-    beside = replay(shape, [Work(0, 10, context=100)], Work(20, 0))
-    assert beside.first_token_ms == 160.0
-    assert replay_literal(shape, [Work(0, 10, context=100)], Work(20, 0)) == beside
-    # separate passes (the edge's loop): every chunk is a pass of its own, then A's step
-    edge = EngineShape(slots=4, chunk_tokens=1024, prefill_ms_per_token=2.0,
-                       decode_step_ms_b1=60.0, batch_slope=0.0, chunk_tokens_decoding=16,
-                       step_fixed_ms=50.0)  # fmt: skip
-    # chunk 16 (82), A (142), chunk 4 (200): the first token
-    assert replay(edge, [Work(0, 10)], Work(20, 0)).first_token_ms == 200.0
 
 
 def test_a_batch_decoding_at_one_size_keeps_the_fit():

@@ -157,6 +157,7 @@ class _Pending:
     buf: torch.Tensor | None = None
     tokens: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     logprobs: None = None  # as ``runner.Launched``'s: the parallel runners compute none
+    pending: None = None  # as ``runner.Launched``'s: never fed, so never waits to sample
 
     def read(self) -> list[int]:
         if self.meta.num_samples == 0:

@@ -229,10 +229,6 @@ class Dispatch:
         deps = self.deps
         if deps.router.finish(leg.ticket, measured):
             deps.metrics.observe_prediction_errors(deps.router.model.errors)
-            for name, _ in leg.ticket.shadow:
-                shadow = deps.router.shadows.get(name)
-                if shadow is not None:
-                    deps.metrics.observe_shadow_errors(name, shadow.errors)
         if measured is not None:
             deps.store.note_cache_changed(node_id)
             if deps.request_log is not None and leg.ticket.profile is not None:

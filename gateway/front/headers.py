@@ -9,8 +9,6 @@ Invariants:
   when it sent one; ``x-edgecloud-predicted-prefill-ms`` is what the router predicted for it;
   ``x-edgecloud-node-ttft-ms`` is the node's own time to first token (the gateway's and the
   network's share of what its client saw is the difference).
-- ``x-edgecloud-shadow-predicted-ms`` holds, where the policy names shadow latency models,
-  each one's predicted time to first token and end-to-end time for the answering node.
 - A reply sent whole reports the time to first token its client would have seen streamed
   (:func:`ttft_of_whole_reply`), or none when the node sent no timings.
 - What a caller sees of them is the operator's choice (``decision_headers``,
@@ -26,9 +24,6 @@ from typing import Any, Literal
 from gateway.front.upstream import UpstreamHeaders
 from gateway.node_headers import HEADERS_AT_FIRST_TOKEN, NODE_TTFT_HEADER, PREFILL_MS_HEADER
 from routing.policies import Candidate, Decision
-
-# ``name=TTFT/E2E`` (ms) of each shadow latency model, comma-separated (``shadow_latency``)
-SHADOW_HEADER = "x-edgecloud-shadow-predicted-ms"
 
 
 def decision_headers(
@@ -67,10 +62,6 @@ def decision_headers(
     node_ttft = node_headers.get(NODE_TTFT_HEADER)
     if node_ttft is not None:  # the node's own time to first token, from its request's arrival
         h["x-edgecloud-node-ttft-ms"] = node_ttft
-    if cand.shadow:  # the shadow latency models' predictions for the node that answered
-        h[SHADOW_HEADER] = ", ".join(
-            f"{name}={est.ttft_ms:.1f}/{est.e2e_ms:.1f}" for name, est in cand.shadow
-        )
     h["x-edgecloud-measured-ttft-ms"] = f"{first_byte_ms:.1f}"
     h["x-edgecloud-attempts"] = str(attempts)
     h["x-request-id"] = request_id

@@ -2,8 +2,8 @@
 
 ``LatencyModel.estimate`` predicts one request's timings on one node (``estimate``); ``observe``
 learns from a finished request (``learning``); the rates it reads live in ``rates``, their fits
-in ``fits``, its starting assumptions in ``priors``, its two settings in ``knobs`` and its
-error statistics in ``errors``.
+in ``fits``, its starting assumptions in ``priors`` and its error statistics in ``errors``. It
+has no settings: everything it uses is learned or reported by the nodes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from routing.fleet.state import NodeState
 from routing.latency.errors import ErrorStats, PredictionErrors
 from routing.latency.estimate import Basis, Estimate, predict
-from routing.latency.knobs import LatencyKnobs
 from routing.latency.learning import Observation, learn
 from routing.latency.rates import NodeRates, RateBook
 
@@ -21,7 +20,6 @@ __all__ = [
     "Basis",
     "ErrorStats",
     "Estimate",
-    "LatencyKnobs",
     "LatencyModel",
     "NodeRates",
     "Observation",
@@ -32,13 +30,9 @@ __all__ = [
 class LatencyModel(RateBook):
     """Predicts per-node TTFT and end-to-end latency and learns each node's rates online."""
 
-    def __init__(self, knobs: LatencyKnobs | None = None) -> None:
-        super().__init__(knobs)
+    def __init__(self) -> None:
+        super().__init__()
         self.errors = PredictionErrors()
-
-    def configure(self, knobs: LatencyKnobs) -> None:
-        """New knobs (hot reload); learned rates are kept."""
-        self.knobs = knobs
 
     # predict one request's timings on a node from these rates (``estimate.predict``)
     estimate = predict

@@ -37,9 +37,6 @@ class Basis:
     mean_batch: float = 1.0  # mean rows of the decode steps it takes part in
     mean_context: float = 0.0  # mean tokens of context those steps attend to (all rows)
     step_ms: float = 0.0  # one decode step's own time at ``mean_batch`` (beyond: stalls)
-    pass_ms: float = 0.0  # the forward passes its chunks pay (in ``own_prefill_ms``)
-    passes: int = 0  # how many (``prefill_pass``)
-    extra_wait_ms: float = 0.0  # the learned wait beyond the replay's (``busy_wait``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,18 +165,11 @@ def predict(
     else:
         r = replay(shape, work, new)
     work_tokens -= r.reused_tokens  # what it computes
-    # its chunks pay the pass where they run alone (nothing in hand), else what a chunk
-    # adds to the decode rows' step (nothing where that step has the pass already)
-    chunks = math.ceil(work_tokens / max(1, shape.chunk_tokens))
-    passes = (
-        chunks if shape.mixed_steps and book.knobs.enabled(book.knobs.prefill_pass, node) else 0
-    )
-    pass_ms = (shape.chunk_beside_ms if work else shape.step_fixed_ms) * passes
-    own_prefill = shape.prefill_fixed_ms + pass_ms + work_tokens * shape.prefill_ms_per_token
+    own_prefill = shape.prefill_fixed_ms + work_tokens * shape.prefill_ms_per_token
     # A prompt's last chunk is a forward pass: it reads every weight and the prompt's KV as a
     # decode step of one row does, however few its new tokens, so it takes at least that step.
     floor = shape.decode_step_ms(1, prompt_tokens)
-    if own_prefill < floor and shape.step_fixed_ms <= 0:  # else the replay has the pass
+    if own_prefill < floor:
         short = floor - (r.first_token_ms - r.queue_ms)
         if short > 0:
             r = _delayed(r, short, queue=False)
@@ -188,9 +178,6 @@ def predict(
     if work:
         rows = work[: shape.slots]
         r = _delayed(r, 0.5 * shape.decode_step_ms(len(rows), sum(w.context for w in rows)))
-    extra_wait = max(book.busy_wait_ms(node, len(work)), -r.queue_ms)
-    if extra_wait:
-        r = _delayed(r, extra_wait)
     overhead = book.overhead_ms(node.id, idle=not work)
     rtt = max(0.0, rtt_ms) + overhead
     steps = out - 1.0
@@ -220,8 +207,5 @@ def predict(
             mean_batch=r.mean_batch,
             mean_context=r.mean_context,
             step_ms=step_ms,
-            pass_ms=pass_ms,
-            passes=passes,
-            extra_wait_ms=extra_wait,
         ),
     )

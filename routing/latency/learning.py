@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from routing.fleet.state import NodeKind
 from routing.latency.errors import PredictionErrors
 from routing.latency.estimate import Estimate
-from routing.latency.fits import RecentMedian
 from routing.latency.priors import (
     ERROR_ALPHA,
     MIN_DECODE_TOKENS,
-    MIN_PASS_SAMPLES,
     MIN_PREFILL_TOKENS,
 )
-from routing.latency.rates import NodeRates, RateBook, load_bucket
+from routing.latency.rates import NodeRates, RateBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +57,6 @@ def _learn_prefill(rates: NodeRates, obs: Observation, net: float) -> None:
     others = 0.0
     if est is not None:
         others = max(0.0, est.ttft_ms - est.rtt_ms - est.overhead_ms - est.own_prefill_ms)
-        if est.in_hand > 0 and obs.node_queue_ms is not None:
-            replayed = others - est.basis.extra_wait_ms  # the replay's own wait
-            waits = rates.busy_wait_ms.setdefault(load_bucket(est.in_hand), RecentMedian())
-            waits.add(obs.node_queue_ms - replayed)
     if obs.node_ttft_ms is not None:
         gateway_ms = max(0.0, server_ms - obs.node_ttft_ms)
         rates.gateway_ms.add(gateway_ms)
@@ -76,17 +70,6 @@ def _learn_prefill(rates: NodeRates, obs: Observation, net: float) -> None:
         prefill_ms = max(server_ms - others, 0.25 * server_ms, 0.5)
     if prefill_ms is None:
         return
-    passes = est.basis.passes if est is not None else 0
-    if passes and est is not None:
-        # beyond its tokens' predicted cost, what the prompt took is its passes
-        pass_of = rates.alone_pass_ms if est.in_hand == 0 else rates.beside_pass_ms
-        if obs.node_queue_ms is not None:
-            tokens_ms = est.own_prefill_ms - est.basis.pass_ms
-            pass_of.add(max(0.0, prefill_ms - tokens_ms) / passes)
-        # the rates are the tokens' own: less the passes (a tenth left at least: a pass taken
-        # too long must not teach that tokens are free)
-        paid = passes * pass_of.value if pass_of.n >= MIN_PASS_SAMPLES else est.basis.pass_ms
-        prefill_ms = max(prefill_ms - paid, 0.1 * prefill_ms, 0.5)
     rates.prefill_fit.add(float(uncached), float(obs.cached_tokens), prefill_ms)
     if uncached >= MIN_PREFILL_TOKENS:
         rates.prefill_tokens_per_s.add(1000.0 * uncached / prefill_ms)

@@ -43,8 +43,6 @@ SELF_REPORT_WEIGHT = 0.3  # share a node's own reported rates keep against measu
 WARMUP_SAMPLES = 3  # observations before measured rates are fully trusted
 MIN_PREFILL_TOKENS = 32  # uncached tokens a prompt needs to teach the prefill rate
 MIN_DECODE_TOKENS = 4  # completion tokens a reply needs to teach the decode rate
-MIN_PASS_SAMPLES = 3  # prompts seen before a node's own forward-pass cost is used
-MIN_WAIT_SAMPLES = 3  # replies seen at a load before its learned extra wait is used
 SERVICE_OUTPUT_TOKENS = 128.0  # output assumed of a request in hand on a node never measured
 # share of its prefill or decode a request in flight is taken to have left once it runs late
 # against its prediction (how far along it is is not known: the mean of a uniform guess)

@@ -23,10 +23,7 @@ from routing.backlog import EngineShape
 from routing.ewma import Ewma
 from routing.fleet.state import NodeKind, NodeState
 from routing.latency.fits import DecodeCost, DecodeFit, PrefillFit, RecentMedian
-from routing.latency.knobs import LatencyKnobs
 from routing.latency.priors import (
-    MIN_PASS_SAMPLES,
-    MIN_WAIT_SAMPLES,
     RATE_ALPHA,
     SELF_REPORT_WEIGHT,
     SERVICE_OUTPUT_TOKENS,
@@ -54,12 +51,6 @@ class NodeRates:
     gateway_ms: RecentMedian = field(default_factory=RecentMedian)
     # the node's wait before its engine started a request it took with nothing in hand
     admission_ms: RecentMedian = field(default_factory=RecentMedian)
-    # what a prompt took beyond its tokens' cost, run alone / beside decode rows: the forward
-    # pass its chunk pays (``prefill_pass``)
-    alone_pass_ms: RecentMedian = field(default_factory=RecentMedian)
-    beside_pass_ms: RecentMedian = field(default_factory=RecentMedian)
-    # the node's account of a request's wait less the replay's, by load bucket (``busy_wait``)
-    busy_wait_ms: dict[int, RecentMedian] = field(default_factory=dict)
 
 
 _NO_RATES = NodeRates()  # what a node never measured has (read only, never updated)
@@ -73,16 +64,10 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def load_bucket(in_hand: int) -> int:
-    """1, 2-3, 4-7, 8-15, 16 or more requests in hand: buckets 1 to 5."""
-    return min(5, max(1, in_hand).bit_length())
-
-
 class RateBook:
     """Per-node measured rates, with the peers and priors they fall back on."""
 
-    def __init__(self, knobs: LatencyKnobs | None = None) -> None:
-        self.knobs = knobs or LatencyKnobs()
+    def __init__(self) -> None:
         self.rates: dict[str, NodeRates] = {}
         self._peer_group: dict[str, tuple[object, ...]] = {}  # node id -> its deployment
         self._groups: dict[tuple[object, ...], set[str]] = {}
@@ -210,15 +195,6 @@ class RateBook:
         return max(1.0, rates.output_tokens.value)
 
     # ---- costs beyond the engine's rates -----------------------------------------------------
-    def busy_wait_ms(self, node: NodeState, in_hand: int) -> float:
-        """What the node's requests waited beyond the replay's with ``in_hand`` requests
-        ahead, as learned (``busy_wait``; 0 until seen at that load, and on an idle node)."""
-        rates = self.rates.get(node.id)
-        if not self.knobs.enabled(self.knobs.busy_wait, node) or rates is None or in_hand <= 0:
-            return 0.0
-        seen = rates.busy_wait_ms.get(load_bucket(in_hand))
-        return seen.value if seen is not None and seen.n >= MIN_WAIT_SAMPLES else 0.0
-
     def overhead_ms(self, node_id: str, idle: bool) -> float:
         """What a request on the node takes beyond its engine and the RTT, as learned: the
         gateway's share and, when the node has nothing in hand (``idle``), the node's own
@@ -234,42 +210,18 @@ class RateBook:
         gateway = learned(lambda r: r.gateway_ms)
         return gateway + (learned(lambda r: r.admission_ms) if idle else 0.0)
 
-    def passes_apply(self, node: NodeState) -> bool:
-        """Whether prompt chunks on ``node`` pay learned passes (``prefill_pass``)."""
-        mixed = kind_priors(node.kind, node.device).mixed_steps
-        return mixed and self.knobs.enabled(self.knobs.prefill_pass, node)
-
     def prefill_cost(self, node: NodeState) -> tuple[float, float, float]:
         """(fixed ms, ms per uncached token, ms per cached token) of a prompt's own time to
-        first token beyond its passes: fitted on this node's requests once their lengths
-        spread, else the blended rate with the fixed cost through those requests' mean, and
-        0. Where passes apply, the fixed cost is the pass's (none of its own)."""
+        first token: fitted on this node's requests once their lengths spread, else the
+        blended rate with the fixed cost through those requests' mean, and 0."""
         rates = self.rates.get(node.id)
         per_token = 1000.0 / self.prefill_tokens_per_s(node)
         if rates is None:
             return 0.0, per_token, 0.0
-        passes = self.passes_apply(node)
         fit = rates.prefill_fit.solve()
         if fit is not None and fit[1] > 0:
-            return 0.0 if passes else max(0.0, fit[0]), fit[1], fit[2]
-        return 0.0 if passes else rates.prefill_fit.fixed_at(per_token), per_token, 0.0
-
-    def alone_pass_ms(self, node_id: str, one_row_ms: float) -> float:
-        """The pass a prompt chunk pays with no decode row beside it: the median of what the
-        node's prompts run alone took beyond their tokens, once seen a few times, else a
-        one-row decode step less one token's compute (``one_row_ms``)."""
-        rates = self.rates.get(node_id)
-        if rates is not None and rates.alone_pass_ms.n >= MIN_PASS_SAMPLES:
-            return rates.alone_pass_ms.value
-        return max(0.0, one_row_ms)
-
-    def beside_pass_ms(self, node_id: str) -> float:
-        """What a prompt chunk adds to a step of decode rows beyond its tokens, as learned
-        (0 until seen a few times: the rows' step has the pass)."""
-        rates = self.rates.get(node_id)
-        if rates is not None and rates.beside_pass_ms.n >= MIN_PASS_SAMPLES:
-            return rates.beside_pass_ms.value
-        return 0.0
+            return max(0.0, fit[0]), fit[1], fit[2]
+        return rates.prefill_fit.fixed_at(per_token), per_token, 0.0
 
     def shape(self, node: NodeState) -> EngineShape:
         """The node's engine as :func:`routing.backlog.replay` runs it."""
@@ -278,10 +230,6 @@ class RateBook:
         fixed, per_token, per_cached = self.prefill_cost(node)
         chunk = node.prefill_chunk or priors.prefill_chunk
         b1, slope = self.decode_ms_per_token_b1(node), self.batch_slope(node)
-        pass_ms = beside_ms = 0.0
-        if self.passes_apply(node):
-            pass_ms = self.alone_pass_ms(node.id, b1 - per_token)
-            beside_ms = self.beside_pass_ms(node.id)
         return EngineShape(
             slots=max(1, node.max_batch),
             chunk_tokens=chunk,
@@ -294,6 +242,4 @@ class RateBook:
             mixed_steps=priors.mixed_steps,
             catch_up=node.prefix_catch_up,
             decode_ms_per_context_token=self.context_cost(node),
-            step_fixed_ms=pass_ms,
-            chunk_beside_ms=beside_ms,
         )

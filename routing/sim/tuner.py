@@ -1,7 +1,7 @@
 """Search the routing policy's knobs on the simulator with Optuna (TPE, seeded).
 
 The search space is the ``latency`` policy's knobs (what it minimizes, how much it weighs the
-delay its prefill adds to others, its two switches, what it assumes of output lengths before
+delay its prefill adds to others, what it assumes of output lengths before
 it has measured them); with ``policies`` naming others,
 the policy itself is searched too, with ``threshold.prompt_tokens`` and
 ``edge_first_max_load`` when those are in. Trial 0 is always the base config, so the best is
@@ -62,11 +62,6 @@ def suggest(
             "interference_weight",
             trial.suggest_float("interference_weight", 0.0, 4.0),
         )
-        for switch in ("prefill_pass", "busy_wait"):
-            put(
-                f"latency.{switch}",
-                trial.suggest_categorical(f"latency.{switch}", ["off", "on", "accelerators"]),
-            )
         put(
             "expected_output.default_tokens",
             trial.suggest_float("expected_output.default_tokens", 8.0, 512.0, log=True),
@@ -151,8 +146,6 @@ def tune(
             {
                 "objective": b.objective,
                 "interference_weight": min(4.0, b.interference_weight),
-                "latency.prefill_pass": b.latency.prefill_pass,
-                "latency.busy_wait": b.latency.busy_wait,
                 "expected_output.default_tokens": b.expected_output.default_tokens,
                 "expected_output.alpha": b.expected_output.alpha,
             }
