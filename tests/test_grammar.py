@@ -22,11 +22,13 @@ from routing.grammar import (
     InvalidGrammar,
     allowed_bits,
     apply_bitmask,
+    canonical,
     check_spec,
     fill_masks,
     json_object_spec,
     json_schema_spec,
     spec_from_response_format,
+    tool_calls_spec,
 )
 from routing.prompt import PromptFormatter
 
@@ -341,10 +343,12 @@ def _mixed_requests(
     fmt: PromptFormatter, compiler: GrammarCompiler, grammar: str = "schema"
 ) -> list[GenerationRequest]:
     """Six prompts: even rows plain, odd rows under the small schema (``schema``), a
-    structural tag of free text that the random model's greedy tokens never leave
+    tool-call grammar whose free text the random model's greedy tokens never leave
     (``permissive``), or no grammar (``none``)."""
-    tag = StructuralTag("<tool_call>", canonical({"type": "object"}), "</tool_call>")
-    spec = structural_tag_spec([tag]) if grammar == "permissive" else json_schema_spec(SMALL)
+    permissive = tool_calls_spec(
+        [("f", canonical({"type": "object"}), False)], text=True, calls=True, parallel=True
+    )
+    spec = permissive if grammar == "permissive" else json_schema_spec(SMALL)
     g = None if grammar == "none" else Grammar(compiler.compile(spec))
     stops = fmt.stop_token_ids
     reqs = []
