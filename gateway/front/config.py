@@ -170,6 +170,12 @@ class GatewayConfig(BaseModel):
         "and /v1/route), minimal (tier and request id; /v1/route names the tier only), off "
         "(request id only; /v1/route for admins only)",
     )
+    usage_retention_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="how far back GET /admin/usage can see per-key token usage (kept in "
+        "minute buckets in memory)",
+    )
     insecure_no_auth: bool = Field(
         default=False, description="allow a non-loopback host with authentication off"
     )

@@ -50,6 +50,7 @@ from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_h
 from gateway.ratelimit import RateDecision, RateLimiter
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
+from gateway.usage import UsageLedger
 from routing.fleet.memory_store import OpenAINodeTracker
 from routing.fleet.store import FleetStore
 from routing.policies import Candidate, Decision
@@ -108,6 +109,7 @@ class DispatchDeps:
     slots: Slots
     max_attempts: int
     request_log: RequestLog | None = None
+    usage: UsageLedger | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,8 @@ class Plan:
 
     resume: bool = False  # ask nodes for token ids, so the stream can be resumed
     cache_salt: str = ""  # the caller's cache scope (gateway.cache_scope), sent to every node
+    key: str = "anonymous"  # the caller's key and team, whose usage this is (gateway.usage)
+    team: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -458,12 +462,21 @@ class Dispatch:
             await self.aclose_upstream()
 
     async def account(self, measured: Measured, node_id: str, hdrs: Mapping[str, str]) -> None:
-        """Settle the rate-limit charge with the real usage and record the request's metrics."""
+        """Settle the rate-limit charge with the real usage and record the request's metrics
+        and its tenant's usage."""
         assert self.plan is not None
         m = self.deps.metrics
         await self.deps.limiter.settle(
             self.plan.rate, measured.prompt_tokens + measured.completion_tokens
         )
+        if self.deps.usage is not None:
+            self.deps.usage.record(
+                self.plan.key,
+                self.plan.team,
+                measured.prompt_tokens,
+                measured.cached_tokens,
+                measured.completion_tokens,
+            )
         tier = hdrs.get("x-edgecloud-tier")
         m.observe_request(self.plan.route, 200, tier, node_id)
         m.observe_e2e(tier, node_id, measured.e2e_ms / 1000)

@@ -51,6 +51,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import resumable
 from gateway.ratelimit import InProcessRateLimiter, RateDecision, RateLimiter
 from gateway.request_log import RequestLog
+from gateway.usage import UsageLedger
 from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
 from routing.fleet.state import NodeState
@@ -107,6 +108,9 @@ class Gateway:
             config.model_aliases,
         )
         self.slots = Slots(config.max_in_flight, self.metrics.in_flight)
+        self.usage = UsageLedger(
+            config.usage_retention_s, on_record=self.metrics.observe_tenant_usage
+        )
         self.deps = DispatchDeps(
             client=self.client,
             router=self.router,
@@ -118,6 +122,7 @@ class Gateway:
             slots=self.slots,
             max_attempts=config.max_attempts,
             request_log=RequestLog(config.request_log) if config.request_log else None,
+            usage=self.usage,
         )
         self.warnings = config.redis_warnings()  # logged at start, shown in /health
         self.stream_stats = StreamStats()
@@ -325,6 +330,8 @@ class Gateway:
             # a stream is resumed from its token ids: one choice, no logprobs, no echo
             resume=req.stream and self.resume_streams and resumable(req),
             cache_salt=salt,
+            key=identity.key_id,
+            team=identity.team,
         )
         opened, cand = await d.open(plan)
         hdrs = d.headers_of(opened, cand)
