@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from gateway.auth_config import AuthConfig
 from gateway.cache_scope import CacheScope
+from gateway.fair_config import FairShareConfig
 from gateway.geo import GeoConfig
 from gateway.node_token import NODE_TOKEN_ENV, NODE_TOKEN_HEADER
 from gateway.secret_strength import check_node_token
@@ -117,6 +118,10 @@ class GatewayConfig(BaseModel):
     )
     geo: GeoConfig = Field(default_factory=GeoConfig, description="client IP -> region")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and limits")
+    fair_share: FairShareConfig = Field(
+        default_factory=FairShareConfig,
+        description="per-key concurrency and weighted fair admission when the fleet is full",
+    )
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024, gt=0, description="larger request bodies get 413"
     )

@@ -1,8 +1,10 @@
 """The front gateway's state, and one request's way through it, independent of the routes.
 
-Per request: a concurrency slot (:class:`gateway.front.dispatch.Dispatch`) -> the request path
-(:mod:`gateway.front.request_path`: region, profile, ONE fleet view, decision) -> the
-rate-limit charge -> the dispatch (send with failover, read or relay the reply, resume a
+Per request: a concurrency slot (:class:`gateway.front.dispatch.Dispatch`) -> the key's
+``max_tokens`` terms -> the request path (:mod:`gateway.front.request_path`: region, profile,
+ONE fleet view, decision) -> the rate-limit charge at the real bound -> with fair share on, a
+fleet slot (:mod:`gateway.fair_queue`; a request that waited is decided again on a fresh
+view) -> the dispatch (send with failover, read or relay the reply, resume a
 broken stream: :mod:`gateway.front.dispatch`, :mod:`gateway.front.relay`) -> learn from it.
 
 Invariants:
@@ -31,6 +33,8 @@ from gateway.cache_scope import CacheScopes
 from gateway.circuit import CircuitBreakers
 from gateway.client_ip import ClientIPResolver
 from gateway.errors import APIError
+from gateway.fair_counts import FairCounts, InProcessFairCounts
+from gateway.fair_queue import FairQueue
 from gateway.front import fastjson
 from gateway.front.config import GatewayConfig
 from gateway.front.disconnect import ClientGone, cancel_on_disconnect
@@ -47,6 +51,7 @@ from gateway.front.request_path import (
 )
 from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
+from gateway.key_terms import apply_max_tokens, charged_bound, fleet_slots, priority_of, tenant_of
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import resumable
 from gateway.ratelimit import InProcessRateLimiter, RateDecision, RateLimiter
@@ -124,6 +129,7 @@ class Gateway:
             request_log=RequestLog(config.request_log) if config.request_log else None,
             usage=self.usage,
         )
+        self.fair = self._make_fair()
         self.warnings = config.redis_warnings()  # logged at start, shown in /health
         self.stream_stats = StreamStats()
         self.resume_streams = True  # ask nodes for token ids so broken streams can resume
@@ -179,6 +185,20 @@ class Gateway:
             )
         return InProcessRateLimiter()
 
+    def _make_fair(self) -> FairQueue | None:
+        """The fair queue, when fair share is on (:class:`gateway.fair_config.FairShareConfig`)."""
+        fc = self.config.fair_share
+        if not (fc.enabled if fc.enabled is not None else self.config.auth.is_enabled):
+            return None
+        counts: FairCounts = InProcessFairCounts()
+        if self.redis is not None:
+            from gateway.fair_redis import RedisFairCounts
+
+            counts = RedisFairCounts(
+                self.redis, replicas=self.config.gateway_replicas, lease_s=fc.lease_s
+            )
+        return FairQueue(counts, fc)
+
     def _make_auth(self) -> Authenticator:
         store = None
         if self.config.redis_url and self.config.auth.redis_keys:
@@ -215,6 +235,8 @@ class Gateway:
         if self.deps.request_log is not None:
             self.deps.request_log.close()
         await self.limiter.close()
+        if self.fair is not None:
+            await self.fair.close()
         await self.store.close()
         await self.client.aclose()
         self.geo.close()
@@ -303,6 +325,8 @@ class Gateway:
         t_start = time.perf_counter()
         salt = self.scopes.salt(identity)
         try:
+            data = apply_max_tokens(data, identity)
+            priority = priority_of(request.headers) if self.fair is not None else 0
             prof, view = await self.path.profile(data, route, model, region, identity.key_id, salt)
             decision = self.path.decide(prof, view)
         except APIError:
@@ -310,8 +334,22 @@ class Gateway:
                 await self.limiter.settle(early, 0)
             raise
         self.metrics.observe_decision(decision.policy, decision.reason)
-        completion = int(prof.max_tokens or prof.expected_output_tokens) * prof.choices
-        rate = await self._charge(identity, prof.prompt_tokens + completion, early)
+        rate = await self._charge(identity, charged_bound(prof, decision.node), early)
+        queue_ms = 0.0
+        if self.fair is not None:
+            self.fair.observe_capacity(fleet_slots(view.nodes))
+            try:
+                d.admission = await self.fair.acquire(
+                    tenant_of(identity, self.config.auth.teams), priority
+                )
+            except APIError:
+                await self.limiter.refund(rate)
+                raise
+            queue_ms = d.admission.waited_ms
+            if queue_ms > 1000 * self.config.fair_share.poll_s:  # it waited: decide again
+                view = await self.store.view(prof.block_hashes)
+                decision = self.path.decide(prof, view)
+                t_start = time.perf_counter()
         if req.stream:
             body = {**data, "model": model, "stream_options": {"include_usage": True}}
         else:
@@ -335,6 +373,8 @@ class Gateway:
         )
         opened, cand = await d.open(plan)
         hdrs = d.headers_of(opened, cand)
+        if queue_ms:
+            hdrs["x-edgecloud-queue-ms"] = f"{queue_ms:.1f}"
         if opened.response.status_code != 200:
             return await d.passthrough(opened, hdrs)
         if not req.stream:
@@ -388,9 +428,20 @@ class Gateway:
         model = self.path.concrete_model(req.model)
         region = self.path.client_region(request)
         salt = self.scopes.salt(who)
+        data = apply_max_tokens(data, who)
         prof, view = await self.path.profile(data, route, model, region, who.key_id, salt)
-        out = self.path.decide(prof, view).to_dict()
+        decision = self.path.decide(prof, view)
+        out = decision.to_dict()
         out["client_region"] = region
+        if self.fair is not None:  # the wait in its key's queue is part of the prediction
+            self.fair.observe_capacity(fleet_slots(view.nodes))
+            wait, waiting = await self.fair.expected_wait_ms(
+                tenant_of(who, self.config.auth.teams), decision.estimate.e2e_ms
+            )
+            out["gateway_queue_ms"] = round(wait, 2)
+            out["gateway_queue_waiting"] = waiting
+            out["predicted_ttft_ms"] = round(out["predicted_ttft_ms"] + wait, 2)
+            out["predicted_e2e_ms"] = round(out["predicted_e2e_ms"] + wait, 2)
         return out
 
     async def models(self) -> list[str]:
@@ -420,4 +471,5 @@ class Gateway:
             "policy": self.policy_override or self.router.config.policy,
             "policy_reload_error": self.policy_source.last_error,
             "warnings": self.warnings,
+            "fair_share": self.fair.health() if self.fair is not None else None,
         }
