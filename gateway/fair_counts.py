@@ -80,7 +80,7 @@ class InProcessFairCounts(FairCounts):
     def decide(self, t: Tenant, capacity: int, registered: bool, peek: bool = False) -> Answer:
         """The synchronous core of :meth:`try_acquire`."""
         v = verdict(self.snap, t, capacity, registered=registered)
-        allowed = allowed_slots(self.snap, t, capacity)
+        allowed = allowed_slots(self.snap, t, capacity, registered=registered)
         mine = self.snap.keys.get(t.key)
         waiting = mine.waiting if mine else 0
         if peek:

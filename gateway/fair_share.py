@@ -166,9 +166,9 @@ def verdict(snap: Snapshot, t: Tenant, capacity: int, *, registered: bool = Fals
     return Verdict.ADMIT
 
 
-def allowed_slots(snap: Snapshot, t: Tenant, capacity: int) -> int:
+def allowed_slots(snap: Snapshot, t: Tenant, capacity: int, *, registered: bool = False) -> int:
     """How many slots ``t``'s key may hold at once now (its share, its limits): at least 1."""
-    share = key_shares(with_request(snap, t, False), capacity).get(t.key, 0.0)
+    share = key_shares(with_request(snap, t, registered), capacity).get(t.key, 0.0)
     n = max(1, math.ceil(share - _EPS))
     for lim in (t.max_concurrent, t.team_max_concurrent if t.team is not None else None):
         if lim is not None:
