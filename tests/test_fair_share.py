@@ -128,11 +128,11 @@ class _Checked(InProcessFairCounts):
         ans = super().decide(t, capacity, registered, peek)
         snap = self.snap
         assert snap.total_held <= self.slots
-        if ans.verdict is Verdict.ADMIT and not peek:
-            if any(c.waiting for k, c in snap.keys.items() if k != t.key):
-                share = key_shares(snap, capacity)[t.key]
-                assert snap.keys[t.key].held <= math.ceil(share - 1e-9)
-                self.checked += 1
+        others_wait = any(c.waiting for k, c in snap.keys.items() if k != t.key)
+        if ans.verdict is Verdict.ADMIT and not peek and others_wait:
+            share = key_shares(snap, capacity)[t.key]
+            assert snap.keys[t.key].held <= math.ceil(share - 1e-9)
+            self.checked += 1
         return ans
 
 
