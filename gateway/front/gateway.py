@@ -41,6 +41,7 @@ from gateway.front.disconnect import ClientGone, cancel_on_disconnect
 from gateway.front.dispatch import Dispatch, DispatchDeps, Outcome, Plan, RouteName, Slots
 from gateway.front.headers import hide_decision
 from gateway.front.node_client import make_client
+from gateway.front.plain_token_guard import PlainTokenGuard
 from gateway.front.relay import RelayResponse, StreamRelay, StreamStats
 from gateway.front.request_path import (
     OpenAIRequest,
@@ -78,8 +79,15 @@ SSE_REPLY_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Gateway:
     def __init__(self, config: GatewayConfig, store: FleetStore | None = None) -> None:
         self.config = config
+        headers = config.node_headers()
+        guard = PlainTokenGuard(bool(headers), config.insecure_plain_nodes)
+        guard.check_known([*config.nodes, *(c.url for c in config.openai_nodes)])
         self.client = make_client(
-            config.connect_timeout_s, config.read_timeout_s, headers=config.node_headers()
+            config.connect_timeout_s,
+            config.read_timeout_s,
+            headers=headers,
+            tls=config.node_tls_folder(),
+            guard=guard,
         )
         self.redis = config.redis_client()  # one pool: the fleet store, limiter and key store
         self.trackers = {c.id: OpenAINodeTracker(c) for c in config.openai_nodes}
@@ -470,6 +478,6 @@ class Gateway:
             },
             "policy": self.policy_override or self.router.config.policy,
             "policy_reload_error": self.policy_source.last_error,
-            "warnings": self.warnings,
+            "warnings": [*self.warnings, *self.client.guard.warnings()],
             "fair_share": self.fair.health() if self.fair is not None else None,
         }
