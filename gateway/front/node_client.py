@@ -124,10 +124,10 @@ class NodeClient:
         self.guard.check(url)
         try:
             return await self.http.get(url, **kwargs)
-        except httpx.RemoteProtocolError as exc:
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
             if not url.startswith("https:"):
                 raise
-            raise httpx.RemoteProtocolError(f"{exc} {TLS_CLOSE_HINT}") from exc
+            raise type(exc)(f"the node closed the TLS connection: {exc} {TLS_CLOSE_HINT}") from exc
 
     @property
     def is_closed(self) -> bool:
