@@ -18,6 +18,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
+from gateway.commands.node_args import node_tls_from_env
 from gateway.front.config import GatewayConfig
 from gateway.front.http1 import H1Pool
 from gateway.front.node_client import make_client
@@ -82,15 +83,15 @@ def _echo_app() -> FastAPI:
 class ServedTLS:
     """``app`` under :class:`DrainingServer` with ``tls`` on a free loopback port (a thread)."""
 
-    def __init__(self, app: Any, tls: TLSFolder) -> None:
-        self.port = free_port()
+    def __init__(self, app: Any, tls: TLSFolder, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         self.server = DrainingServer(
             app, host="127.0.0.1", port=self.port, limits=ServerLimits(), tls=tls
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not self.server.started:
             assert self.thread.is_alive() and time.monotonic() < deadline, "no start"
             time.sleep(0.02)
@@ -113,11 +114,22 @@ def echo_nodes(pki: dict[str, Path]) -> Iterator[dict[str, ServedTLS]]:
 
 
 # ---- the TLS folder ----------------------------------------------------------------------------
-def test_a_tls_folder_is_checked_when_loaded(pki: dict[str, Path], tmp_path: Path) -> None:
+def test_a_tls_folder_is_checked_when_loaded(
+    pki: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     node = load_tls_folder(pki["node_mtls"], server=True)
     assert node.mutual and node.server_options()["ssl_cert_reqs"] == 2  # ssl.CERT_REQUIRED
     assert not load_tls_folder(pki["node"], server=True).mutual
     assert load_tls_folder(pki["gateway_ca"], server=False).cert is None
+    monkeypatch.setenv("EDGECLOUD_NODE_TLS", str(pki["gateway_ca"]))  # what edge/cloud serve read
+    with pytest.raises(SystemExit) as stop:
+        node_tls_from_env("edgecloud edge serve")
+    assert stop.value.code == 2 and "a node needs cert.pem" in capsys.readouterr().err
+    monkeypatch.setenv("EDGECLOUD_NODE_TLS", str(pki["node"]))
+    assert node_tls_from_env("edgecloud edge serve") == load_tls_folder(pki["node"], server=True)
     with pytest.raises(TLSFolderError, match=r"a node needs cert\.pem"):
         load_tls_folder(pki["gateway_ca"], server=True)
     lone = tmp_path / "lone"
@@ -284,16 +296,7 @@ def https_node(
         tls=True,
     )
     assert service.config.public_url == f"https://127.0.0.1:{port}"
-    app = create_node_app(service, None, node_token=TOKEN)
-    served = ServedTLS.__new__(ServedTLS)
-    served.port, served.url = port, service.config.public_url
-    served.server = DrainingServer(app, host="127.0.0.1", port=port, limits=ServerLimits(), tls=tls)
-    served.thread = threading.Thread(target=served.server.run, daemon=True)
-    served.thread.start()
-    deadline = time.monotonic() + 120
-    while not served.server.started:
-        assert served.thread.is_alive() and time.monotonic() < deadline, "the node never started"
-        time.sleep(0.05)
+    served = ServedTLS(create_node_app(service, None, node_token=TOKEN), tls, port)
     yield served
     served.stop()
 
