@@ -64,13 +64,19 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class KeyIdentity:
     """Who is calling: ``key_id`` names the rate-limit bucket (the key's name); ``team``
-    the group of keys it belongs to (None: its own)."""
+    the group of keys it belongs to (None: its own); ``weight`` and ``max_concurrent`` its
+    fair-share terms (:mod:`gateway.fair_share`); ``max_tokens_default`` the ``max_tokens``
+    its requests get when they name none, ``max_tokens_limit`` the most they may ask for."""
 
     name: str
     limits: Limits = field(default_factory=Limits)
     source: str = "config"  # config | redis | anonymous | admin
     admin: bool = False
     team: str | None = None
+    weight: float = 1.0
+    max_concurrent: int | None = None
+    max_tokens_default: int | None = None
+    max_tokens_limit: int | None = None
 
     @property
     def key_id(self) -> str:
@@ -159,6 +165,10 @@ class Authenticator:
                         k.tpm if k.tpm is not None else config.default_tpm,
                     ),
                     team=k.team,
+                    weight=k.weight,
+                    max_concurrent=k.max_concurrent,
+                    max_tokens_default=k.max_tokens_default,
+                    max_tokens_limit=k.max_tokens_limit,
                 ),
             )
             for k in config.keys
@@ -216,6 +226,10 @@ class Authenticator:
                 ),
                 source="redis",
                 team=rec.team,
+                weight=rec.weight,
+                max_concurrent=rec.max_concurrent,
+                max_tokens_default=rec.max_tokens_default,
+                max_tokens_limit=rec.max_tokens_limit,
             )
         self._cache_put(digest, ident)
         return ident

@@ -19,6 +19,7 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from gateway.api_keys import hash_key, valid_hash
+from gateway.fair_config import TeamEntry
 from gateway.secret_strength import WEAK_KEYS, check_secret
 
 SALT_ENV = "EDGECLOUD_AUTH_SALT"
@@ -30,7 +31,9 @@ def _env_salt() -> SecretStr:
 
 class ApiKeyEntry(BaseModel):
     """One user key in the config: ``{name, key_hash, rpm, tpm, team}`` (limits: None =
-    default; ``team``: keys sharing a cache scope under ``cache_scope: team``)."""
+    default; ``team``: keys sharing a cache scope under ``cache_scope: team``, and the
+    team's fair-share terms in ``auth.teams``), its fair-share ``weight`` and
+    ``max_concurrent``, and the ``max_tokens`` it gets when it names none and may ask for."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -39,6 +42,14 @@ class ApiKeyEntry(BaseModel):
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
     team: str | None = Field(default=None, min_length=1)
+    weight: float = Field(default=1.0, gt=0, le=1_000_000, description="fair-share weight")
+    max_concurrent: int | None = Field(default=None, ge=1, description="slots held at once")
+    max_tokens_default: int | None = Field(
+        default=None, ge=1, description="max_tokens set on requests that name none"
+    )
+    max_tokens_limit: int | None = Field(
+        default=None, ge=1, description="a request asking for more max_tokens gets 400"
+    )
 
     @field_validator("key_hash")
     @classmethod
@@ -83,6 +94,9 @@ class AuthConfig(BaseModel):
     )
     keys: list[ApiKeyEntry] = Field(default_factory=list)
     admin_keys: list[AdminKeyEntry] = Field(default_factory=list)
+    teams: dict[str, TeamEntry] = Field(
+        default_factory=dict, description="fair-share weight and slot limit per team"
+    )
     redis_keys: bool = Field(default=False, description="also accept keys from the Redis store")
     default_rpm: int | None = Field(default=None, ge=1, description="for keys naming none")
     default_tpm: int | None = Field(default=None, ge=1)

@@ -21,6 +21,8 @@ this module adds:
   Starlette's ``ClientDisconnect``; that is not a server error, so it is logged at debug, not
   as a traceback (:class:`ServedApp`, and :class:`DisconnectNoiseFilter` on the app's error
   logger).
+* **HTTPS when given a TLS folder** (:mod:`gateway.tls_folder`): uvicorn's TLS with the
+  folder's certificate and key, client certificates required when it has a CA bundle.
 * **A drain that the caller finishes.** On SIGTERM or SIGINT the server stops accepting, lets
   in-flight requests finish for up to ``drain_timeout_s``, cancels the rest (a stream cut so
   ends with its API's error event naming the reason, and its end: :mod:`gateway.drain_word`,
@@ -49,6 +51,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.drain_word import drain_message, drain_words
 from gateway.server_limits import ServerLimits, raise_open_file_limit
+from gateway.tls_folder import TLSFolder
 
 log = logging.getLogger(__name__)
 
@@ -359,6 +362,7 @@ class DrainingServer(uvicorn.Server):
         proxy_headers: bool = True,
         log_level: str = "warning",
         on_stop_request: Callable[[str], None] | None = None,
+        tls: TLSFolder | None = None,
     ) -> None:
         raise_open_file_limit()
         quiet_client_disconnects()
@@ -380,6 +384,7 @@ class DrainingServer(uvicorn.Server):
             timeout_graceful_shutdown=limits.drain_timeout_s,  # type: ignore[arg-type]
             backlog=limits.backlog,
             server_header=False,  # replies do not name the server software
+            **(tls.server_options() if tls is not None else {}),
         )
         super().__init__(config)
 
@@ -442,9 +447,17 @@ def serve(
     limits: ServerLimits,
     proxy_headers: bool = True,
     log_level: str = "warning",
+    tls: TLSFolder | None = None,
 ) -> ServeResult:
-    """Serve ``app`` until SIGTERM/SIGINT, drain, return how it stopped."""
+    """Serve ``app`` until SIGTERM/SIGINT, drain, return how it stopped (over HTTPS with
+    ``tls``)."""
     server = DrainingServer(
-        app, host=host, port=port, limits=limits, proxy_headers=proxy_headers, log_level=log_level
+        app,
+        host=host,
+        port=port,
+        limits=limits,
+        proxy_headers=proxy_headers,
+        log_level=log_level,
+        tls=tls,
     )
     return server.serve_until_stopped()

@@ -23,6 +23,7 @@ from fastapi import Request, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from gateway.usage import Usage
 from routing.latency import PredictionErrors
 
 NAMESPACE = "edgecloud"
@@ -159,6 +160,21 @@ class GatewayMetrics:
             namespace=NAMESPACE,
             registry=r,
         )
+        self.tenant_tokens = Counter(
+            "tenant_tokens",
+            "Tokens used per API key and team (team '' for none), by kind: prompt, cached (the "
+            "part of prompt served from a prefix cache), output.",
+            ["key", "team", "kind"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "tenant_requests",
+            "Requests answered with a usage, per API key and team.",
+            ["key", "team"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self.prediction_error = Gauge(
             "prediction_error_ratio",
             "Running mean of |measured - predicted| / measured (EWMA), by metric (ttft, e2e) "
@@ -215,6 +231,16 @@ class GatewayMetrics:
         for (metric, tier), st in errors.stats.items():
             self.prediction_error.labels(metric, tier).set(st.mean_abs_rel)
             self.prediction_bias.labels(metric, tier).set(st.bias_ms / 1000.0)
+
+    def observe_tenant_usage(self, key: str, team: str, usage: Usage) -> None:
+        """One request's tokens, for chargeback (:mod:`gateway.usage`)."""
+        self.tenant_requests.labels(key, team).inc()
+        for kind, n in (
+            ("prompt", usage.prompt_tokens),
+            ("cached", usage.cached_tokens),
+            ("output", usage.completion_tokens),
+        ):
+            self.tenant_tokens.labels(key, team, kind).inc(n)
 
     def observe_rate_limited(self, limit: str) -> None:
         self.rate_limited.labels(_v(limit)).inc()

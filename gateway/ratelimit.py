@@ -611,6 +611,10 @@ class KeyRecord:
     rpm: int | None = None
     tpm: int | None = None
     team: str | None = None  # keys of one team may share a cache scope (``cache_scope: team``)
+    weight: float = 1.0  # fair share (``gateway.fair_share``)
+    max_concurrent: int | None = None
+    max_tokens_default: int | None = None
+    max_tokens_limit: int | None = None
 
 
 class KeyStoreUnavailable(ConnectionError):
@@ -622,7 +626,8 @@ def _opt_int(raw: str | None) -> int | None:
 
 
 class RedisKeyStore:
-    """API keys by hash: ``edgecloud:v1:apikey:{key_hash}`` -> hash {name, rpm, tpm, team}.
+    """API keys by hash: ``edgecloud:v1:apikey:{key_hash}`` -> hash {name, rpm, tpm, team,
+    weight, max_concurrent, max_tokens_default, max_tokens_limit} (empty: unset).
 
     Every method is one round trip and raises :class:`KeyStoreUnavailable` when Redis is down.
     """
@@ -653,6 +658,10 @@ class RedisKeyStore:
             rpm=_opt_int(raw.get("rpm")),
             tpm=_opt_int(raw.get("tpm")),
             team=raw.get("team") or None,
+            weight=float(raw.get("weight") or 1.0),
+            max_concurrent=_opt_int(raw.get("max_concurrent")),
+            max_tokens_default=_opt_int(raw.get("max_tokens_default")),
+            max_tokens_limit=_opt_int(raw.get("max_tokens_limit")),
         )
 
     async def put(self, key_hash: str, record: KeyRecord) -> None:
@@ -661,6 +670,10 @@ class RedisKeyStore:
             "rpm": record.rpm or "",
             "tpm": record.tpm or "",
             "team": record.team or "",
+            "weight": repr(float(record.weight)),
+            "max_concurrent": record.max_concurrent or "",
+            "max_tokens_default": record.max_tokens_default or "",
+            "max_tokens_limit": record.max_tokens_limit or "",
         }
         try:  # every field at once: one command on one key, so atomic on a cluster too
             await self.redis.hset(self.key(key_hash), mapping=mapping)

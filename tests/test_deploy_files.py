@@ -107,6 +107,7 @@ def test_systemd_unit_verifies_and_is_hardened(tmp_path: Path) -> None:
 
 def test_install_script_writes_a_private_env_file_and_the_unit(tmp_path: Path) -> None:
     env = {**os.environ, "DESTDIR": str(tmp_path), "EDGECLOUD_NODE_TOKEN": "t" * 32}
+    env["EDGECLOUD_NODE_TLS"] = "/etc/edgecloud/node-tls"
     args = ["bash", "deploy/systemd/install.sh", "--files-only", "--region", "eu-west"]
     args += ["--redis-url", "redis://r:6379/0", "--public-url", "http://e1:8001"]
     r = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
@@ -116,6 +117,7 @@ def test_install_script_writes_a_private_env_file_and_the_unit(tmp_path: Path) -
     values = dict(line.split("=", 1) for line in env_file.read_text().splitlines())
     assert values["EDGECLOUD_REGION"] == "eu-west" and values["EDGECLOUD_NODE_TOKEN"] == "t" * 32
     assert values["EDGECLOUD_REDIS_URL"] == "redis://r:6379/0"
+    assert values["EDGECLOUD_NODE_TLS"] == "/etc/edgecloud/node-tls"
     unit = tmp_path / "etc" / "systemd" / "system" / "edgecloud-edge.service"
     assert unit.read_text() == (DEPLOY / "systemd" / "edgecloud-edge.service").read_text()
     missing = subprocess.run(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -771,7 +772,7 @@ async def test_a_reply_read_to_its_end_releases_its_connection(pool: H1Pool) -> 
         resp = await post(pool, raw.url(), b"x")
         assert await resp.aread() == b"x"
         await resp.aclose()
-        assert len(pool._open) == 1 and len(pool._idle[("127.0.0.1", raw.port)]) == 1
+        assert len(pool._open) == 1 and len(pool._idle[("127.0.0.1", raw.port, False)]) == 1
 
 
 async def test_a_reply_closed_or_dropped_unread_frees_its_connection() -> None:
@@ -821,14 +822,18 @@ async def test_idle_connections_expire() -> None:
         await p.aclose()
 
 
-def test_target_handles_plain_http_only() -> None:
+def test_target_handles_plain_http_and_https_with_a_context() -> None:
     p = H1Pool()
     t = p.target("http://node.local:8001/v1/completions?x=1")
-    assert t is not None and t.key == ("node.local", 8001)
+    assert t is not None and t.key == ("node.local", 8001, False)
     assert t.head == b"POST /v1/completions?x=1 HTTP/1.1\r\nhost: node.local:8001\r\n"
     t = p.target("http://[::1]/")
-    assert t is not None and t.key == ("::1", 80)
+    assert t is not None and t.key == ("::1", 80, False)
     assert t.head.endswith(b"host: [::1]\r\n")
-    assert p.target("https://node.local/x") is None
+    assert p.target("https://node.local/x") is None  # no SSL context: not handled here
+    tls = H1Pool(ssl_context=ssl.create_default_context())
+    t = tls.target("https://node.local/x")
+    assert t is not None and t.key == ("node.local", 443, True)
+    assert t.head.endswith(b"host: node.local\r\n")
     assert p.target("http://user:pw@node.local/x") is None
     assert p.target("http:///nohost") is None

@@ -2,11 +2,12 @@
 # Install an edgecloud edge node as a systemd service on this box (run as root):
 #   EDGECLOUD_NODE_TOKEN=... EDGECLOUD_REDIS_PASSWORD=... deploy/systemd/install.sh \
 #     --region eu-west --redis-url rediss://redis.internal:6380/0 \
-#     --public-url http://edge-1.internal:8001 [--port 8001] [--model NAME] [--openvino] \
+#     --public-url https://edge-1.internal:8001 [--port 8001] [--model NAME] [--openvino] \
 #     [--from SPEC]   (SPEC: what pip installs, default: this checkout)
 # It creates the system user `edgecloud`, a venv in /opt/edgecloud with the edge extra (or
 # edge-openvino) and CPU torch for the one ONNX export, /etc/edgecloud/edge.env (0640,
-# root:edgecloud: it holds the secrets, taken from the environment, never from flags), the unit
+# root:edgecloud: it holds the secrets, taken from the environment, never from flags; and
+# $EDGECLOUD_NODE_TLS, the node's TLS folder, when set: docs/deploy.md), the unit
 # edgecloud-edge.service, and starts it. Run again to upgrade: it reinstalls and restarts.
 # DESTDIR=DIR --files-only writes only the files, under DIR (for packaging and tests).
 set -euo pipefail
@@ -63,6 +64,7 @@ EDGECLOUD_PUBLIC_URL=$public_url
 EDGECLOUD_REDIS_URL=$redis_url
 EDGECLOUD_NODE_TOKEN=$EDGECLOUD_NODE_TOKEN
 EDGECLOUD_REDIS_PASSWORD=${EDGECLOUD_REDIS_PASSWORD:-}
+EDGECLOUD_NODE_TLS=${EDGECLOUD_NODE_TLS:-}
 ENV
 chmod 0640 "$env_file"
 install -m 0644 "$here/edgecloud-edge.service" "$root/etc/systemd/system/edgecloud-edge.service"

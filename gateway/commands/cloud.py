@@ -46,6 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from gateway.commands.node_args import (
         check_redis_args,
         drain_limits,
+        node_tls_from_env,
         node_token_from_args,
     )
     from gateway.node.server import serve_node
@@ -53,6 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     node_token = node_token_from_args(args, "edgecloud cloud serve")
     check_redis_args(args, "edgecloud cloud serve")
+    tls = node_tls_from_env("edgecloud cloud serve")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads or torch.get_num_threads()))
@@ -91,5 +93,6 @@ def run_serve(args: argparse.Namespace) -> int:
         limits=drain_limits(args),
         node_token=node_token,
         watts=args.watts,
+        tls=tls,
     )
     return 0

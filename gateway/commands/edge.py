@@ -92,6 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.commands.node_args import (
         check_redis_args,
         drain_limits,
+        node_tls_from_env,
         node_token_from_args,
     )
     from gateway.node.server import serve_node
@@ -99,6 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     node_token = node_token_from_args(args, "edgecloud edge serve")
     check_redis_args(args, "edgecloud edge serve")
+    tls = node_tls_from_env("edgecloud edge serve")
     info = resolve(args.model)
     cfg = EdgeEngineConfig(**{f.key: getattr(args, f.key) for f in EDGE_FLAGS})
     engine = EdgeEngine.from_model(info.path, args.variant, config=cfg)
@@ -114,5 +116,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=drain_limits(args),
         node_token=node_token,
         watts=args.watts,
+        tls=tls,
     )
     return 0

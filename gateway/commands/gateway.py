@@ -222,7 +222,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # The nodes listen on loopback, but other local users could reach them: a token per run,
     # given to the children in their environment (not on their command line).
     node_token = os.environ.get("EDGECLOUD_NODE_TOKEN") or secrets.token_urlsafe(32)
-    node_env = {**os.environ, "EDGECLOUD_NODE_TOKEN": node_token}
+    # ... and plain HTTP: the nodes are reached on loopback only, so a TLS folder set for
+    # standalone nodes ($EDGECLOUD_NODE_TLS) is not handed on (it would add nothing here).
+    node_env = {k: v for k, v in os.environ.items() if k != "EDGECLOUD_NODE_TLS"}
+    node_env["EDGECLOUD_NODE_TOKEN"] = node_token
     try:
         info = resolve(args.model)
     except ModelNotFound:

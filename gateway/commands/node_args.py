@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.commands.argtypes import (
     cloud_stall_ratio,
@@ -22,6 +22,9 @@ from gateway.commands.argtypes import (
     watts,
 )
 from gateway.server_limits import ServerLimits
+
+if TYPE_CHECKING:
+    from gateway.tls_folder import TLSFolder
 
 NODE_TOKEN_ENV = "EDGECLOUD_NODE_TOKEN"  # = gateway.node_token.NODE_TOKEN_ENV (not imported: light)
 
@@ -214,7 +217,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, default_port: int) -> No
     parser.add_argument(
         "--public-url",
         default=None,
-        help="URL gateways reach it at; set it behind NAT or a proxy (default: http://host:port)",
+        help="URL gateways reach it at; set it behind NAT or a proxy (default: http://host:port, "
+        "https:// with $EDGECLOUD_NODE_TLS)",
     )
     parser.add_argument(
         "--redis",
@@ -287,6 +291,25 @@ def node_token_from_args(args: argparse.Namespace, prog: str) -> str | None:
         )
         raise SystemExit(2)
     return None
+
+
+def node_tls_from_env(prog: str) -> TLSFolder | None:
+    """The node's TLS folder from ``$EDGECLOUD_NODE_TLS`` (None: unset, plain HTTP), checked;
+    exits with status 2 (and a message naming the file) when it cannot be served with.
+
+    An environment variable, not a flag: ``edge serve`` and ``cloud serve`` are at their flag
+    budget, and the folder is set once per machine (systemd's environment file, a container's
+    env), like the node token beside it."""
+    from gateway.tls_folder import NODE_TLS_ENV, TLSFolderError, load_tls_folder
+
+    folder = os.environ.get(NODE_TLS_ENV)
+    if not folder:
+        return None
+    try:
+        return load_tls_folder(folder, server=True)
+    except TLSFolderError as exc:
+        print(f"{prog}: error: ${NODE_TLS_ENV}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def check_redis_args(args: argparse.Namespace, prog: str) -> None:

@@ -8,6 +8,7 @@ probes (``/livez``, ``/startupz``, ``/readyz``: ``gateway.front.probes``) and th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -316,6 +317,20 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
             "latency_model": model.snapshot({n.id: n for n in view.nodes}),
             "prediction_errors": model.errors.snapshot(),
         }
+
+    @app.get("/admin/usage", tags=["Admin"], responses=ADMIN_ERRORS)
+    async def admin_usage(
+        since: float | None = None,
+        until: float | None = None,
+        _: KeyIdentity = Depends(gw.auth.require_admin),
+    ) -> dict[str, Any]:
+        """Tokens used per API key and team (prompt, cached, output) in ``[since, until)``
+        (unix seconds; default: the last hour), in minute buckets (``gateway.usage``)."""
+        end = time.time() if until is None else until
+        start = end - 3600 if since is None else since
+        if not start < end:
+            raise APIError(400, "since must be before until", param="since")
+        return gw.usage.window(start, end)
 
     @app.get(
         "/admin/policy", tags=["Admin"], responses={200: {"model": PolicyView}, **ADMIN_ERRORS}

@@ -23,6 +23,11 @@ Safe defaults (each refused or narrowed unless the operator says otherwise):
   token, node records in Redis must be signed with it (:mod:`routing.fleet.signing`), and
   ``allowed_node_urls`` may narrow the URLs routed to; a Redis URL off loopback without a
   password or TLS, or without a node token, is warned of (:meth:`GatewayConfig.redis_warnings`).
+- Nodes off loopback are reached over ``https://`` (their registered or configured URL says
+  so): ``node_tls`` names a folder whose ``ca.pem`` verifies them and whose ``cert.pem`` and
+  ``key.pem``, when present, are presented to nodes that require a client certificate
+  (:mod:`gateway.tls_folder`; checked at load). The node token is never sent over plain HTTP
+  beyond loopback unless ``insecure_plain_nodes`` (:mod:`gateway.front.plain_token_guard`).
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from gateway.auth_config import AuthConfig
 from gateway.cache_scope import CacheScope
+from gateway.fair_config import FairShareConfig
 from gateway.geo import GeoConfig
 from gateway.node_token import NODE_TOKEN_ENV, NODE_TOKEN_HEADER
 from gateway.secret_strength import check_node_token
+from gateway.tls_folder import TLSFolder, load_tls_folder
 from routing.fleet.memory_store import OpenAINodeConfig
 from routing.redis_connect import PASSWORD_ENV, RedisClient, parse_redis_url
 from routing.redis_link import pool_size_for, redis_client
@@ -117,6 +124,10 @@ class GatewayConfig(BaseModel):
     )
     geo: GeoConfig = Field(default_factory=GeoConfig, description="client IP -> region")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and limits")
+    fair_share: FairShareConfig = Field(
+        default_factory=FairShareConfig,
+        description="per-key concurrency and weighted fair admission when the fleet is full",
+    )
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024, gt=0, description="larger request bodies get 413"
     )
@@ -170,8 +181,25 @@ class GatewayConfig(BaseModel):
         "and /v1/route), minimal (tier and request id; /v1/route names the tier only), off "
         "(request id only; /v1/route for admins only)",
     )
+    usage_retention_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="how far back GET /admin/usage can see per-key token usage (kept in "
+        "minute buckets in memory)",
+    )
     insecure_no_auth: bool = Field(
         default=False, description="allow a non-loopback host with authentication off"
+    )
+    node_tls: Path | None = Field(
+        default=None,
+        description="a folder for TLS to https:// nodes: ca.pem (the CA their certificates are "
+        "checked against; none: the system's), cert.pem and key.pem (presented to nodes that "
+        "require a client certificate)",
+    )
+    insecure_plain_nodes: bool = Field(
+        default=False,
+        description="send the node token over plain http:// to nodes off loopback (a network "
+        "trusted end to end); otherwise such nodes are refused as unreachable",
     )
 
     @field_validator("node_token")
@@ -180,6 +208,17 @@ class GatewayConfig(BaseModel):
         if v is not None:
             check_node_token(v.get_secret_value())
         return v
+
+    @field_validator("node_tls")
+    @classmethod
+    def _tls_folder(cls, v: Path | None) -> Path | None:
+        if v is not None:
+            load_tls_folder(v, server=False)  # TLSFolderError is a ValueError
+        return v
+
+    def node_tls_folder(self) -> TLSFolder | None:
+        """The ``node_tls`` folder's files (None: not set)."""
+        return load_tls_folder(self.node_tls, server=False) if self.node_tls else None
 
     @model_validator(mode="after")
     def _redis_target(self) -> GatewayConfig:

@@ -2,14 +2,16 @@
 owner that ends it exactly once.
 
 A :class:`Dispatch` holds everything one request takes from the gateway and the fleet while
-it runs: its concurrency slot (:class:`Slots`); per node it was sent to, one :class:`Leg` (a
+it runs: its concurrency slot (:class:`Slots`); its fleet slot under fair share
+(:class:`gateway.fair_queue.Admission`, when it holds one); per node it was sent to, one :class:`Leg` (a
 router ticket, the node's circuit-breaker accounting and, for an ``openai`` node, its
 tracker's in-flight count); and the upstream response being read or relayed.
 
 Invariants:
 - ``close(outcome)`` runs exactly once, however the request ends (answered, passed through,
   refused, failed, client gone, an unexpected exception anywhere in the gateway); it ends
-  every leg still open and gives the slot back. Later calls do nothing.
+  every leg still open and gives the slot back, and the fair-share admission with it. Later
+  calls do nothing.
 - A leg ends exactly once (:meth:`Dispatch.fail`, :meth:`Dispatch.end`, or ``close``): a node
   that failed before its first byte and was then replaced is finished once, never again when
   the replacement answers. Only an ended-with-a-measurement leg teaches the router.
@@ -36,6 +38,7 @@ from fastapi.responses import Response
 
 from gateway.circuit import CircuitBreakers
 from gateway.errors import APIError, too_many_requests
+from gateway.fair_queue import Admission
 from gateway.front import fastjson
 from gateway.front.headers import decision_headers, set_whole_reply_timings
 from gateway.front.node_client import NodeClient
@@ -50,6 +53,7 @@ from gateway.proxy import Exhausted, Opened, Upstream, open_first, passthrough_h
 from gateway.ratelimit import RateDecision, RateLimiter
 from gateway.request_log import RequestLog
 from gateway.token_ids import TOKEN_IDS_HEADER
+from gateway.usage import UsageLedger
 from routing.fleet.memory_store import OpenAINodeTracker
 from routing.fleet.store import FleetStore
 from routing.policies import Candidate, Decision
@@ -108,6 +112,7 @@ class DispatchDeps:
     slots: Slots
     max_attempts: int
     request_log: RequestLog | None = None
+    usage: UsageLedger | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +136,8 @@ class Plan:
 
     resume: bool = False  # ask nodes for token ids, so the stream can be resumed
     cache_salt: str = ""  # the caller's cache scope (gateway.cache_scope), sent to every node
+    key: str = "anonymous"  # the caller's key and team, whose usage this is (gateway.usage)
+    team: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -175,7 +182,16 @@ def measured_of(
 class Dispatch:
     """See the module's docstring. Made by :meth:`acquire` (which takes the slot)."""
 
-    __slots__ = ("_legs", "deps", "first_byte_ms", "outcome", "plan", "tried", "upstream")
+    __slots__ = (
+        "_legs",
+        "admission",
+        "deps",
+        "first_byte_ms",
+        "outcome",
+        "plan",
+        "tried",
+        "upstream",
+    )
 
     def __init__(self, deps: DispatchDeps) -> None:
         self.deps = deps
@@ -185,6 +201,7 @@ class Dispatch:
         self.outcome: Outcome | None = None  # set once, by close
         self.upstream: Upstream | None = None  # the response being read or relayed
         self.first_byte_ms = 0.0  # when the answering node's headers came (set by headers_of)
+        self.admission: Admission | None = None  # its fleet slot under fair share
 
     @classmethod
     def acquire(cls, deps: DispatchDeps) -> Dispatch:
@@ -272,6 +289,8 @@ class Dispatch:
         finally:
             self.upstream = None
             self.deps.slots.release()
+            if self.admission is not None:
+                self.admission.release()
 
     async def aclose(self, outcome: Outcome) -> None:
         """Close the upstream response (which cancels the request on its node), then
@@ -454,12 +473,21 @@ class Dispatch:
             await self.aclose_upstream()
 
     async def account(self, measured: Measured, node_id: str, hdrs: Mapping[str, str]) -> None:
-        """Settle the rate-limit charge with the real usage and record the request's metrics."""
+        """Settle the rate-limit charge with the real usage and record the request's metrics
+        and its tenant's usage."""
         assert self.plan is not None
         m = self.deps.metrics
         await self.deps.limiter.settle(
             self.plan.rate, measured.prompt_tokens + measured.completion_tokens
         )
+        if self.deps.usage is not None:
+            self.deps.usage.record(
+                self.plan.key,
+                self.plan.team,
+                measured.prompt_tokens,
+                measured.cached_tokens,
+                measured.completion_tokens,
+            )
         tier = hdrs.get("x-edgecloud-tier")
         m.observe_request(self.plan.route, 200, tier, node_id)
         m.observe_e2e(tier, node_id, measured.e2e_ms / 1000)

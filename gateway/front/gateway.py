@@ -1,8 +1,10 @@
 """The front gateway's state, and one request's way through it, independent of the routes.
 
-Per request: a concurrency slot (:class:`gateway.front.dispatch.Dispatch`) -> the request path
-(:mod:`gateway.front.request_path`: region, profile, ONE fleet view, decision) -> the
-rate-limit charge -> the dispatch (send with failover, read or relay the reply, resume a
+Per request: a concurrency slot (:class:`gateway.front.dispatch.Dispatch`) -> the key's
+``max_tokens`` terms -> the request path (:mod:`gateway.front.request_path`: region, profile,
+ONE fleet view, decision) -> the rate-limit charge at the real bound -> with fair share on, a
+fleet slot (:mod:`gateway.fair_queue`; a request that waited is decided again on a fresh
+view) -> the dispatch (send with failover, read or relay the reply, resume a
 broken stream: :mod:`gateway.front.dispatch`, :mod:`gateway.front.relay`) -> learn from it.
 
 Invariants:
@@ -31,12 +33,15 @@ from gateway.cache_scope import CacheScopes
 from gateway.circuit import CircuitBreakers
 from gateway.client_ip import ClientIPResolver
 from gateway.errors import APIError
+from gateway.fair_counts import FairCounts, InProcessFairCounts
+from gateway.fair_queue import FairQueue
 from gateway.front import fastjson
 from gateway.front.config import GatewayConfig
 from gateway.front.disconnect import ClientGone, cancel_on_disconnect
 from gateway.front.dispatch import Dispatch, DispatchDeps, Outcome, Plan, RouteName, Slots
 from gateway.front.headers import hide_decision
 from gateway.front.node_client import make_client
+from gateway.front.plain_token_guard import PlainTokenGuard
 from gateway.front.relay import RelayResponse, StreamRelay, StreamStats
 from gateway.front.request_path import (
     OpenAIRequest,
@@ -47,10 +52,12 @@ from gateway.front.request_path import (
 )
 from gateway.front.tokenizers import TokenizerCache
 from gateway.geo import GeoLocator
+from gateway.key_terms import apply_max_tokens, charged_bound, fleet_slots, priority_of, tenant_of
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import resumable
 from gateway.ratelimit import InProcessRateLimiter, RateDecision, RateLimiter
 from gateway.request_log import RequestLog
+from gateway.usage import UsageLedger
 from routing.fleet.block_feed import BlockFeedPage
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
 from routing.fleet.state import NodeState
@@ -72,8 +79,15 @@ SSE_REPLY_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class Gateway:
     def __init__(self, config: GatewayConfig, store: FleetStore | None = None) -> None:
         self.config = config
+        headers = config.node_headers()
+        guard = PlainTokenGuard(bool(headers), config.insecure_plain_nodes)
+        guard.check_known([*config.nodes, *(c.url for c in config.openai_nodes)])
         self.client = make_client(
-            config.connect_timeout_s, config.read_timeout_s, headers=config.node_headers()
+            config.connect_timeout_s,
+            config.read_timeout_s,
+            headers=headers,
+            tls=config.node_tls_folder(),
+            guard=guard,
         )
         self.redis = config.redis_client()  # one pool: the fleet store, limiter and key store
         self.trackers = {c.id: OpenAINodeTracker(c) for c in config.openai_nodes}
@@ -107,6 +121,9 @@ class Gateway:
             config.model_aliases,
         )
         self.slots = Slots(config.max_in_flight, self.metrics.in_flight)
+        self.usage = UsageLedger(
+            config.usage_retention_s, on_record=self.metrics.observe_tenant_usage
+        )
         self.deps = DispatchDeps(
             client=self.client,
             router=self.router,
@@ -118,7 +135,9 @@ class Gateway:
             slots=self.slots,
             max_attempts=config.max_attempts,
             request_log=RequestLog(config.request_log) if config.request_log else None,
+            usage=self.usage,
         )
+        self.fair = self._make_fair()
         self.warnings = config.redis_warnings()  # logged at start, shown in /health
         self.stream_stats = StreamStats()
         self.resume_streams = True  # ask nodes for token ids so broken streams can resume
@@ -174,6 +193,20 @@ class Gateway:
             )
         return InProcessRateLimiter()
 
+    def _make_fair(self) -> FairQueue | None:
+        """The fair queue, when fair share is on (:class:`gateway.fair_config.FairShareConfig`)."""
+        fc = self.config.fair_share
+        if not (fc.enabled if fc.enabled is not None else self.config.auth.is_enabled):
+            return None
+        counts: FairCounts = InProcessFairCounts()
+        if self.redis is not None:
+            from gateway.fair_redis import RedisFairCounts
+
+            counts = RedisFairCounts(
+                self.redis, replicas=self.config.gateway_replicas, lease_s=fc.lease_s
+            )
+        return FairQueue(counts, fc)
+
     def _make_auth(self) -> Authenticator:
         store = None
         if self.config.redis_url and self.config.auth.redis_keys:
@@ -210,6 +243,8 @@ class Gateway:
         if self.deps.request_log is not None:
             self.deps.request_log.close()
         await self.limiter.close()
+        if self.fair is not None:
+            await self.fair.close()
         await self.store.close()
         await self.client.aclose()
         self.geo.close()
@@ -298,6 +333,8 @@ class Gateway:
         t_start = time.perf_counter()
         salt = self.scopes.salt(identity)
         try:
+            data = apply_max_tokens(data, identity)
+            priority = priority_of(request.headers) if self.fair is not None else 0
             prof, view = await self.path.profile(data, route, model, region, identity.key_id, salt)
             decision = self.path.decide(prof, view)
         except APIError:
@@ -305,8 +342,22 @@ class Gateway:
                 await self.limiter.settle(early, 0)
             raise
         self.metrics.observe_decision(decision.policy, decision.reason)
-        completion = int(prof.max_tokens or prof.expected_output_tokens) * prof.choices
-        rate = await self._charge(identity, prof.prompt_tokens + completion, early)
+        rate = await self._charge(identity, charged_bound(prof, decision.node), early)
+        queue_ms = 0.0
+        if self.fair is not None:
+            self.fair.observe_capacity(fleet_slots(view.nodes))
+            try:
+                d.admission = await self.fair.acquire(
+                    tenant_of(identity, self.config.auth.teams), priority
+                )
+            except APIError:
+                await self.limiter.refund(rate)
+                raise
+            queue_ms = d.admission.waited_ms
+            if queue_ms > 1000 * self.config.fair_share.poll_s:  # it waited: decide again
+                view = await self.store.view(prof.block_hashes)
+                decision = self.path.decide(prof, view)
+                t_start = time.perf_counter()
         if req.stream:
             body = {**data, "model": model, "stream_options": {"include_usage": True}}
         else:
@@ -325,9 +376,13 @@ class Gateway:
             # a stream is resumed from its token ids: one choice, no logprobs, no echo
             resume=req.stream and self.resume_streams and resumable(req),
             cache_salt=salt,
+            key=identity.key_id,
+            team=identity.team,
         )
         opened, cand = await d.open(plan)
         hdrs = d.headers_of(opened, cand)
+        if queue_ms:
+            hdrs["x-edgecloud-queue-ms"] = f"{queue_ms:.1f}"
         if opened.response.status_code != 200:
             return await d.passthrough(opened, hdrs)
         if not req.stream:
@@ -381,9 +436,20 @@ class Gateway:
         model = self.path.concrete_model(req.model)
         region = self.path.client_region(request)
         salt = self.scopes.salt(who)
+        data = apply_max_tokens(data, who)
         prof, view = await self.path.profile(data, route, model, region, who.key_id, salt)
-        out = self.path.decide(prof, view).to_dict()
+        decision = self.path.decide(prof, view)
+        out = decision.to_dict()
         out["client_region"] = region
+        if self.fair is not None:  # the wait in its key's queue is part of the prediction
+            self.fair.observe_capacity(fleet_slots(view.nodes))
+            wait, waiting = await self.fair.expected_wait_ms(
+                tenant_of(who, self.config.auth.teams), decision.estimate.e2e_ms
+            )
+            out["gateway_queue_ms"] = round(wait, 2)
+            out["gateway_queue_waiting"] = waiting
+            out["predicted_ttft_ms"] = round(out["predicted_ttft_ms"] + wait, 2)
+            out["predicted_e2e_ms"] = round(out["predicted_e2e_ms"] + wait, 2)
         return out
 
     async def models(self) -> list[str]:
@@ -412,5 +478,6 @@ class Gateway:
             },
             "policy": self.policy_override or self.router.config.policy,
             "policy_reload_error": self.policy_source.last_error,
-            "warnings": self.warnings,
+            "warnings": [*self.warnings, *self.client.guard.warnings()],
+            "fair_share": self.fair.health() if self.fair is not None else None,
         }

@@ -1,21 +1,25 @@
 """A small HTTP/1.1 client for the gateway's hot path: POST a body to a node, relay the answer.
 
-The gateway sends every request to a plain-HTTP node on a kept-alive connection and needs
-nothing of a general client (redirects, cookies, auth, proxies, TLS, content decoding of
-streams). This client speaks just what the gateway needs, on asyncio protocols with the
-httptools parser (the one uvicorn uses), as the transport :mod:`gateway.front.node_client`
-chooses for plain-HTTP nodes, and keeps the contract the gateway relies on:
+The gateway sends every request to a node on a kept-alive connection and needs nothing of a
+general client (redirects, cookies, auth, proxies, content decoding of streams). This client
+speaks just what the gateway needs, on asyncio protocols with the httptools parser (the one
+uvicorn uses), over TCP or TLS (asyncio's, with the pool's ``ssl.SSLContext``), as the
+transport :mod:`gateway.front.node_client` chooses for nodes, and keeps the contract the
+gateway relies on:
 
 - :class:`H1Response` answers the part of ``httpx.Response`` the proxy uses (``status_code``,
   ``headers.get``/``items`` with httpx's header semantics, ``extensions``, ``aread``, ``aiter_raw``,
   ``aclose``); ``aread`` decodes a content-encoding exactly as httpx does.
 - Failures are httpx's exception types: ``ConnectError``/``ConnectTimeout`` before the request
-  is sent, ``ReadTimeout`` when the node is silent for the read timeout, ``ReadError`` or
+  is sent (a TLS handshake that fails, e.g. a certificate not signed by the trusted CA,
+  included), ``ReadTimeout`` when the node is silent for the read timeout, ``ReadError`` or
   ``RemoteProtocolError`` when the connection breaks or the reply is malformed.
 - A connection goes back to the pool only after its response was read to the end and the node
   keeps it alive; closing a response early closes its connection (the node then cancels the
   request). A kept-alive connection the node closed is never reused; one that dies before any
-  byte of the reply is retried once on a new connection.
+  byte of the reply is retried once on a new connection. A new connection the node closes
+  before the request is written (a node requiring a client certificate the gateway did not
+  present closes it right after the TLS handshake) fails the request at once.
 - At most ``max_connections`` connections are open at once (callers wait for one to free up);
   idle ones are dropped after ``keepalive_expiry`` seconds (checked when one is taken).
 - Closing the pool aborts every connection: a request or reply still in flight fails with
@@ -25,13 +29,16 @@ chooses for plain-HTTP nodes, and keeps the contract the gateway relies on:
 - While a streamed reply is read more slowly than the node sends it, reading pauses once
   ``HIGH_WATER`` bytes are buffered (the node is back-pressured, memory stays bounded).
 
-Only ``http://`` URLs are handled (:meth:`H1Pool.target` returns None for others).
+``http://`` URLs are handled, and ``https://`` ones when the pool has an SSL context (which
+verifies the node's certificate and host name, and may present a client certificate);
+:meth:`H1Pool.target` returns None for others. Connections are pooled per (host, port, TLS).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import weakref
 from collections.abc import AsyncIterator, ItemsView, Iterator, KeysView
 from typing import Any, TypeVar, overload
@@ -46,16 +53,24 @@ _ENCODINGS = ("ascii", "utf-8")
 
 _D = TypeVar("_D")
 
+TLS_CLOSE_HINT = (
+    "(a node that requires a client certificate does so when the gateway presents none it "
+    "trusts: node_tls's cert.pem and key.pem)"
+)
+
+
+_Key = tuple[str, int, bool]  # host, port, TLS
+
 
 class _Target:
-    """A parsed ``http://host:port/path`` and the bytes that start a request to it."""
+    """A parsed ``http(s)://host:port/path`` and the bytes that start a request to it."""
 
     __slots__ = ("head", "key")
 
-    def __init__(self, host: str, port: int, path: bytes) -> None:
-        self.key = (host, port)
+    def __init__(self, host: str, port: int, path: bytes, tls: bool = False) -> None:
+        self.key: _Key = (host, port, tls)
         host_header = f"[{host}]" if ":" in host else host
-        if port != 80:
+        if port != (443 if tls else 80):
             host_header += f":{port}"
         self.head = b"POST " + path + b" HTTP/1.1\r\nhost: " + host_header.encode("idna") + b"\r\n"
 
@@ -240,7 +255,7 @@ class H1Response:
 class _Conn(asyncio.Protocol):
     """One kept-alive connection to one node: at most one request in flight."""
 
-    def __init__(self, pool: H1Pool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: H1Pool, key: _Key) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -258,6 +273,8 @@ class _Conn(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._last_io = 0.0
         self._close_delimited = False
+        self.lost_why = "the connection was closed by the gateway"
+        self.requests = 0  # started on this connection
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -332,6 +349,10 @@ class _Conn(asyncio.Protocol):
 
     # ---- life cycle ----------------------------------------------------------------------------
     def start(self, data: bytes, head: asyncio.Future[H1Response]) -> None:
+        if self.closed:  # the node closed it after it opened, before this request
+            head.set_exception(httpx.RemoteProtocolError(self.lost_why))
+            return
+        self.requests += 1
         self._head = head
         self._resp = None
         self._raw_headers = []
@@ -371,6 +392,7 @@ class _Conn(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        self.lost_why = _closed_why(self, exc)
         self._stop_timer()
         resp = self.response
         if resp is not None and not resp._done and self._close_delimited:
@@ -378,9 +400,7 @@ class _Conn(asyncio.Protocol):
             resp._wake()
         else:
             why = f": {exc}" if exc else ""
-            err: httpx.TransportError = httpx.RemoteProtocolError(
-                f"the node closed the connection{why}"
-            )
+            err: httpx.TransportError = httpx.RemoteProtocolError(self.lost_why)
             if resp is not None:
                 err = httpx.ReadError(f"the node closed the connection mid-reply{why}")
             self._fail(err)
@@ -420,6 +440,14 @@ class _Conn(asyncio.Protocol):
             self.pool._forget(self)
 
 
+def _closed_why(conn: _Conn, exc: Exception | None) -> str:
+    """Why a connection the node closed failed its request (for the error and the logs)."""
+    why = f": {exc}" if exc else ""
+    if conn.key[2] and conn.requests <= 1 and not conn._got_bytes:
+        return f"the node closed the TLS connection before answering{why} {TLS_CLOSE_HINT}"
+    return f"the node closed the connection{why}"
+
+
 class H1Pool:
     """Kept-alive connections per (host, port), at most ``max_connections`` open in all."""
 
@@ -429,13 +457,15 @@ class H1Pool:
         read_timeout_s: float = 600.0,
         max_connections: int = 2048,
         keepalive_expiry: float = 30.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.ssl_context = ssl_context  # None: https:// URLs are not handled here
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self.keepalive_expiry = keepalive_expiry
         self._targets: dict[str, _Target | None] = {}
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._idle: dict[_Key, list[_Conn]] = {}
         self._open: set[_Conn] = set()
         self._opening = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -457,9 +487,11 @@ class H1Pool:
         t = None
         try:
             u = urlsplit(url)
-            if u.scheme == "http" and u.hostname and not u.username and not u.password:
+            tls = u.scheme == "https" and self.ssl_context is not None
+            plain = u.scheme == "http"
+            if (plain or tls) and u.hostname and not u.username and not u.password:
                 path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-                t = _Target(u.hostname, u.port or 80, path.encode("ascii"))
+                t = _Target(u.hostname, u.port or (443 if tls else 80), path.encode("ascii"), tls)
         except (ValueError, UnicodeError):
             t = None
         if len(self._targets) > 4096:
@@ -468,7 +500,7 @@ class H1Pool:
         return t
 
     # ---- connections ---------------------------------------------------------------------------
-    def _take_idle(self, key: tuple[str, int]) -> _Conn | None:
+    def _take_idle(self, key: _Key) -> _Conn | None:
         idle = self._idle.get(key)
         if not idle:
             return None
@@ -516,7 +548,7 @@ class H1Pool:
         oldest.abort()
         return True
 
-    async def _acquire(self, key: tuple[str, int]) -> tuple[_Conn, bool]:
+    async def _acquire(self, key: _Key) -> tuple[_Conn, bool]:
         """A connection to ``key`` and whether it is a kept-alive one (else new), waiting
         while ``max_connections`` are open and none of them is idle."""
         while True:
@@ -540,19 +572,25 @@ class H1Pool:
                     w.cancel()
                 raise
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
+    async def _connect(self, key: _Key) -> _Conn:
         self._opening += 1
         try:
             conn = _Conn(self, key)
+            host, port, tls = key
+            ctx = self.ssl_context if tls else None
             try:
                 await asyncio.wait_for(
-                    self.loop.create_connection(lambda: conn, key[0], key[1]),
+                    self.loop.create_connection(
+                        lambda: conn, host, port, ssl=ctx, server_hostname=host if ctx else None
+                    ),
                     self.connect_timeout_s,
                 )
             except TimeoutError:
                 raise httpx.ConnectTimeout(
-                    f"no connection to {key[0]}:{key[1]} within {self.connect_timeout_s} s"
+                    f"no connection to {host}:{port} within {self.connect_timeout_s} s"
                 ) from None
+            except ssl.SSLError as exc:  # an OSError too: the handshake failed
+                raise httpx.ConnectError(f"TLS handshake with {host}:{port} failed: {exc}") from exc
             except OSError as exc:
                 raise httpx.ConnectError(str(exc)) from exc
             if self.closed:  # closed while connecting

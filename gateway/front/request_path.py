@@ -123,6 +123,27 @@ def parse_json(
         ) from None
 
 
+def no_nodes(poll_errors: dict[str, str] | None) -> APIError:
+    """The 503 for a fleet view without nodes: configured nodes that do not answer (each URL
+    with its last error: refused, TLS handshake failed, ...), else none registered at all."""
+    if poll_errors:
+        failing = "; ".join(f"{url}: {why}" for url, why in list(poll_errors.items())[:4])
+        return APIError(
+            503,
+            f"No configured node can be reached ({failing}).",
+            type_="server_error",
+            code="nodes_unreachable",
+            headers={"Retry-After": "1"},
+        )
+    return APIError(
+        503,
+        "No node is registered with this gateway, so no model can be served; the "
+        "operator must configure nodes (nodes, openai_nodes or a redis_url fleet).",
+        type_="server_error",
+        code="no_nodes",
+    )
+
+
 class RequestPath:
     """Profiles and decides requests for one gateway (its store, tokenizers and router)."""
 
@@ -187,14 +208,8 @@ class RequestPath:
         if ident is None:
             if any(model in n.models for n in view.nodes):
                 return model, view  # a node with no identity (openai kind): name is the identity
-            if not view.nodes:  # not the model's fault: nothing is registered at all
-                raise APIError(
-                    503,
-                    "No node is registered with this gateway, so no model can be served; the "
-                    "operator must configure nodes (nodes, openai_nodes or a redis_url fleet).",
-                    type_="server_error",
-                    code="no_nodes",
-                )
+            if not view.nodes:  # not the model's fault: nothing is registered, or answers
+                raise no_nodes(getattr(self.store, "poll_errors", None))
             raise not_found_model(model)
         return ident, view
 
