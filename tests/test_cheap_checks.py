@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -73,7 +74,15 @@ def test_over_limit_key_gets_429_before_its_prompt_is_tokenized(
     assert len(calls) == 1
     with pytest.raises(openai.RateLimitError):
         client.completions.create(model=model, prompt="word " * 780_000, max_tokens=1)
-    assert len(calls) == 1, "the over-limit prompt was never tokenized"
+    # the translated APIs charge before they read the body too
+    with pytest.raises(openai.RateLimitError):
+        client.responses.create(model=model, input="word " * 780_000, max_output_tokens=1)
+    claude = anthropic.Anthropic(base_url=gw, api_key=KEYS["alice"], max_retries=0)
+    with pytest.raises(anthropic.RateLimitError):
+        claude.messages.create(
+            model=model, max_tokens=1, messages=[{"role": "user", "content": "word " * 780_000}]
+        )
+    assert len(calls) == 1, "the over-limit prompts were never tokenized"
 
 
 def test_admin_key_is_checked_before_the_body_is_read(gw: str) -> None:

@@ -28,6 +28,7 @@ from gateway.errors import APIError, validation_error
 from gateway.front.gateway import Gateway
 from gateway.front.relay import RelayResponse
 from gateway.openai_schema import ChatCompletionRequest
+from gateway.ratelimit import RateDecision
 from routing.profile import RequestProfile
 
 _DROPPED = {"content-length", "content-type"}
@@ -79,11 +80,17 @@ def _upstream_error(resp: Response) -> APIError:
 
 
 async def run_chat(
-    gw: Gateway, request: Request, body: dict[str, Any], who: KeyIdentity
+    gw: Gateway,
+    request: Request,
+    body: dict[str, Any],
+    who: KeyIdentity,
+    rate: RateDecision | None = None,
 ) -> ChatWhole | ChatStream | ClientLeft:
-    """Run ``body`` (a chat-completions request) as ``who`` through the gateway's request path."""
+    """Run ``body`` (a chat-completions request) as ``who`` through the gateway's request path;
+    ``rate``: the early charge made before the body was read (``Gateway.admit``), which the
+    request path brings up to the real bound."""
     req = chat_request(body)
-    resp = await gw.forward(request, body, "chat", req, who)
+    resp = await gw.forward(request, body, "chat", req, who, rate=rate)
     if isinstance(resp, RelayResponse):
         plan = resp.relay.plan
         return ChatStream(resp, plan.profile.prompt_tokens, plan.decision.cached_tokens)

@@ -88,24 +88,29 @@ def install_api_routes(app: FastAPI, gw: Gateway) -> ResponseStore:
     )
     async def create_response(request: Request) -> Response:
         who = await gw.auth(request)
-        raw = await request.body()
-        _, req, _ = gw.parse_json(raw, ResponsesRequest, request.headers.get("content-type"))  # type: ignore[arg-type]
-        assert isinstance(req, ResponsesRequest)
-        history: list[dict[str, Any]] = []
-        if req.previous_response_id is not None:
-            prev = await store.get(req.previous_response_id, who.key_id)
-            if prev is None:
-                raise APIError(
-                    404,
-                    f"Previous response with id '{req.previous_response_id}' not found.",
-                    param="previous_response_id",
-                    code="previous_response_not_found",
-                )
-            history = prev.messages
-        new = input_messages(req.input)
-        body = responses_request.chat_body(req, history, new)
+        rate = await gw.admit(request, who)  # limits before the body is read
         try:
-            result = await run_chat(gw, request, body, who)
+            raw = await request.body()
+            _, req, _ = gw.parse_json(raw, ResponsesRequest, request.headers.get("content-type"))  # type: ignore[arg-type]
+            assert isinstance(req, ResponsesRequest)
+            history: list[dict[str, Any]] = []
+            if req.previous_response_id is not None:
+                prev = await store.get(req.previous_response_id, who.key_id)
+                if prev is None:
+                    raise APIError(
+                        404,
+                        f"Previous response with id '{req.previous_response_id}' not found.",
+                        param="previous_response_id",
+                        code="previous_response_not_found",
+                    )
+                history = prev.messages
+            new = input_messages(req.input)
+            body = responses_request.chat_body(req, history, new)
+        except BaseException:
+            await gw.limiter.settle(rate, 0)  # the request counts, its tokens do not
+            raise
+        try:
+            result = await run_chat(gw, request, body, who, rate)
         except APIError as exc:
             raise renamed(exc, RESPONSES_PARAMS) from None
         if not isinstance(result, (ChatWhole, ChatStream)):
@@ -189,8 +194,14 @@ def install_api_routes(app: FastAPI, gw: Gateway) -> ResponseStore:
     async def create_message(request: Request) -> Response:
         try:
             who = await anthropic_caller(request)
-            req = await messages_body(request, MessagesRequest)
-            result = await run_chat(gw, request, messages_request.chat_body(req), who)
+            rate = await gw.admit(request, who)  # limits before the body is read
+            try:
+                req = await messages_body(request, MessagesRequest)
+                body = messages_request.chat_body(req)
+            except BaseException:
+                await gw.limiter.settle(rate, 0)  # the request counts, its tokens do not
+                raise
+            result = await run_chat(gw, request, body, who, rate)
         except APIError as exc:
             return error_response(public_error(request, renamed(exc, MESSAGES_PARAMS)))
         if not isinstance(result, (ChatWhole, ChatStream)):
