@@ -39,11 +39,13 @@ policies.POLICIES.setdefault("by_id", ById)
 class FlakyNode:
     """An OpenAI-compatible node that fails as told: ``mode`` is one of ``500`` (answers 500),
     ``drop`` (200, then closes before the first event), ``partial`` (a whole reply cut short),
-    ``slow`` (answers after ``delay_s``)."""
+    ``slow`` (answers after ``delay_s``, or stops when the caller closes the connection: then
+    ``gone`` counts it)."""
 
     mode: str = "500"
     delay_s: float = 0.0
     hits: int = 0
+    gone: int = 0
     app: FastAPI = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +57,12 @@ class FlakyNode:
             if self.mode == "500":
                 return JSONResponse({"error": {"message": "boom"}}, status_code=500)
             if self.mode == "slow":
-                await asyncio.sleep(self.delay_s)
+                deadline = time.monotonic() + self.delay_s
+                while time.monotonic() < deadline:
+                    if await request.is_disconnected():
+                        self.gone += 1
+                        return Response(status_code=499)
+                    await asyncio.sleep(0.05)
                 return JSONResponse({"choices": [], "usage": {}})
             if self.mode == "partial":
                 return Response(b'{"choices": [', headers={"content-length": "400"})

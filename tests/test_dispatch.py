@@ -285,6 +285,7 @@ async def test_client_gone_while_the_node_works(gw, fleet) -> None:
     await asyncio.wait_for(task, 5)
     assert answers and answers[0]["status"] == 499
     assert_idle(gateway, ["a-flaky", "b-cloud"])
+    await eventually(lambda: fleet["flaky"].gone == 1)  # the node saw its connection closed
 
 
 async def test_relay_response_dropped_uncalled_ends_its_dispatch(gw, fleet) -> None:
