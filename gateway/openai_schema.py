@@ -40,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -188,10 +189,20 @@ class _SamplingFields(_Body):
             raise unsupported("min_tokens", "it is not combined with response_format (use 0)")
         return v
 
+    @functools.cached_property
+    def tool_calling(self) -> ToolCalling | None:
+        """The tool calling the request asks for (None: no tools), parsed once."""
+        return calling_of(self)
+
     @property
     def grammar_spec(self) -> GrammarSpec | None:
-        """The grammar ``response_format`` asks for (None: plain text)."""
-        return spec_from_response_format(self.response_format)
+        """The reply's grammar: tool calls (with ``response_format`` as the text in ``auto``
+        and ``none``), else the one ``response_format`` asks for (None: plain text)."""
+        rf = spec_from_response_format(self.response_format)
+        calling = self.tool_calling
+        if calling is None:
+            return rf
+        return calling.grammar_spec(rf if calling.mode in ("auto", "none") else None)
 
     @field_validator("stop")
     @classmethod
@@ -319,17 +330,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise unsupported("min_tokens", "it is not combined with tools (use 0)")
         return self
 
-    @property
-    def tool_calling(self) -> ToolCalling | None:
-        """The tool calling this request asks for (None: no tools)."""
-        return calling_of(self)
-
-    @property
-    def grammar_spec(self) -> GrammarSpec | None:
-        """The reply's grammar: tool calls (with ``response_format`` as the text in ``auto``),
-        else the one ``response_format`` asks for (None: plain text)."""
-        return _grammar_spec(self)
-
     @field_validator("audio", "prediction", "web_search_options")
     @classmethod
     def _none_only(cls, v: Any, info: ValidationInfo) -> Any:
@@ -366,14 +366,6 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
 
-def _grammar_spec(req: _SamplingFields) -> GrammarSpec | None:
-    rf = spec_from_response_format(req.response_format)
-    calling = calling_of(req)
-    if calling is None:
-        return rf
-    return calling.grammar_spec(rf if calling.mode in ("auto", "none") else None)
-
-
 def _parse_tools(tools: Any, choice: Any, parallel: bool | None) -> ToolCalling | None:
     try:
         return parse_tool_calling(tools, choice, parallel)
@@ -408,11 +400,6 @@ class CompletionRequest(_SamplingFields):
             except InvalidGrammar as exc:
                 raise ValueError(str(exc)) from None
         return self
-
-    @property
-    def grammar_spec(self) -> GrammarSpec | None:
-        """The continued chat's tool grammar (with its response_format), else response_format's."""
-        return _grammar_spec(self)
 
     @field_validator("prompt")
     @classmethod
