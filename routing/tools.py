@@ -256,7 +256,7 @@ def _hermes_messages(
             flat = flat[1:]
         else:
             out.append({"role": "system", "content": section})
-    for m in flat:
+    for i, m in enumerate(flat):
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [
                 hermes_call(c["function"]["name"], c["function"]["arguments"])
@@ -266,12 +266,10 @@ def _hermes_messages(
             out.append({"role": "assistant", "content": text})
         elif m["role"] == "tool":
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("_tool_results"):
+            if i > 0 and flat[i - 1]["role"] == "tool":  # results of one turn share its message
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "_tool_results": True})
+                out.append({"role": "user", "content": block})
         else:
             out.append({"role": m["role"], "content": m["content"]})
-    for m in out:
-        m.pop("_tool_results", None)
     return out
