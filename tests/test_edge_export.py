@@ -189,14 +189,15 @@ def test_quantized_variants(tiny_model_path: Path, onnx_root: Path, variant: str
     assert "MatMul" not in ops and ops.count(op) == 2 * 4 + 1
     if variant == "int4":
         assert "GatherBlockQuantized" in ops
-    # int8 blocks: 128, or what fits the narrowest weight input (the tiny model's 64)
-    want = {"int4": (4, 32), "int8": (8, 64)}[variant]
+    # blocks of 32 inputs (a GGUF block); int8 affine (zero points), int4 symmetric
+    want = {"int4": (4, 32), "int8": (8, 32)}[variant]
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
             attrs = {a.name: a.i for a in node.attribute}
             assert attrs["accuracy_level"] == 4  # int8 activations: the fast kernels
-            assert (attrs["bits"], attrs["block_size"]) == want  # larger: faster, less accurate
-            assert len(node.input) < 4 or not node.input[3]  # symmetric: no zero points
+            assert (attrs["bits"], attrs["block_size"]) == want
+            zero_points = len(node.input) > 3 and bool(node.input[3])
+            assert zero_points == (variant == "int8")
     decoder = Decoder(_session(graph.graph_path), read_graph_info(graph.graph_path), 1, 64)
     logits = decoder.prefill(0, [5, 6, 7, 8], 0)
     assert logits.shape == (49152,) and np.isfinite(logits).all()
@@ -211,7 +212,7 @@ def test_int8_folder_of_an_older_method_is_rebuilt(tiny_model_path: Path, tmp_pa
     del data["quantization"]
     (first.folder / META_FILE).write_text(json.dumps(data))
     rebuilt = ensure_export(tiny_model_path, "int8", root=tmp_path)
-    assert rebuilt.meta.quantization == "blockwise"
+    assert rebuilt.meta.quantization == "affine32"
     assert rebuilt.meta.created_unix > first.meta.created_unix
 
 
