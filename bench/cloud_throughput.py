@@ -14,6 +14,10 @@ batch 1 and 64 (weights + KV bytes read per step over the measured copy bandwidt
 waste at peak (slots of in-use blocks holding no token). Writes JSON and markdown to
 bench/results/.
 
+Compressed KV (bf16, fp8 and int8 pools in one run: the Llama-3.1-8B shape under memory
+pressure, and the decode step at batch 32 with 8k-token contexts): ``--kv-pressure``, which runs
+``bench/kv_pressure.py`` with the arguments that follow.
+
 Larger shapes: ``--shapes llama-3.1-8b`` (dense), ``--shapes qwen3-30b-a3b`` (MoE: loaded by
 ``cloud_engine.parallel`` at tp=1 over the peer's own tensors, one copy of 61 GB, and run by the
 fused CUDA engine with its graphs). ``--peer-requests N``: the peer runs the first N requests only, and ours runs
@@ -504,7 +508,7 @@ def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[st
         overlap=device == "cuda",
     ).resolved()
     budget = budget_bytes_for(rank.device, econf.kv_memory_fraction, econf.kv_memory_bytes)
-    pool = make_pool(model, rank, budget, econf.max_kv_blocks, econf.kv_int8)
+    pool = make_pool(model, rank, budget, econf)
     if device == "cuda":  # the fused model over the shard's tensors, CUDA graphs for decode
         ops = TritonOps(moe_pairs=not args.no_moe_pairs)
         runner = CudaRunner(
@@ -613,6 +617,12 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    if "--kv-pressure" in sys.argv:  # the compressed-KV workloads (bench/kv_pressure.py)
+        from bench.kv_pressure import main as kv_pressure
+
+        sys.argv.remove("--kv-pressure")
+        kv_pressure()
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(

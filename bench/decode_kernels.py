@@ -94,7 +94,7 @@ class Layers:
         kc, vc = self.kv[i]
         return decode_attention.decode_attention(
             qkv, self.pos, self.cos_sin, self.qk_norm, self.qk_norm, 1e-6, self.hq, kc, vc,
-            self.slot, self.tables, self.rows, self.lens,
+            None, None, self.slot, self.tables, self.rows, self.lens,
         )  # fmt: skip
 
     def chain(self, attention: bool) -> Callable[[], None]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cloud_engine.kv_pool import KVPool, quantize_int8
+from cloud_engine.kv_pool import KVPool
+from cloud_engine.kv_quant import quantize
 
 
 @dataclass(slots=True)
@@ -55,17 +56,20 @@ def make_meta(
 def store_kv(
     pool: KVPool, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Write ``k, v`` ``[N, Hkv, D]`` into the pool at ``slots`` (quantizing for int8)."""
+    """Write ``k, v`` ``[N, Hkv, D]`` into the pool at ``slots`` (quantizing for the 8-bit
+    formats; fp8 is copied as bytes, which ``index_copy_`` takes on every device)."""
     kc, vc, ks, vs = pool.layer(layer)
     h, d = kc.shape[-2], kc.shape[-1]
-    if ks is None or vs is None:
-        kc.view(-1, h, d).index_copy_(0, slots, k.to(kc.dtype))
-        vc.view(-1, h, d).index_copy_(0, slots, v.to(vc.dtype))
-        return
     for cache, scales, x in ((kc, ks, k), (vc, vs, v)):
-        q, s = quantize_int8(x)
-        cache.view(-1, h, d).index_copy_(0, slots, q)
-        scales.view(-1, h).index_copy_(0, slots, s)
+        if scales is None:
+            q = x.to(cache.dtype)
+        else:
+            q, s = quantize(x, cache.dtype)
+            scales.view(-1, h).index_copy_(0, slots, s)
+        if cache.element_size() == 1:
+            cache.view(torch.uint8).view(-1, h, d).index_copy_(0, slots, q.view(torch.uint8))
+        else:
+            cache.view(-1, h, d).index_copy_(0, slots, q)
 
 
 def gather_kv(
@@ -74,9 +78,9 @@ def gather_kv(
     """Keys and values of the blocks in ``tables`` (``[..., W]``) as ``[..., W * bs, Hkv, D]``."""
     kc, vc, ks, vs = pool.layer(layer)
     k, v = kc[tables], vc[tables]  # [..., W, bs, H, D]
-    if ks is not None and vs is not None:
-        k = k.to(dtype) * ks[tables].unsqueeze(-1).to(dtype)
-        v = v.to(dtype) * vs[tables].unsqueeze(-1).to(dtype)
+    if ks is not None and vs is not None:  # dequantized in float32 (exact for 8-bit values)
+        k = k.float() * ks[tables].unsqueeze(-1)
+        v = v.float() * vs[tables].unsqueeze(-1)
     shape = (*tables.shape[:-1], -1, kc.shape[-2], kc.shape[-1])
     return k.reshape(shape).to(dtype), v.reshape(shape).to(dtype)
 

@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from cloud_engine.kv_quant import AUTO_MIN_SEQUENCES, KV_CHOICES, KVChoice
+
 # A CPU decode step is compute-bound: past a few rows per thread each row adds its whole cost,
 # so more rows buy almost no throughput and slow every answer in the batch alike (one thread,
 # 1,150 tokens of context: 14 tokens/s at 1 row, 20 at 4, 23 at 12, at 71 / 197 / 520 ms a
@@ -22,7 +24,11 @@ class EngineConfig:
     kv_memory_bytes: int | None = None  # KV budget in bytes (required on CPU unless defaulted)
     kv_memory_fraction: float = 0.8  # CUDA: share of the free memory after the weights load
     max_kv_blocks: int | None = None  # cap on the pool size (tests use small pools)
-    kv_int8: bool = False
+    # what the KV pool stores: "auto" (the model's dtype unless the pool would hold fewer than
+    # ``kv_auto_min_sequences`` max-length sequences on CUDA: then fp8), "bf16", "fp8" (e4m3)
+    # or "int8" (both with a scale per token and head; ``cloud_engine.kv_quant``)
+    kv_dtype: KVChoice = "auto"
+    kv_auto_min_sequences: int = AUTO_MIN_SEQUENCES
     # max sequences in a batch; default 256 on CUDA, CPU_ROWS_PER_THREAD per torch thread on CPU
     max_running: int | None = None
     max_tokens_per_step: int | None = None  # token budget of one forward pass
@@ -44,6 +50,8 @@ class EngineConfig:
 
     def resolved(self) -> EngineConfig:
         """Fill the per-device defaults."""
+        if self.kv_dtype not in KV_CHOICES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: choose one of {', '.join(KV_CHOICES)}")
         cuda = torch.device(self.device).type == "cuda"
         debug = self.debug_checks or os.environ.get("EDGECLOUD_DEBUG_KV", "") not in ("", "0")
         return replace(

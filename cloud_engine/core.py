@@ -42,7 +42,7 @@ import torch
 
 from cloud_engine.block_manager import BlockEvents, BlockManager
 from cloud_engine.config import EngineConfig
-from cloud_engine.kv_pool import KVPool, KVSpec, budget_bytes_for
+from cloud_engine.kv_pool import KVPool, KVSpec, budget_bytes_for, sized_pool
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.runner import Feed, Launched, ModelRunner, TorchRunner
 from cloud_engine.sampler import prepare
@@ -133,6 +133,16 @@ def _live(
     return ScheduledBatch(items), tokens, (kept if lps is not None else None)
 
 
+def describe_pool(pool: KVPool) -> str:
+    """One line on the KV pool: storage, blocks, tokens and bytes (logged at start-up)."""
+    spec = pool.spec
+    scales = " with a scale per token and head" if spec.scaled else ""
+    return (
+        f"{spec.kv_dtype}{scales}, {pool.num_blocks:,} blocks of {spec.block_size} tokens = "
+        f"{pool.capacity_tokens:,} tokens, {pool.nbytes / 2**30:.2f} GiB"
+    )
+
+
 class EngineCore:
     def __init__(
         self,
@@ -155,13 +165,14 @@ class EngineCore:
         if cfg.threads and device.type == "cpu":
             torch.set_num_threads(cfg.threads)
         kv_dtype = next(model.parameters()).dtype  # the KV cache holds what the model computes
-        spec = KVSpec(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype, cfg.kv_int8
-        )
+        spec = KVSpec(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, kv_dtype)
         if runner is None:
             if pool is None:
                 budget = budget_bytes_for(device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)
-                pool = KVPool.from_budget(spec, device, budget, cfg.max_kv_blocks)
+                pool = sized_pool(
+                    spec, cfg.kv_dtype, device, budget, cfg.max_kv_blocks, self.max_context,
+                    cfg.kv_auto_min_sequences,
+                )  # fmt: skip
             if device.type == "cuda":
                 from cloud_engine.cuda_runner import CudaRunner
 
@@ -177,6 +188,7 @@ class EngineCore:
                 runner = TorchRunner(model, pool)
         self.runner = runner
         self.pool = runner.pool
+        log.info("KV pool: %s", describe_pool(self.pool))
         self.blocks = BlockManager(self.pool.num_blocks, spec.block_size)
         assert cfg.max_running is not None and cfg.max_tokens_per_step is not None
         self.scheduler = Scheduler(

@@ -228,6 +228,7 @@ class CloudEngine:
             device=str(c.pool.device),
             max_batch=c.scheduler.config.max_running,
             prefix_cache=True,
+            kv_dtype=c.pool.spec.kv_dtype,
             prefill_chunk=c.scheduler.config.max_tokens_per_step,  # one step's token budget
             prefill_chunk_decoding=c.chunk_beside_decode() or 0,  # its prompt tokens beside rows
             capabilities=self._capabilities(),

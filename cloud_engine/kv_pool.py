@@ -4,10 +4,12 @@ Layout: ``data[layer, 0 | 1, block, slot, kv_head, head_dim]`` (0 = keys, 1 = va
 keys of one layer, ``data[layer, 0]``, are a contiguous ``[blocks, block_size, kv_heads,
 head_dim]`` tensor that attention kernels index as ``block * block_size + slot``.
 
-With ``int8=True`` the region holds int8 values plus a float32 scale per token and per head
-(``scales[layer, 0 | 1, block, slot, kv_head]``): a stored vector is ``round(x / s)`` with
-``s = max|x| / 127``. That nearly halves the bytes per block against bf16 and quarters them
-against fp32.
+The element type is the spec's ``storage`` (default: the model's dtype; see
+``cloud_engine.kv_quant``). The 8-bit formats (int8, fp8 e4m3) add a float32 scale per token and
+per head (``scales[layer, 0 | 1, block, slot, kv_head]``), so a stored vector is ``x / s``
+rounded to the format: that nearly halves the bytes per block against bf16 (an fp8 pool of
+head_dim 128 holds 1.94x the tokens of a bf16 one in the same bytes) and quarters them against
+fp32.
 
 Invariants:
 - Nothing allocates KV memory after construction: requests borrow blocks (by index) through the
@@ -18,10 +20,12 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
+from cloud_engine.kv_quant import AUTO_MIN_SEQUENCES, choose_storage, is_scaled, kv_name
 from routing.blocks import BLOCK_SIZE
 
 
@@ -32,19 +36,32 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # dtype of the model's k/v (the pool's dtype unless int8)
-    int8: bool = False
+    dtype: torch.dtype  # dtype of the model's k/v: what reads of the pool return
+    storage: torch.dtype | None = None  # element type stored (None: ``dtype``)
     block_size: int = BLOCK_SIZE
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        return torch.int8 if self.int8 else self.dtype
+        return self.storage or self.dtype
+
+    @property
+    def scaled(self) -> bool:
+        """The pool keeps a float32 scale per token and head (int8, fp8)."""
+        return is_scaled(self.storage_dtype)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The storage format's name as reported (``bf16``, ``fp8``, ...)."""
+        return kv_name(self.storage_dtype)
+
+    def with_storage(self, storage: torch.dtype) -> KVSpec:
+        return replace(self, storage=None if storage == self.dtype else storage)
 
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token across all layers (keys and values, scales included)."""
         elem = torch.empty((), dtype=self.storage_dtype).element_size()
-        per_head = self.head_dim * elem + (4 if self.int8 else 0)
+        per_head = self.head_dim * elem + (4 if self.scaled else 0)
         return self.num_layers * 2 * self.num_kv_heads * per_head
 
     @property
@@ -65,6 +82,43 @@ def budget_bytes_for(
     raise ValueError("on CPU give the KV budget in bytes (memory_bytes)")
 
 
+def blocks_within(
+    spec: KVSpec,
+    budget_bytes: int,
+    max_blocks: int | None = None,
+    agree: Callable[[int], int] | None = None,
+) -> int:
+    """Blocks of ``spec`` that ``budget_bytes`` holds, at most ``max_blocks``; ``agree``
+    (a parallel engine's minimum over its ranks) makes every rank take the same count."""
+    n = budget_bytes // spec.bytes_per_block
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    return agree(int(n)) if agree is not None else int(n)
+
+
+def sized_pool(
+    spec: KVSpec,
+    choice: str,
+    device: torch.device | str,
+    budget_bytes: int,
+    max_blocks: int | None,
+    max_context: int,
+    min_sequences: int = AUTO_MIN_SEQUENCES,
+    agree: Callable[[int], int] | None = None,
+) -> KVPool:
+    """The pool for a KV dtype ``choice`` (``cloud_engine.kv_quant``) within a byte budget:
+    ``spec`` gives the shape and the model's dtype. With ``agree``, every rank calls this in
+    the same order and gets the same storage and block count."""
+    device = torch.device(device)
+
+    def count(storage: torch.dtype) -> int:
+        return blocks_within(spec.with_storage(storage), budget_bytes, max_blocks, agree)
+
+    storage = choose_storage(choice, spec.dtype, device, count, max_context, min_sequences)
+    chosen = spec.with_storage(storage)
+    return KVPool(chosen, count(storage), device)
+
+
 class KVPool:
     """One pre-allocated KV region of ``num_blocks`` blocks (see the module docstring)."""
 
@@ -79,21 +133,13 @@ class KVPool:
         # left in fresh memory would poison them.
         self.data = torch.zeros(shape, dtype=spec.storage_dtype, device=self.device)
         self.scales: torch.Tensor | None = None
-        if spec.int8:
+        if spec.scaled:
             self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=self.device)
 
-    @classmethod
-    def from_budget(
-        cls,
-        spec: KVSpec,
-        device: torch.device | str,
-        budget_bytes: int,
-        max_blocks: int | None = None,
-    ) -> KVPool:
-        n = budget_bytes // spec.bytes_per_block
-        if max_blocks is not None:
-            n = min(n, max_blocks)
-        return cls(spec, int(n), device)
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds: its blocks times the block size."""
+        return self.num_blocks * self.spec.block_size
 
     @property
     def num_slots(self) -> int:
@@ -115,11 +161,3 @@ class KVPool:
         if self.scales is None:
             return k, v, None, None
         return k, v, self.scales[layer, 0], self.scales[layer, 1]
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-vector (last dim) symmetric int8: ``x ≈ q * scale[..., None]``."""
-    x32 = x.float()
-    scale = x32.abs().amax(dim=-1).clamp_min(1e-8) / 127.0
-    q = torch.round(x32 / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q, scale

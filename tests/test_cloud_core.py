@@ -18,6 +18,7 @@ from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
 from cloud_engine.cuda_runner import CudaRunner
 from cloud_engine.kv_pool import KVPool, KVSpec
+from cloud_engine.kv_quant import storage_of
 from cloud_engine.model.dense import generate
 from cloud_engine.model.fused import TorchOps
 from cloud_engine.model.llama import LlamaForCausalLM
@@ -70,9 +71,9 @@ def make_core(model: LlamaForCausalLM, runner: str = "reference", **kw: object) 
     # The CUDA runner's logic (fused weights, device block tables, tiling) with torch ops on CPU.
     c = model.config
     blocks = int(kw.get("max_kv_blocks", 400))  # type: ignore[call-overload]
-    pool = KVPool(
-        KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32), blocks, "cpu"
-    )
+    kv = str(kw.get("kv_dtype", "auto"))
+    spec = KVSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32)
+    pool = KVPool(spec if kv == "auto" else spec.with_storage(storage_of(kv)), blocks, "cpu")
     run = CudaRunner(copy.deepcopy(model), pool, max_batch=16, max_context=1024, ops=TorchOps())
     return EngineCore(model, "tiny", cfg, runner=run)
 
@@ -454,7 +455,7 @@ def test_priority_is_served_first(tiny: LlamaForCausalLM) -> None:
 def test_int8_kv_stays_close_on_tiny_model(tiny: LlamaForCausalLM) -> None:
     reqs = random_requests(8, seed=6, max_prompt=200, max_out=20)
     ref = reference(tiny, reqs)
-    out = drive(make_core(tiny, kv_int8=True, max_kv_blocks=400), reqs)
+    out = drive(make_core(tiny, kv_dtype="int8", max_kv_blocks=400), reqs)
     agree = sum(a == b for r in ref for a, b in zip(ref[r], out[r], strict=False))
     assert agree / sum(len(v) for v in ref.values()) > 0.8
 

@@ -45,7 +45,11 @@ def chat_ids(tok: Tokenizer, text: str) -> list[int]:
 
 def run(model, prompts: list[list[int]], int8: bool) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
     core = EngineCore(
-        model, "int8-test", EngineConfig(kv_int8=int8, max_kv_blocks=600, max_tokens_per_step=2048)
+        model,
+        "int8-test",
+        EngineConfig(
+            kv_dtype="int8" if int8 else "auto", max_kv_blocks=600, max_tokens_per_step=2048
+        ),
     )
     out: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):

@@ -6,6 +6,11 @@ head, with the ``G`` query heads that share that kv head packed into the rows of
 It walks the sequence's keys ``BLOCK_N`` at a time through the block table, with an online
 softmax in float32.
 
+An 8-bit cache (int8, fp8 e4m3; ``cloud_engine.kv_quant``) is read as stored, converted exactly
+to q's dtype for the products: each key's scale multiplies its column of scores, each value's
+scale its column of probabilities before the product with the values (what the product of the
+dequantized tiles gives, with one multiply per key instead of one per element).
+
 Invariants: a query at absolute position ``p`` (``seq_len - q_len + t``) sees exactly keys
 ``0..p`` of its own sequence; keys are read only below the tile's causal limit, and masked
 loads return 0, so stale or padding slots never reach the output; a tile whose sequence has no
@@ -62,7 +67,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BS: tl.constexpr,
     D: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    SCALED: tl.constexpr,
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
     HQ: tl.constexpr,
@@ -112,16 +117,18 @@ def _paged_attention_kernel(
         v = tl.load(
             v_cache_ptr + slot_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0
         )
-        if KV_INT8:
+        k = k.to(q.dtype)  # exact from int8 and fp8 e4m3; a no-op for an unscaled cache
+        v = v.to(q.dtype)
+        if IEEE:  # float32 models: exact products, not tf32
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        if SCALED:  # a key's scale multiplies its scores; a value's, its probabilities
             s_off = blk * stride_sb + (offs_n % BS) * stride_st + kvh
             ks = tl.load(k_scale_ptr + s_off, mask=n_ok, other=0.0)
             vs = tl.load(v_scale_ptr + s_off, mask=n_ok, other=0.0)
-            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
-        if IEEE:  # float32 models: exact products, not tf32
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+            scores = scores * ks[None, :]
+        scores = scores * qk_scale  # log2 domain
         ok = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
         scores = tl.where(ok, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -129,10 +136,13 @@ def _paged_attention_kernel(
         p = tl.math.exp2(scores - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        pw = p
+        if SCALED:
+            pw = p * vs[None, :]
         if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(pw.to(v.dtype), v, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(pw.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -206,7 +216,7 @@ def paged_attention(
     n_tiles = tile_seq.shape[0]
     if n_tiles == 0:
         return out
-    int8 = k_scale is not None
+    scaled = k_scale is not None  # int8 or fp8 with a scale per token and head
     splits = decode_splits(n_tiles * hkv) if shape.block_q == 1 else 1
     part_o = part_lse = out
     if splits > 1:  # decode of a small batch: split every sequence's keys (flash-decoding)
@@ -218,8 +228,8 @@ def paged_attention(
         out,
         k_cache,
         v_cache,
-        k_scale if int8 else q,
-        v_scale if int8 else q,
+        k_scale if scaled else q,
+        v_scale if scaled else q,
         tables,
         seq_rows,
         seq_lens,
@@ -245,7 +255,7 @@ def paged_attention(
         BLOCK_N=shape.block_n,
         BS=k_cache.shape[1],
         D=d,
-        KV_INT8=int8,
+        SCALED=scaled,
         IEEE=q.dtype == torch.float32,
         SPLITS=splits,
         HQ=hq,

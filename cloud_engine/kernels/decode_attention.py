@@ -23,6 +23,11 @@ kernel boundary (bench/decode_kernels.py on the H200, Qwen3-0.6B-shape layer at 
 Head vectors are handled as their two RoPE halves ``[D/2]``: scores are ``q1·k1 + q2·k2`` and
 outputs are stored half by half, so nothing is concatenated.
 
+An 8-bit cache (int8, fp8 e4m3 with a scale per token and head; ``cloud_engine.kv_quant``) is
+read as stored and converted exactly to q's dtype; each key's scale multiplies its scores, each
+value's its probabilities. The new token is quantized as ``rope_store`` does and attended as
+read back, so a step gives what ``rope_store`` + ``attention`` give.
+
 Invariants: a query sees keys ``0..ctx-1`` of its own sequence, as in
 ``attention._paged_attention_kernel`` with ``q_len = 1``; the KV written equals what
 ``rope_store`` writes; every split stores its partial, so the merge reads no stale data.
@@ -38,6 +43,7 @@ import triton.language as tl
 
 from cloud_engine.kernels.attention import combine_splits, decode_splits
 from cloud_engine.kernels.pdl import launch_kwargs, pdl_enter, use_pdl
+from cloud_engine.kernels.rope_store import quant_mode, quantize_halves
 
 MAX_SEQS = 8  # larger batches run rope_store + attention: at 64 sequences (no splits) they are
 # faster on an H200, at 1..8 this kernel is (bench/profile_decode.py)
@@ -45,11 +51,11 @@ BLOCK_N = 64  # keys per inner iteration
 MAX_SPLITS = 16  # splits of one sequence's keys (small batches)
 
 
-def supports(num_seqs: int, head_dim: int, kv_int8: bool) -> bool:
-    """Small batches over bf16/fp16/fp32 caches with head dims of 32 and up (halves feed
-    16-wide matrix products)."""
+def supports(num_seqs: int, head_dim: int) -> bool:
+    """Small batches (any cache: bf16/fp16/fp32, or int8/fp8 with scales) with power-of-two
+    head dims of 32 and up (halves feed 16-wide matrix products)."""
     pow2 = head_dim & (head_dim - 1) == 0
-    return num_seqs <= MAX_SEQS and not kv_int8 and head_dim >= 32 and pow2
+    return num_seqs <= MAX_SEQS and head_dim >= 32 and pow2
 
 
 @triton.jit
@@ -66,11 +72,12 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps, D: tl.constexpr, NORM: tl.constexp
 
 @triton.jit
 def _kv_tile(
-    k_cache_ptr, v_cache_ptr, tables_ptr, row, start, end, kvh, half,
-    stride_tr, stride_cb, stride_ct, stride_ch,
-    BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, row, start, end, kvh, half,
+    stride_tr, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr,
 ):  # fmt: skip
-    """Halves of keys and values at positions ``start + [0, BLOCK_N)`` below ``end``."""
+    """Halves of keys and values at positions ``start + [0, BLOCK_N)`` below ``end``, as
+    stored, and their scales (an unscaled cache: ones, unread)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     ok = offs_n < end
     blk = tl.load(tables_ptr + row * stride_tr + offs_n // BS, mask=ok, other=0).to(tl.int64)
@@ -79,7 +86,14 @@ def _kv_tile(
     k2 = tl.load(k_cache_ptr + p + D // 2, mask=ok[:, None], other=0.0)
     v1 = tl.load(v_cache_ptr + p, mask=ok[:, None], other=0.0)
     v2 = tl.load(v_cache_ptr + p + D // 2, mask=ok[:, None], other=0.0)
-    return k1, k2, v1, v2, ok
+    if QUANT != 0:
+        so = blk * stride_sb + (offs_n % BS) * stride_st + kvh
+        ks = tl.load(k_scale_ptr + so, mask=ok, other=0.0)
+        vs = tl.load(v_scale_ptr + so, mask=ok, other=0.0)
+    else:
+        ks = ok.to(tl.float32)
+        vs = ks
+    return k1, k2, v1, v2, ks, vs, ok
 
 
 @triton.jit
@@ -92,12 +106,12 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _decode_attention_kernel(
     qkv_ptr, stride_qkv, pos_ptr, cos_sin_ptr, qn_ptr, kn_ptr, eps,
-    k_cache_ptr, v_cache_ptr, slot_ptr, tables_ptr, seq_rows_ptr, seq_lens_ptr,
-    o_ptr, stride_on, stride_oh, part_o_ptr, part_lse_ptr, qk_scale,
-    stride_cb, stride_ct, stride_ch, stride_tr,
+    k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, tables_ptr, seq_rows_ptr,
+    seq_lens_ptr, o_ptr, stride_on, stride_oh, part_o_ptr, part_lse_ptr, qk_scale,
+    stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_tr,
     G: tl.constexpr, G_PAD: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
     D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    QK_NORM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, IEEE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     tok = tl.program_id(0).to(tl.int64)  # decode: token s is sequence s
     kvh = tl.program_id(1)
@@ -113,9 +127,10 @@ def _decode_attention_kernel(
     lo = split * chunk
     hi = tl.minimum(ctx, lo + chunk)
     cached_end = tl.minimum(hi, ctx - 1)  # this split's cached keys: [lo, cached_end)
-    k1, k2, v1, v2, n_ok = _kv_tile(
-        k_cache_ptr, v_cache_ptr, tables_ptr, row, lo, cached_end, kvh, half,
-        stride_tr, stride_cb, stride_ct, stride_ch, BS, BLOCK_N, D,
+    k1, k2, v1, v2, ks, vs, n_ok = _kv_tile(
+        k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, row, lo, cached_end,
+        kvh, half, stride_tr, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
+        BS, BLOCK_N, D, QUANT,
     )  # fmt: skip
     cos = tl.load(cos_sin_ptr + pos * D + half)
     sin = tl.load(cos_sin_ptr + pos * D + D // 2 + half)
@@ -141,50 +156,68 @@ def _decode_attention_kernel(
     kn1 = tl.load(kb + half).to(tl.float32)
     kn2 = tl.load(kb + D // 2 + half).to(tl.float32)
     kn1, kn2 = _norm_rope(kn1, kn2, kw1, kw2, cos, sin, eps, D, QK_NORM)
-    kn1, kn2 = kn1.to(dt), kn2.to(dt)
+    if QUANT == 0:  # an unscaled cache stores k as rope_store writes q: in the model's dtype
+        kn1, kn2 = kn1.to(dt), kn2.to(dt)
     vb = base + (HQ + HKV + kvh) * D
-    vn1 = tl.load(vb + half)
-    vn2 = tl.load(vb + D // 2 + half)
+    vn1 = tl.load(vb + half).to(tl.float32)
+    vn2 = tl.load(vb + D // 2 + half).to(tl.float32)
+    # the new token's k and v as stored (rope_store's rounding), and their scales
+    kc1, kc2, ks_new = quantize_halves(kn1, kn2, QUANT, k_cache_ptr.dtype.element_ty)
+    vc1, vc2, vs_new = quantize_halves(vn1, vn2, QUANT, v_cache_ptr.dtype.element_ty)
 
     owner = (lo <= ctx - 1) & (ctx - 1 < hi)  # this split holds the new token's position
     keep = (half < D // 2) & owner & (slot >= 0)
     dst = (slot // BS) * stride_cb + (slot % BS) * stride_ct + kvh * stride_ch + half
-    tl.store(k_cache_ptr + dst, kn1.to(k_cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(k_cache_ptr + dst + D // 2, kn2.to(k_cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(v_cache_ptr + dst, vn1.to(v_cache_ptr.dtype.element_ty), mask=keep)
-    tl.store(v_cache_ptr + dst + D // 2, vn2.to(v_cache_ptr.dtype.element_ty), mask=keep)
+    tl.store(k_cache_ptr + dst, kc1, mask=keep)
+    tl.store(k_cache_ptr + dst + D // 2, kc2, mask=keep)
+    tl.store(v_cache_ptr + dst, vc1, mask=keep)
+    tl.store(v_cache_ptr + dst + D // 2, vc2, mask=keep)
+    if QUANT != 0:
+        sdst = (slot // BS) * stride_sb + (slot % BS) * stride_st + kvh
+        tl.store(k_scale_ptr + sdst, ks_new, mask=owner & (slot >= 0))
+        tl.store(v_scale_ptr + sdst, vs_new, mask=owner & (slot >= 0))
 
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc1 = tl.zeros([G_PAD, D // 2], dtype=tl.float32)
     acc2 = tl.zeros([G_PAD, D // 2], dtype=tl.float32)
     for start in range(lo, cached_end, BLOCK_N):
-        sc = _dot(q1, tl.trans(k1), IEEE) + _dot(q2, tl.trans(k2), IEEE)
+        # 8-bit keys and values convert exactly to q's dtype; their scales multiply the
+        # scores' and the probabilities' columns (as in attention._paged_attention_kernel)
+        sc = _dot(q1, tl.trans(k1.to(dt)), IEEE) + _dot(q2, tl.trans(k2.to(dt)), IEEE)
+        if QUANT != 0:
+            sc = sc * ks[None, :]
         sc = tl.where(n_ok[None, :], sc * qk_scale, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(sc - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc1 = acc1 * alpha[:, None] + _dot(p.to(v1.dtype), v1, IEEE)
-        acc2 = acc2 * alpha[:, None] + _dot(p.to(v1.dtype), v2, IEEE)
+        if QUANT != 0:
+            p = p * vs[None, :]
+        acc1 = acc1 * alpha[:, None] + _dot(p.to(dt), v1.to(dt), IEEE)
+        acc2 = acc2 * alpha[:, None] + _dot(p.to(dt), v2.to(dt), IEEE)
         m_i = m_new
-        k1, k2, v1, v2, n_ok = _kv_tile(
-            k_cache_ptr, v_cache_ptr, tables_ptr, row, start + BLOCK_N, cached_end, kvh, half,
-            stride_tr, stride_cb, stride_ct, stride_ch, BS, BLOCK_N, D,
+        k1, k2, v1, v2, ks, vs, n_ok = _kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tables_ptr, row,
+            start + BLOCK_N, cached_end, kvh, half, stride_tr, stride_cb, stride_ct, stride_ch,
+            stride_sb, stride_st, BS, BLOCK_N, D, QUANT,
         )  # fmt: skip
     # the new token's key, in the owner split only
-    s_new = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :], axis=1)
-    s_new += tl.sum(q2.to(tl.float32) * kn2.to(tl.float32)[None, :], axis=1)
-    s_new = tl.where(owner, s_new * qk_scale, float("-inf"))
+    kr1 = kc1.to(dt).to(tl.float32)
+    kr2 = kc2.to(dt).to(tl.float32)
+    s_new = tl.sum(q1.to(tl.float32) * kr1[None, :], axis=1)
+    s_new += tl.sum(q2.to(tl.float32) * kr2[None, :], axis=1)
+    s_new = tl.where(owner, s_new * ks_new * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, s_new)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p_new = tl.math.exp2(s_new - m_safe)
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + p_new
-    p_new = p_new.to(dt).to(tl.float32)[:, None]  # as the tile path rounds p for its product
-    acc1 = acc1 * alpha[:, None] + p_new * vn1.to(tl.float32)[None, :]
-    acc2 = acc2 * alpha[:, None] + p_new * vn2.to(tl.float32)[None, :]
+    # as the tile path rounds p (times the value's scale) for its product
+    p_new = (p_new * vs_new).to(dt).to(tl.float32)[:, None]
+    acc1 = acc1 * alpha[:, None] + p_new * vc1.to(dt).to(tl.float32)[None, :]
+    acc2 = acc2 * alpha[:, None] + p_new * vc2.to(dt).to(tl.float32)[None, :]
     m_i = m_new
 
     inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -211,6 +244,8 @@ def decode_attention(
     num_q_heads: int,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
     slot_mapping: torch.Tensor,
     tables: torch.Tensor,
     seq_rows: torch.Tensor,
@@ -218,7 +253,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention output ``[S, Hq, D]`` of one new token per sequence, from ``qkv``
     ``[S, (Hq + 2 Hkv) D]``; the tokens' k and v go into the cache (``k_cache``
-    ``[blocks, bs, Hkv, D]``)."""
+    ``[blocks, bs, Hkv, D]``; an 8-bit one with its scales ``[blocks, bs, Hkv]``)."""
     s = qkv.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     group = num_q_heads // hkv
@@ -234,13 +269,16 @@ def decode_attention(
     _decode_attention_kernel[(s, hkv, splits)](
         qkv, qkv.stride(0), positions, cos_sin,
         q_norm if q_norm is not None else cos_sin, k_norm if k_norm is not None else cos_sin, eps,
-        k_cache, v_cache, slot_mapping, tables, seq_rows, seq_lens,
+        k_cache, v_cache, k_scale if k_scale is not None else k_cache,
+        v_scale if v_scale is not None else v_cache, slot_mapping, tables, seq_rows, seq_lens,
         out, out.stride(0), out.stride(1), part_o, part_lse,
         (1.0 / math.sqrt(d)) * 1.4426950408889634,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0) if k_scale is not None else 0,
+        k_scale.stride(1) if k_scale is not None else 0, tables.stride(0),
         G=group, G_PAD=max(16, triton.next_power_of_2(group)), HQ=num_q_heads, HKV=hkv, D=d,
         BS=k_cache.shape[1], BLOCK_N=BLOCK_N, SPLITS=splits, QK_NORM=q_norm is not None,
-        IEEE=qkv.dtype == torch.float32, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+        IEEE=qkv.dtype == torch.float32, QUANT=quant_mode(k_cache, k_scale), PDL=pdl, num_warps=4, **launch_kwargs(pdl),
     )  # fmt: skip
     if splits > 1:
         combine_splits(part_o, part_lse, out, s, early=True, num_warps=1)

@@ -5,7 +5,8 @@ Grid: one program per (token, head) for the ``Hq + Hkv`` heads; a kv-head progra
 and v. Tokens whose slot is negative (CUDA-graph padding) write no KV.
 
 Invariant: the KV written for a token equals the reference model's k (normed, rotated) and v,
-up to the storage dtype (for int8: ``round(x / s)``, ``s = max|x| / 127`` per token and head).
+up to the storage dtype (for the 8-bit formats, ``cloud_engine.kv_quant``: ``x / s`` rounded to
+int8 or fp8 e4m3, ``s = max|x| / QMAX`` per token and head, QMAX 127 or 448).
 """
 
 from __future__ import annotations
@@ -32,16 +33,38 @@ def _round_i8(x):
 
 
 @triton.jit
-def _store_vec(cache_ptr, scale_ptr, dst, sdst, x1, x2, half, D: tl.constexpr, INT8: tl.constexpr):
-    if INT8:
-        amax = tl.maximum(tl.max(tl.abs(x1), axis=0), tl.max(tl.abs(x2), axis=0))
-        s = tl.maximum(amax, 1e-8) / 127.0
-        tl.store(cache_ptr + dst + half, _round_i8(x1 / s))
-        tl.store(cache_ptr + dst + D // 2 + half, _round_i8(x2 / s))
-        tl.store(scale_ptr + sdst, s)
+def quantize_halves(x1, x2, QUANT: tl.constexpr, dt: tl.constexpr):
+    """The halves of one head vector as stored (``dt``: the cache's element type) and the
+    vector's scale: QUANT 0 stores ``dt`` (scale 1), 1 int8, 2 fp8 e4m3 (``kv_quant``)."""
+    if QUANT == 0:
+        q1 = x1.to(dt)
+        q2 = x2.to(dt)
+        s = 1.0
     else:
-        tl.store(cache_ptr + dst + half, x1.to(cache_ptr.dtype.element_ty))
-        tl.store(cache_ptr + dst + D // 2 + half, x2.to(cache_ptr.dtype.element_ty))
+        if QUANT == 1:
+            qmax = 127.0
+        else:
+            qmax = 448.0
+        amax = tl.maximum(tl.max(tl.abs(x1), axis=0), tl.max(tl.abs(x2), axis=0))
+        s = tl.maximum(amax, 1e-8) / qmax
+        y1 = tl.minimum(tl.maximum(x1 / s, -qmax), qmax)
+        y2 = tl.minimum(tl.maximum(x2 / s, -qmax), qmax)
+        if QUANT == 1:
+            q1 = _round_i8(y1)
+            q2 = _round_i8(y2)
+        else:
+            q1 = y1.to(dt)
+            q2 = y2.to(dt)
+    return q1, q2, s
+
+
+@triton.jit
+def _store_vec(cache_ptr, scale_ptr, dst, sdst, x1, x2, half, D: tl.constexpr, QUANT: tl.constexpr):
+    q1, q2, s = quantize_halves(x1, x2, QUANT, cache_ptr.dtype.element_ty)
+    tl.store(cache_ptr + dst + half, q1)
+    tl.store(cache_ptr + dst + D // 2 + half, q2)
+    if QUANT != 0:
+        tl.store(scale_ptr + sdst, s)
 
 
 @triton.jit
@@ -71,7 +94,7 @@ def _qk_rope_store_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     QK_NORM: tl.constexpr,
-    KV_INT8: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -106,8 +129,15 @@ def _qk_rope_store_kernel(
             t = slot % BS
             dst = blk * stride_cb + t * stride_ct + kh * stride_ch
             sdst = blk * stride_sb + t * stride_st + kh
-            _store_vec(k_cache_ptr, k_scale_ptr, dst, sdst, r1, r2, half, D, KV_INT8)
-            _store_vec(v_cache_ptr, v_scale_ptr, dst, sdst, v1, v2, half, D, KV_INT8)
+            _store_vec(k_cache_ptr, k_scale_ptr, dst, sdst, r1, r2, half, D, QUANT)
+            _store_vec(v_cache_ptr, v_scale_ptr, dst, sdst, v1, v2, half, D, QUANT)
+
+
+def quant_mode(cache: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The kernels' QUANT code of a cache: 0 unscaled, 1 int8, 2 fp8 e4m3."""
+    if scale is None:
+        return 0
+    return 1 if cache.dtype == torch.int8 else 2
 
 
 def qk_rope_store(
@@ -132,7 +162,7 @@ def qk_rope_store(
     n = qkv.shape[0]
     d = k_cache.shape[-1]
     q = torch.empty((n, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
-    int8 = k_scale is not None
+    int8 = k_scale is not None  # scaled: int8 or fp8
     if n:
         pdl = use_pdl(qkv)
         _qk_rope_store_kernel[(n, num_q_heads + num_kv_heads)](
@@ -161,7 +191,7 @@ def qk_rope_store(
             D=d,
             BS=k_cache.shape[1],
             QK_NORM=q_norm is not None,
-            KV_INT8=int8,
+            QUANT=quant_mode(k_cache, k_scale),
             PDL=pdl,
             num_warps=1 if d <= 64 else 2,
             **launch_kwargs(pdl),

@@ -567,14 +567,14 @@ class TritonOps(TorchOps):
     def rope_attention(
         self, fm: FusedLlama, layer: int, qkv: torch.Tensor, positions: torch.Tensor, a: AttnInputs
     ) -> torch.Tensor:
-        kc, vc, ks, _ = fm.pool.layer(layer)
+        kc, vc, ks, vs = fm.pool.layer(layer)
         decode_only = qkv.shape[0] == a.seq_lens.shape[0]  # every sequence has >= 1 token
-        fits = self._dec.supports(qkv.shape[0], fm.d, ks is not None)
+        fits = self._dec.supports(qkv.shape[0], fm.d)
         if not (self.decode_attention and decode_only and fits):
             return super().rope_attention(fm, layer, qkv, positions, a)
         w = fm.layers[layer]
         return self._dec.decode_attention(
-            qkv, positions, fm.cos_sin, w.q_norm, w.k_norm, fm.eps, fm.hq, kc, vc,
+            qkv, positions, fm.cos_sin, w.q_norm, w.k_norm, fm.eps, fm.hq, kc, vc, ks, vs,
             a.slot_mapping, a.tables, a.seq_rows, a.seq_lens,
         )  # fmt: skip
 

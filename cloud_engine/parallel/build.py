@@ -28,7 +28,7 @@ def load_rank(folder: str | Path, rank: Rank, cfg: EngineConfig) -> tuple[Sharde
     layers = rank.config.stage_layers(mc.num_hidden_layers)[rank.pp_rank]
     model = ShardedLlama(str(folder), rank, layers, cfg.dtype)
     budget = budget_bytes_for(rank.device, cfg.kv_memory_fraction, cfg.kv_memory_bytes)
-    return model, make_pool(model, rank, budget, cfg.max_kv_blocks, cfg.kv_int8)
+    return model, make_pool(model, rank, budget, cfg)
 
 
 def driver_core(folder: str | Path, identity: str, rank: Rank, cfg: EngineConfig) -> EngineCore:

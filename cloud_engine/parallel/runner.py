@@ -32,7 +32,7 @@ import torch.distributed as dist
 from cloud_engine.attention_torch import TorchPagedBackend, make_meta
 from cloud_engine.config import EngineConfig
 from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
-from cloud_engine.kv_pool import KVPool, KVSpec
+from cloud_engine.kv_pool import KVPool, KVSpec, sized_pool
 from cloud_engine.parallel.dist import Rank, min_over_world
 from cloud_engine.parallel.model import ShardedLlama
 from cloud_engine.parallel.protocol import HEADER, Cmd, StepMeta, control, payload_size, unpack
@@ -47,19 +47,17 @@ log = logging.getLogger(__name__)
 STATS = 4  # busy seconds, wall seconds since the first step, steps, control seconds
 
 
-def make_pool(
-    model: ShardedLlama, rank: Rank, budget_bytes: int, max_blocks: int | None, int8: bool = False
-) -> KVPool:
-    """This rank's shard of the one KV pool: its layers, its KV heads, the world's block count."""
-    cfg = model.config
-    dtype = model.anchor.dtype
-    spec = KVSpec(len(model.layers), model.kv_heads, cfg.head_dim, dtype, int8)
-    n = budget_bytes // spec.bytes_per_block
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    if rank.config.world_size > 1:
-        n = min_over_world(int(n), rank.device)
-    return KVPool(spec, n, rank.device)
+def make_pool(model: ShardedLlama, rank: Rank, budget_bytes: int, cfg: EngineConfig) -> KVPool:
+    """This rank's shard of the one KV pool: its layers, its KV heads, the storage of
+    ``cfg.kv_dtype`` and the world's block count (every rank agrees on both)."""
+    mc = model.config
+    spec = KVSpec(len(model.layers), model.kv_heads, mc.head_dim, model.anchor.dtype)
+    world = rank.config.world_size > 1
+    return sized_pool(
+        spec, cfg.kv_dtype, rank.device, budget_bytes, cfg.max_kv_blocks,
+        cfg.max_context or mc.max_position_embeddings, cfg.kv_auto_min_sequences,
+        agree=(lambda n: min_over_world(n, rank.device)) if world else None,
+    )  # fmt: skip
 
 
 @dataclass

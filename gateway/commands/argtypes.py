@@ -49,6 +49,17 @@ def stall_ratio(text: str) -> float | None:
     return _bounded(float, 0, 1000, "a number in [0, 1000] or 'off'")(text)
 
 
+KV_DTYPES = ("auto", "bf16", "fp8", "int8")  # = cloud_engine.kv_quant.KV_CHOICES (no torch here)
+
+
+def kv_dtype(text: str) -> str:
+    """``--kv-dtype``: one of :data:`KV_DTYPES`."""
+    value = text.strip().lower()
+    if value not in KV_DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(KV_DTYPES)}")
+    return value
+
+
 def pp_spec(text: str) -> tuple[int, str | None]:
     """``--pp``: ``STAGES`` or ``STAGES:LAYERS`` (``balanced``, or one count per stage)."""
     stages, _, layers = text.partition(":")

@@ -71,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         kv_memory_bytes=int(args.kv_budget_mb * 2**20) if args.kv_budget_mb else None,
         prefill_stall_ratio=args.prefill_stall_ratio,
+        kv_dtype=args.kv_dtype,
     )
     pp, pp_layers = args.pp
     if args.tp * pp > 1:  # rank processes on this host, or this rank of a torchrun world

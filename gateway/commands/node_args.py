@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.commands.argtypes import (
     cloud_stall_ratio,
+    kv_dtype,
     nonneg_float,
     nonneg_int,
     port,
@@ -152,11 +153,23 @@ CLOUD_FLAGS: tuple[EngineFlag, ...] = (
         serve_help="the cloud node's --max-running (default: 4 per thread on CPU, 256 on CUDA)",
     ),
     EngineFlag(
+        "kv-dtype",
+        "what the KV cache stores: bf16, fp8 (e4m3) or int8 (8-bit with a scale per token and "
+        "head: about twice the tokens in the same memory), or auto: the model's dtype unless "
+        "that cache would hold fewer than 4 requests of the full context on CUDA, then fp8 (on "
+        "CPU auto never compresses)",
+        kv_dtype,
+        "auto",
+        serve_as="kv-dtype",
+        serve_help="the cloud node's --kv-dtype: auto, bf16, fp8 or int8 (default auto)",
+    ),
+    EngineFlag(
         "prefill-stall-ratio",
         "while answers decode, a step holds this many decode steps' time of prompt tokens; "
         "lower keeps answers streaming ('off': the whole step budget; default 1 on CPU, off "
         "on CUDA)",
         cloud_stall_ratio,
+        kv_dtype,
         serve_as="prefill-stall-ratio",
         serve_help=_SERVE_STALL_HELP,
     ),

@@ -10,6 +10,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.blocks import BLOCK_SIZE
+
 SCHEMA_VERSION = 1
 # The Node API a node speaks (MAJOR.MINOR): a minor step only adds to it; a gateway routes only
 # to nodes of its own major (``api_compatible``), and says which it skips.
@@ -81,6 +83,9 @@ class EngineTraits(BaseModel):
     prefix_in_slots: bool = False
     # its weights and how they were chosen (the edge: its variant and the quality gate's verdict)
     weights: str = ""
+    # what its KV cache stores ("bf16", "fp8", "int8", ...; "": not reported): a compressed
+    # cache holds more tokens in the same memory, which ``kv_blocks_total`` already counts
+    kv_dtype: str = ""
     tp: int = 1  # tensor-parallel ranks of its engine
     pp: int = 1  # pipeline stages of its engine
     devices: list[str] = Field(default_factory=list)  # one per rank (empty: just ``device``)
@@ -141,6 +146,12 @@ class NodeState(EngineTraits):
 
     def is_fresh(self, now: float | None = None) -> bool:
         return ((now if now is not None else time.time()) - self.timestamp) <= self.ttl_s
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens its KV pool holds (0: not reported): ``kv_blocks_total`` blocks of
+        ``routing.blocks.BLOCK_SIZE`` tokens, whatever the pool stores per token."""
+        return self.kv_blocks_total * BLOCK_SIZE
 
     @property
     def load(self) -> float:
