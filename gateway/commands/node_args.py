@@ -169,7 +169,6 @@ CLOUD_FLAGS: tuple[EngineFlag, ...] = (
         "lower keeps answers streaming ('off': the whole step budget; default 1 on CPU, off "
         "on CUDA)",
         cloud_stall_ratio,
-        kv_dtype,
         serve_as="prefill-stall-ratio",
         serve_help=_SERVE_STALL_HELP,
     ),
