@@ -85,12 +85,13 @@ def _own_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def test_serve_commands_stay_within_their_flag_budget() -> None:
-    """``serve`` at most 15 flags of its own, ``edge serve`` and ``cloud serve`` 19 each
+    """``serve`` at most 16 flags of its own, ``edge serve`` and ``cloud serve`` 19 each
     (without -h, -v, --debug), every help one line."""
     from gateway.cli import all_parsers
 
-    # node commands: 18, and one more that issue 46 allowed for a later issue: --watts (47)
-    budget = {"edgecloud serve": 15, "edgecloud edge serve": 19, "edgecloud cloud serve": 19}
+    # node commands: 18, and one more that issue 46 allowed for a later issue: --watts (47);
+    # serve: 15, and --workers, which issue 51 asks of serve as of gateway
+    budget = {"edgecloud serve": 16, "edgecloud edge serve": 19, "edgecloud cloud serve": 19}
     parsers = {p.prog: p for p in all_parsers() if p.prog in budget}
     assert {prog: len(_own_flags(p)) <= budget[prog] for prog, p in parsers.items()} == {
         prog: True for prog in budget

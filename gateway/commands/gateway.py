@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.commands.argtypes import port
+from gateway.commands.argtypes import port, positive_int
 from gateway.commands.edge import VARIANT_CHOICES
 from gateway.commands.node_args import (
     CLOUD_FLAGS,
@@ -36,7 +36,12 @@ from gateway.commands.node_args import (
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gateway.front.config import GatewayConfig
     from gateway.http_server import DrainingServer
+    from gateway.server_limits import ServerLimits
+    from gateway.workers.pool import WorkerPool
     from routing.supervisor import ChildExit, Supervisor
 
 # After the gateway has drained, how long the nodes get to exit on SIGTERM before SIGKILL
@@ -45,6 +50,17 @@ CHILD_STOP_TIMEOUT_S = 10.0
 # How long the nodes may take to answer /health (a first run exports the ONNX graph).
 READY_TIMEOUT_S = 600.0
 REGION = "local"  # the region the embedded nodes report
+
+
+def add_workers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="gateway processes serving the port, sharing the fleet view, limits and in-flight "
+        "counts (through the config's redis_url, else a private redis-server, which must then "
+        "be installed); at most one per core (default 1: one process, no Redis needed)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -65,6 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="allow a non-loopback host with authentication off (anyone may use it)",
     )
+    add_workers(g)
     add_server_arguments(g)
     g.set_defaults(func=run_gateway)
 
@@ -104,6 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="allow a non-loopback --host (serve has no API keys: anyone may use it)",
     )
+    add_workers(s)
     add_drain_timeout(s)
     s.set_defaults(func=run_serve)
 
@@ -112,9 +130,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     import yaml
     from pydantic import ValidationError
 
-    from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig, load_gateway_config
-    from gateway.http_server import DrainingServer
 
     try:
         cfg = load_gateway_config(args.config) if args.config else GatewayConfig()
@@ -146,12 +162,26 @@ def run_gateway(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     check_port_free(host, port)
+    store = "redis" if cfg.redis_url else "in-process"
+    if args.workers > 1:
+        shared = "redis_url" if cfg.redis_url else "a private redis-server"
+        store += f"; {args.workers} workers sharing state through {shared}"
     print(
         f"edgecloud gateway on http://{host}:{port} ({len(cfg.nodes)} configured nodes, "
-        f"store: {'redis' if cfg.redis_url else 'in-process'})",
+        f"store: {store})",
         file=sys.stderr,
     )
-    from gateway.geo import GeoDatabaseError
+    from gateway.geo import GeoDatabaseError, GeoLocator
+
+    if args.workers > 1:
+        try:  # checked here, once, rather than by every worker
+            GeoLocator(cfg.geo).close()
+        except GeoDatabaseError as exc:
+            print(f"edgecloud gateway: error: {exc}", file=sys.stderr)
+            return 2
+        return _serve_workers(cfg, host, port, args.workers, limits_from_args(args))
+    from gateway.front.app import create_gateway_app
+    from gateway.http_server import DrainingServer
 
     try:
         app = create_gateway_app(cfg)
@@ -164,6 +194,36 @@ def run_gateway(args: argparse.Namespace) -> int:
     result = server.serve_until_stopped()
     print(result.describe("gateway"), file=sys.stderr)
     return 0
+
+
+def _serve_workers(
+    cfg: GatewayConfig,
+    host: str,
+    port: int,
+    workers: int,
+    limits: ServerLimits,
+    on_stop_request: Callable[[str], None] | None = None,
+) -> int:
+    """Serve ``cfg`` with ``workers`` processes (:class:`gateway.workers.pool.WorkerPool`)
+    until SIGTERM/Ctrl-C or a worker's exit; returns the exit code (1: a worker failed)."""
+    from gateway.workers.pool import WorkerPool
+    from gateway.workers.private_redis import PrivateRedisError
+
+    pool = WorkerPool(
+        cfg,
+        host=host,
+        port=port,
+        workers=workers,
+        limits=limits,
+        on_stop_request=on_stop_request,
+    )
+    try:
+        return pool.serve_until_stopped(
+            on_ready=lambda: print(f"{workers} gateway workers listening", file=sys.stderr)
+        )
+    except PrivateRedisError as exc:
+        print(f"edgecloud: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def split_cores(total: int) -> tuple[int, int]:
@@ -251,7 +311,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         gate = choose_variant(info.path, threads=args.edge_threads)
         print(f"edge weights: {gate.summary()}", file=sys.stderr)
-    servers: list[DrainingServer] = []
+    servers: list[DrainingServer | WorkerPool] = []
 
     def node_died(ended: ChildExit) -> None:  # the supervisor's watcher thread
         print(f"edgecloud serve: error: {ended.describe()}; stopping", file=sys.stderr)
@@ -286,25 +346,28 @@ def run_serve(args: argparse.Namespace) -> int:
             node_token=node_token,
             insecure_no_auth=args.insecure_no_auth,
         )
-        server = DrainingServer(
-            create_gateway_app(cfg),
-            host=args.host,
-            port=args.port,
-            limits=limits,
-            proxy_headers=False,
-            # from the first stop request on, the nodes' own exits are expected ones
-            on_stop_request=lambda _reason: supervisor.expect_exits(),
-        )
-        servers.append(server)
-        if supervisor.unexpected is not None:  # died between start-up and here
-            server.request_stop(f"{supervisor.unexpected.name} exited")
-        print(
+        serving = (
             f"edgecloud is serving {info.name} on http://{args.host}:{args.port}/v1 "
-            f"(model 'auto' or '{info.name}'); Ctrl-C stops everything",
-            file=sys.stderr,
+            f"(model 'auto' or '{info.name}'); Ctrl-C stops everything"
         )
-        result = server.serve_until_stopped()
-        print(result.describe("gateway"), file=sys.stderr)
+        if args.workers > 1:
+            rc = _serve_gateway_workers(args, cfg, limits, supervisor, servers, serving)
+        else:
+            server = DrainingServer(
+                create_gateway_app(cfg),
+                host=args.host,
+                port=args.port,
+                limits=limits,
+                proxy_headers=False,
+                # from the first stop request on, the nodes' own exits are expected ones
+                on_stop_request=lambda _reason: supervisor.expect_exits(),
+            )
+            servers.append(server)
+            if supervisor.unexpected is not None:  # died between start-up and here
+                server.request_stop(f"{supervisor.unexpected.name} exited")
+            print(serving, file=sys.stderr)
+            result = server.serve_until_stopped()
+            print(result.describe("gateway"), file=sys.stderr)
     except RuntimeError as exc:
         print(f"edgecloud serve: error: {exc}", file=sys.stderr)
         rc = 1
@@ -322,3 +385,29 @@ def run_serve(args: argparse.Namespace) -> int:
                 signal.signal(s, handler)
             signal.signal(signal.SIGTERM, previous_term)
     return 1 if supervisor.unexpected is not None else rc
+
+
+def _serve_gateway_workers(
+    args: argparse.Namespace,
+    cfg: GatewayConfig,
+    limits: ServerLimits,
+    supervisor: Supervisor,
+    servers: list[DrainingServer | WorkerPool],
+    serving: str,
+) -> int:
+    """``serve``'s gateway as ``args.workers`` processes, stopped when a node dies (the pool
+    is put in ``servers`` for the supervisor's callback); returns 1 if a worker failed."""
+    from gateway.workers.pool import WorkerPool
+
+    pool = WorkerPool(
+        cfg,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        limits=limits,
+        on_stop_request=lambda _reason: supervisor.expect_exits(),
+    )
+    servers.append(pool)
+    if supervisor.unexpected is not None:  # died between start-up and here
+        pool.request_stop(f"{supervisor.unexpected.name} exited")
+    return pool.serve_until_stopped(on_ready=lambda: print(serving, file=sys.stderr))
