@@ -12,6 +12,7 @@ front of a real node (the tiny model on a CPU cloud node), over real HTTP on loo
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import signal
@@ -220,3 +221,15 @@ def test_a_wrong_workers_value_is_a_usage_error(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error: argument --workers:" in err and "at least 1" in err, err
+
+
+def test_a_worker_that_dies_stops_the_gateway_with_exit_1(tmp_path: Path) -> None:
+    p = _pool(tmp_path, {"nodes": []})
+    victim, survivor = sorted(_each_worker(p.url, 2, "/health"))
+    os.kill(victim, signal.SIGKILL)
+    assert p.proc.wait(60) == 1, p.tail()
+    log = p.log.read_text()
+    assert re.search(
+        rf"gateway worker \d \(pid {victim}\) exited unexpectedly \(signal SIGKILL\)", log
+    )
+    assert re.search(rf"stopped gateway worker \d \(pid {survivor}\) in", log), log
