@@ -187,8 +187,38 @@ def test_in_flight_rows_are_shared(pool: Proc) -> None:
             t.join(60)
 
 
-def test_sigterm_drains_the_streams_of_every_worker(node: Proc, tmp_path: Path) -> None:
-    p = _pool(tmp_path, _config(node), 2, "--drain-timeout", "60")
+@pytest.fixture(scope="module")
+def polled(node: Proc, tmp_path_factory: pytest.TempPathFactory):
+    """Two workers polling the node themselves, rarely (every 30 s), sharing the private
+    redis-server of their parent; a test may stop it."""
+    cfg = {**_config(node), "poll_interval_s": 30}
+    p = _pool(tmp_path_factory.mktemp("polled"), cfg, 2, "--drain-timeout", "60")
+    yield p
+    p.stop(signal.SIGTERM)
+
+
+SYSTEM = " ".join(f"Rule {i}: answer politely and precisely." for i in range(40))  # ~300 tokens
+
+
+def test_a_prefix_one_worker_sent_is_credited_by_every_worker(polled: Proc) -> None:
+    def chat(user: str, **kw) -> dict:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        return {"model": "auto", "messages": messages, "max_tokens": 4, **kw}
+
+    r = FRESH.post(polled.url + "/v1/chat/completions", json=chat("First?", temperature=0))
+    assert r.status_code == 200, r.text
+    # each on a new connection (the kernel spreads them over both workers); no worker polls
+    # the node within 30 s, so one that did not send the request knows it from the board
+    credited: list[int] = []
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (len(credited) >= 10 and min(credited[-10:])):
+        route = FRESH.post(polled.url + "/v1/route", json=chat("Another")).json()
+        credited.append(route["cached_tokens"] >= 256)
+    assert len(credited) >= 10 and all(credited[-10:]), credited
+
+
+def test_sigterm_drains_the_streams_of_every_worker(polled: Proc) -> None:
+    p = polled
     threads: list[threading.Thread] = []
     out: list[list[str]] = []
     for _ in range(12):  # until both workers hold a stream (each lasts a few seconds)

@@ -8,7 +8,13 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from routing.fleet.inflight import ALIVE_KEY, ROWS_KEY, InFlightBoard, SharedCountsStore
+from routing.fleet.inflight import (
+    ALIVE_KEY,
+    CACHE_KEY,
+    ROWS_KEY,
+    InFlightBoard,
+    SharedCountsStore,
+)
 from routing.fleet.memory_store import InProcessFleetStore
 from routing.fleet.state import NodeKind, NodeState
 from routing.fleet.store import FleetView
@@ -27,7 +33,7 @@ async def _settle(*boards: InFlightBoard) -> None:
 def test_workers_read_each_others_rows_and_forget_the_dead(redis_url: str) -> None:
     async def main() -> None:
         client = Redis.from_url(redis_url)
-        await client.delete(ROWS_KEY, ALIVE_KEY)
+        await client.delete(ROWS_KEY, ALIVE_KEY, CACHE_KEY)
         rows = {"a": {"n1": 0}, "b": {"n1": 0}}
         now = [1000.0]
         a, b = (
@@ -103,7 +109,7 @@ def test_the_router_counts_the_other_workers_rows() -> None:
 def test_a_shared_counts_store_adds_the_board_to_every_view(redis_url: str) -> None:
     async def main() -> None:
         client = Redis.from_url(redis_url)
-        await client.delete(ROWS_KEY, ALIVE_KEY)
+        await client.delete(ROWS_KEY, ALIVE_KEY, CACHE_KEY)
         other = InFlightBoard(client, {"n1": 5}.__getitem__, me="other")
         other.changed("n1")
         await other._publish({"n1"}, other.clock())

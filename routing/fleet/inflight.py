@@ -6,9 +6,15 @@ whole by each of them (without it, only the nodes' heartbeat counts, a second la
 show them). :class:`SharedCountsStore` adds the others' rows to every fleet view
 (``FleetView.others_in_flight``), which the router counts as requests in hand beyond its own.
 
+The board also carries, per node, how often a worker saw its prefix cache change (a first
+token, a finished request): a worker whose store polls the nodes syncs a node's block feed as
+soon as another worker's request changed it, as it does for its own requests, so a prompt
+prefilled through one worker is credited through every other before the next poll.
+
 Keys (under ``edgecloud:v1:``, one Redis Cluster slot by the ``{inflight}`` hash tag):
 - ``{inflight}:rows``: hash ``{worker}|{node}`` -> rows that worker has in flight there.
 - ``{inflight}:alive``: hash ``{worker}`` -> unix time of its last write.
+- ``{inflight}:cache``: hash ``{node}`` -> cache changes seen by any worker (a counter).
 
 Invariants:
 - A worker writes only its own fields, as absolute values (never increments), from one task:
@@ -41,6 +47,7 @@ log = logging.getLogger(__name__)
 
 ROWS_KEY = KEY_PREFIX + "{inflight}:rows"
 ALIVE_KEY = KEY_PREFIX + "{inflight}:alive"
+CACHE_KEY = KEY_PREFIX + "{inflight}:cache"
 
 
 def worker_id() -> str:
@@ -76,12 +83,19 @@ class InFlightBoard:
         self.errors = 0
         self.last_error: str | None = None
         self._dirty: set[str] = set()
+        self._cache_changes: dict[str, int] = {}  # node -> changes not yet published
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
     def changed(self, node_id: str) -> None:
         """This worker's rows on ``node_id`` changed: publish them (coalesced)."""
         self._dirty.add(node_id)
+        if self._wake is not None:
+            self._wake.set()
+
+    def cache_changed(self, node_id: str) -> None:
+        """A request of this worker changed the node's prefix cache: tell the others."""
+        self._cache_changes[node_id] = self._cache_changes.get(node_id, 0) + 1
         if self._wake is not None:
             self._wake.set()
 
@@ -99,19 +113,24 @@ class InFlightBoard:
                 await asyncio.wait_for(self._wake.wait(), self.refresh_s)
             self._wake.clear()
             dirty, self._dirty = self._dirty, set()
+            changes, self._cache_changes = self._cache_changes, {}
             now = self.clock()
             try:
-                await self._publish(dirty, now)
+                await self._publish(dirty, now, changes)
                 if now >= next_sweep:
                     next_sweep = now + self.sweep_s
                     await self._sweep(now)
             except (RedisError, OSError) as exc:
-                self._dirty |= dirty  # written with the next attempt
+                self._dirty |= dirty  # written with the next attempt; cache changes are moot
                 self._failed(exc)
                 await asyncio.sleep(min(self.refresh_s, 0.5))
 
-    async def _publish(self, nodes: set[str], now: float) -> None:
+    async def _publish(
+        self, nodes: set[str], now: float, cache: dict[str, int] | None = None
+    ) -> None:
         pipe = self.redis.pipeline(transaction=False)
+        for node_id, n in (cache or {}).items():
+            pipe.hincrby(CACHE_KEY, node_id, n)
         for node_id in nodes:
             rows = self.rows_of(node_id)
             field = f"{self.me}|{node_id}"
@@ -137,14 +156,20 @@ class InFlightBoard:
 
     async def others(self) -> dict[str, int]:
         """Rows the other live workers have in flight now, per node ({} on a Redis error)."""
+        return (await self.read())[0]
+
+    async def read(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(rows the other live workers have in flight per node, each node's count of cache
+        changes), in one round trip; ({}, {}) on a Redis error."""
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.hgetall(ROWS_KEY)
             pipe.hgetall(ALIVE_KEY)
-            rows, alive = await pipe.execute()
+            pipe.hgetall(CACHE_KEY)
+            rows, alive, cache = await pipe.execute()
         except (RedisError, OSError) as exc:
             self._failed(exc)
-            return {}
+            return {}, {}
         now = self.clock()
         live = {_text(w) for w, t in alive.items() if now - _float(t) <= self.ttl_s}
         live.discard(self.me)
@@ -153,7 +178,7 @@ class InFlightBoard:
             worker, _, node_id = _text(key).partition("|")
             if worker in live:
                 out[node_id] = out.get(node_id, 0) + int(value)
-        return out
+        return out, {_text(k): int(v) for k, v in cache.items()}
 
     def _failed(self, exc: BaseException) -> None:
         if self.last_error is None:
@@ -194,16 +219,39 @@ def _float(value: bytes | str) -> float:
 
 
 class SharedCountsStore(FleetStore):
-    """A fleet store whose views also carry the other workers' rows in flight (``board``).
+    """A fleet store whose views also carry the other workers' rows in flight (``board``),
+    and that syncs a polled node's blocks when another worker changed its cache.
 
-    Everything else is the inner store's: node states, the prefix index, health, start-up."""
+    Everything else is the inner store's: node states, the prefix index, health, start-up.
+    Over a store that polls nodes the board is read first (a node another worker changed is
+    synced, and the view waits for that as for its own syncs); over one that does not (Redis:
+    nodes push their own blocks) both are read at once."""
 
     def __init__(self, inner: FleetStore, board: InFlightBoard) -> None:
         self.inner = inner
         self.board = board
+        self.polls = type(inner).note_cache_changed is not FleetStore.note_cache_changed
+        self._cache_seen: dict[str, int] = {}  # node -> the board's cache count last acted on
+        self._own: dict[str, int] = {}  # node -> our own cache changes not yet seen back
 
     async def view(self, block_hashes: Sequence[int]) -> FleetView:
-        view, others = await asyncio.gather(self.inner.view(block_hashes), self.board.others())
+        if self.polls:
+            others, cache = await self.board.read()
+            for node_id, count in cache.items():
+                seen = self._cache_seen.get(node_id)
+                if seen == count:
+                    continue
+                self._cache_seen[node_id] = count
+                if seen is None:  # the first look (start-up): nothing to catch up on
+                    continue
+                own = self._own.pop(node_id, 0)  # our changes: synced when we made them
+                if count - seen > own:
+                    self.inner.note_cache_changed(node_id)
+                elif own > count - seen:
+                    self._own[node_id] = own - (count - seen)
+            view = await self.inner.view(block_hashes)
+        else:
+            view, others = await asyncio.gather(self.inner.view(block_hashes), self.board.others())
         return dataclasses.replace(view, others_in_flight=others) if others else view
 
     async def put_node(self, state: NodeState) -> bool:
@@ -222,6 +270,9 @@ class SharedCountsStore(FleetStore):
 
     def note_cache_changed(self, node_id: str) -> None:
         self.inner.note_cache_changed(node_id)
+        if self.polls:
+            self._own[node_id] = self._own.get(node_id, 0) + 1
+            self.board.cache_changed(node_id)
 
     async def start(self) -> None:
         start = getattr(self.inner, "start", None)
