@@ -36,11 +36,7 @@ from gateway.commands.node_args import (
 from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from gateway.front.config import GatewayConfig
     from gateway.http_server import DrainingServer
-    from gateway.server_limits import ServerLimits
     from gateway.workers.pool import WorkerPool
     from routing.supervisor import ChildExit, Supervisor
 
@@ -179,7 +175,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         except GeoDatabaseError as exc:
             print(f"edgecloud gateway: error: {exc}", file=sys.stderr)
             return 2
-        return _serve_workers(cfg, host, port, args.workers, limits_from_args(args))
+        ready = f"{args.workers} gateway workers listening"
+        from gateway.workers.pool import serve_with_workers
+
+        return serve_with_workers(cfg, host, port, args.workers, limits_from_args(args), ready)
     from gateway.front.app import create_gateway_app
     from gateway.http_server import DrainingServer
 
@@ -194,36 +193,6 @@ def run_gateway(args: argparse.Namespace) -> int:
     result = server.serve_until_stopped()
     print(result.describe("gateway"), file=sys.stderr)
     return 0
-
-
-def _serve_workers(
-    cfg: GatewayConfig,
-    host: str,
-    port: int,
-    workers: int,
-    limits: ServerLimits,
-    on_stop_request: Callable[[str], None] | None = None,
-) -> int:
-    """Serve ``cfg`` with ``workers`` processes (:class:`gateway.workers.pool.WorkerPool`)
-    until SIGTERM/Ctrl-C or a worker's exit; returns the exit code (1: a worker failed)."""
-    from gateway.workers.pool import WorkerPool
-    from gateway.workers.private_redis import PrivateRedisError
-
-    pool = WorkerPool(
-        cfg,
-        host=host,
-        port=port,
-        workers=workers,
-        limits=limits,
-        on_stop_request=on_stop_request,
-    )
-    try:
-        return pool.serve_until_stopped(
-            on_ready=lambda: print(f"{workers} gateway workers listening", file=sys.stderr)
-        )
-    except PrivateRedisError as exc:
-        print(f"edgecloud: error: {exc}", file=sys.stderr)
-        return 1
 
 
 def split_cores(total: int) -> tuple[int, int]:
@@ -351,7 +320,25 @@ def run_serve(args: argparse.Namespace) -> int:
             f"(model 'auto' or '{info.name}'); Ctrl-C stops everything"
         )
         if args.workers > 1:
-            rc = _serve_gateway_workers(args, cfg, limits, supervisor, servers, serving)
+
+            def keep(pool: WorkerPool) -> None:  # a node's death stops it, as it does a server
+                servers.append(pool)
+                if supervisor.unexpected is not None:  # died between start-up and here
+                    pool.request_stop(f"{supervisor.unexpected.name} exited")
+
+            from gateway.workers.pool import serve_with_workers
+
+            rc = serve_with_workers(
+                cfg,
+                args.host,
+                args.port,
+                args.workers,
+                limits,
+                serving,
+                on_pool=keep,
+                # from the first stop request on, the nodes' own exits are expected ones
+                on_stop_request=lambda _reason: supervisor.expect_exits(),
+            )
         else:
             server = DrainingServer(
                 create_gateway_app(cfg),
@@ -385,29 +372,3 @@ def run_serve(args: argparse.Namespace) -> int:
                 signal.signal(s, handler)
             signal.signal(signal.SIGTERM, previous_term)
     return 1 if supervisor.unexpected is not None else rc
-
-
-def _serve_gateway_workers(
-    args: argparse.Namespace,
-    cfg: GatewayConfig,
-    limits: ServerLimits,
-    supervisor: Supervisor,
-    servers: list[DrainingServer | WorkerPool],
-    serving: str,
-) -> int:
-    """``serve``'s gateway as ``args.workers`` processes, stopped when a node dies (the pool
-    is put in ``servers`` for the supervisor's callback); returns 1 if a worker failed."""
-    from gateway.workers.pool import WorkerPool
-
-    pool = WorkerPool(
-        cfg,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        limits=limits,
-        on_stop_request=lambda _reason: supervisor.expect_exits(),
-    )
-    servers.append(pool)
-    if supervisor.unexpected is not None:  # died between start-up and here
-        pool.request_stop(f"{supervisor.unexpected.name} exited")
-    return pool.serve_until_stopped(on_ready=lambda: print(serving, file=sys.stderr))

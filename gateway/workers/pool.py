@@ -5,8 +5,10 @@ one ``SO_REUSEPORT`` group (Linux spreads new connections over them by a hash of
 connection's addresses), and hands each worker its own. Workers racing ``accept()`` on one
 shared socket (uvicorn's and gunicorn's pre-fork) pile connections onto whichever worker wakes
 first; a group spreads them evenly. Binding here, before any worker starts, makes a port in
-use an error at once, and no worker ever binds. Where ``SO_REUSEPORT`` does not exist every
-worker gets the same socket.
+use an error at once, and no worker ever binds (Linux lets only processes of the same user
+join a group; the commands check the port is free first). Where ``SO_REUSEPORT`` does not
+exist every worker gets the same socket. Server limits apply per worker (the connection cap
+too: N workers hold N times as many connections).
 
 What they share: node states come from the fleet store (each worker polls its configured
 nodes itself, or reads the Redis fleet); limits, fair-share counts, stored responses and the
@@ -40,7 +42,7 @@ from collections.abc import Callable
 
 from gateway.front.config import GatewayConfig
 from gateway.server_limits import ServerLimits
-from gateway.workers.private_redis import PrivateRedis, start_private_redis
+from gateway.workers.private_redis import PrivateRedis, PrivateRedisError, start_private_redis
 from gateway.workers.spec import WorkerInfo, WorkerSpec
 from gateway.workers.worker import WORKER_FDS_ENV
 from routing.supervisor import ChildExit, ChildSpec, Supervisor
@@ -213,3 +215,28 @@ class WorkerPool:
         for fd in pipes:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def serve_with_workers(
+    cfg: GatewayConfig,
+    host: str,
+    port: int,
+    workers: int,
+    limits: ServerLimits,
+    ready_line: str,
+    on_pool: Callable[[WorkerPool], None] | None = None,
+    on_stop_request: Callable[[str], None] | None = None,
+) -> int:
+    """Serve ``cfg`` with ``workers`` processes (:class:`gateway.workers.pool.WorkerPool`)
+    until SIGTERM/Ctrl-C or a worker's exit; ``on_pool`` is handed the pool before it starts
+    (``serve`` stops it when a node dies). Returns the exit code (1: a worker failed)."""
+    pool = WorkerPool(
+        cfg, host=host, port=port, workers=workers, limits=limits, on_stop_request=on_stop_request
+    )
+    if on_pool is not None:
+        on_pool(pool)
+    try:
+        return pool.serve_until_stopped(on_ready=lambda: print(ready_line, file=sys.stderr))
+    except PrivateRedisError as exc:
+        print(f"edgecloud: error: {exc}", file=sys.stderr)
+        return 1
