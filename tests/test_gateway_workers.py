@@ -140,29 +140,33 @@ def test_two_workers_serve_one_port(pool: Proc) -> None:
         assert r.status_code == 200 and r.headers["x-edgecloud-node"] == "cloud-w"
 
 
-def test_a_key_limit_is_exact_across_workers(tmp_path: Path) -> None:
+LIMIT = 5  # requests per minute of the key the bare pool knows
+KEY = generate_key()
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory: pytest.TempPathFactory):
+    """Two workers with one API key (LIMIT requests a minute) and no node, sharing their
+    parent's private redis-server; the last test to use it kills a worker."""
     salt = secrets.token_urlsafe(32)
-    key = generate_key()
-    limit = 5
-    auth = {"salt": salt, "keys": [{"name": "k", "key_hash": hash_key(key, salt), "rpm": limit}]}
-    # no redis_url: the parent's private redis-server; no node: admitted is 503, refused 429
-    p = _pool(tmp_path, {"auth": auth})
-    try:
-        codes, pids = [], set()
-        for _ in range(4 * limit):  # a new connection each: spread over both workers
-            r = FRESH.post(
-                p.url + "/v1/chat/completions",
-                headers={"authorization": f"Bearer {key}"},
-                json={"model": "auto", "messages": [{"role": "user", "content": "x"}]},
-            )
-            codes.append(r.status_code)
-        assert codes.count(429) == 3 * limit, codes
-        assert set(codes[:limit]) == {503}, codes  # admitted, then no node to route to
-        while len(pids) < 2:  # and both workers were there to admit
-            h = FRESH.get(p.url + "/health", headers={"authorization": f"Bearer {key}"})
-            pids.add(h.json()["worker"]["pid"])
-    finally:
-        assert p.stop(signal.SIGTERM) == 0, p.tail()
+    key = {"name": "k", "key_hash": hash_key(KEY, salt), "rpm": LIMIT}
+    p = _pool(tmp_path_factory.mktemp("bare"), {"auth": {"salt": salt, "keys": [key]}})
+    yield p
+    p.stop(signal.SIGTERM)
+
+
+def test_a_key_limit_is_exact_across_workers(bare: Proc) -> None:
+    codes = []
+    for _ in range(4 * LIMIT):  # a new connection each: spread over both workers
+        r = FRESH.post(
+            bare.url + "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEY}"},
+            json={"model": "auto", "messages": [{"role": "user", "content": "x"}]},
+        )
+        codes.append(r.status_code)
+    assert codes.count(429) == 3 * LIMIT, codes
+    assert set(codes[:LIMIT]) == {503}, codes  # admitted, then no node to route to
+    assert len(_each_worker(bare.url, 2, "/health")) == 2  # both were there to admit
 
 
 def test_in_flight_rows_are_shared(pool: Proc) -> None:
@@ -253,12 +257,11 @@ def test_a_wrong_workers_value_is_a_usage_error(
     assert "error: argument --workers:" in err and "at least 1" in err, err
 
 
-def test_a_worker_that_dies_stops_the_gateway_with_exit_1(tmp_path: Path) -> None:
-    p = _pool(tmp_path, {"nodes": []})
-    victim, survivor = sorted(_each_worker(p.url, 2, "/health"))
+def test_a_worker_that_dies_stops_the_gateway_with_exit_1(bare: Proc) -> None:
+    victim, survivor = sorted(_each_worker(bare.url, 2, "/health"))
     os.kill(victim, signal.SIGKILL)
-    assert p.proc.wait(60) == 1, p.tail()
-    log = p.log.read_text()
+    assert bare.proc.wait(60) == 1, bare.tail()
+    log = bare.log.read_text()
     assert re.search(
         rf"gateway worker \d \(pid {victim}\) exited unexpectedly \(signal SIGKILL\)", log
     )
