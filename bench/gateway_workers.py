@@ -292,7 +292,7 @@ def sweep(args: argparse.Namespace) -> None:
     }
     text = render(payload)
     print(text)
-    write_results(NAME, payload, text)
+    write_results(NAME if args.name == "gateway_overhead" else args.name, payload, text)
 
 
 def _cpu_name() -> str:
