@@ -37,7 +37,8 @@ def test_workers_read_each_others_rows_and_forget_the_dead(redis_url: str) -> No
         rows = {"a": {"n1": 0}, "b": {"n1": 0}}
         now = [1000.0]
         a, b = (
-            InFlightBoard(client, rows[w].__getitem__, me=w, clock=lambda: now[0]) for w in "ab"
+            InFlightBoard(client, rows[w].__getitem__, me=w, clock=lambda: now[0], fresh_s=0)
+            for w in "ab"
         )
         a.start()
         b.start()
@@ -56,8 +57,7 @@ def test_workers_read_each_others_rows_and_forget_the_dead(redis_url: str) -> No
             rows["a"]["n1"] = 4
             a.changed("n1")
             await _settle(a)
-            await b._publish(set(), now[0] + 6)  # b lives on, a's stamp is 6 s old
-            now[0] += 6
+            now[0] += 6  # b lives on (it reads), a's stamp is 6 s old
             assert await b.others() == {}  # a stopped counting
             await b._sweep(now[0])
             assert b"a|n1" not in await client.hkeys(ROWS_KEY)
@@ -110,12 +110,12 @@ def test_a_shared_counts_store_adds_the_board_to_every_view(redis_url: str) -> N
     async def main() -> None:
         client = Redis.from_url(redis_url)
         await client.delete(ROWS_KEY, ALIVE_KEY, CACHE_KEY)
-        other = InFlightBoard(client, {"n1": 5}.__getitem__, me="other")
+        other = InFlightBoard(client, {"n1": 5}.__getitem__, me="other", fresh_s=0)
         other.changed("n1")
-        await other._publish({"n1"}, other.clock())
+        assert await other.read() == ({}, {})  # carries its rows; nobody else there yet
         inner = InProcessFleetStore()
         await inner.put_node(_node())
-        store = SharedCountsStore(inner, InFlightBoard(client, lambda _: 0, me="me"))
+        store = SharedCountsStore(inner, InFlightBoard(client, lambda _: 0, me="me", fresh_s=0))
         view = await store.view([])
         assert [n.id for n in view.nodes] == ["n1"] and dict(view.others_in_flight) == {"n1": 5}
         assert store.health()["in_flight_board"]["errors"] == 0
