@@ -17,8 +17,8 @@ Keys (under ``edgecloud:v1:``, one Redis Cluster slot by the ``{inflight}`` hash
 - ``{inflight}:cache``: hash ``{node}`` -> cache changes seen by any worker (a counter).
 
 Invariants:
-- A worker writes only its own fields, as absolute values (never increments), from one task:
-  a lost or repeated write is put right by the next, so the board never drifts.
+- A worker writes only its own fields, as absolute values (never increments), one exchange
+  at a time: a lost or repeated write is put right by the next, so the board never drifts.
 - A worker's rows count only while its stamp is younger than ``ttl_s``; one that died stops
   counting within ``ttl_s``, and any live worker's sweep deletes its fields.
 - The board never fails a request: a Redis error leaves the view without shared counts (the
@@ -170,7 +170,7 @@ class InFlightBoard:
         if not (self._dirty or self._cache_changes):
             return
         if self._reading is None:
-            self._reading = asyncio.ensure_future(self._read_once(self.clock()))
+            self._shared_read(self.clock())
         else:  # the read under way was sent before these changes
             self._schedule_flush()
 
@@ -188,7 +188,7 @@ class InFlightBoard:
             now = self.clock()
             try:
                 if now - self._stamped >= self.refresh_s / 2:
-                    await self._exchange(now)
+                    await asyncio.shield(self._shared_read(now))
                 if now >= next_sweep:
                     next_sweep = now + self.sweep_s
                     await self._sweep(now)
@@ -239,9 +239,13 @@ class InFlightBoard:
         now = self.clock()
         if now - self._last_at < self.fresh_s:
             return self._last
+        return await asyncio.shield(self._shared_read(now))
+
+    def _shared_read(self, now: float) -> asyncio.Future[tuple[dict[str, int], dict[str, int]]]:
+        """The exchange under way, or a new one: never two at once."""
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._read_once(now))
-        return await asyncio.shield(self._reading)
+        return self._reading
 
     async def _read_once(self, now: float) -> tuple[dict[str, int], dict[str, int]]:
         try:
