@@ -14,6 +14,7 @@ Routes (the Node API subset a gateway needs):
   files, ``GET /v1/models``, ``GET /health``.
 
     python bench/fake_upstream.py --port 9100 --chunks 64 [--model smollm2-135m-instruct]
+        [--reuse-port]   # start it K times on one port: one node on K cores
 
 Prints ``READY <url>`` on stdout once it listens.
 """
@@ -283,7 +284,12 @@ async def serve(args: argparse.Namespace) -> None:
     url = f"http://{args.host}:{args.port}"
     replies = build_replies(args, url)
     server = await loop.create_server(
-        lambda: Conn(replies), args.host, args.port, reuse_address=True, backlog=4096
+        lambda: Conn(replies),
+        args.host,
+        args.port,
+        reuse_address=True,
+        reuse_port=args.reuse_port or None,
+        backlog=4096,
     )
     print(f"READY {url}", flush=True)
     async with server:
@@ -304,6 +310,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--region", default="local")
     ap.add_argument("--max-context", type=int, default=8192)
     ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="join an SO_REUSEPORT group: several processes on one port serve as one node",
+    )
     args = ap.parse_args(argv)
     try:
         import uvloop

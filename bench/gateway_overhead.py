@@ -28,6 +28,15 @@ stopped receiving load is waited for until idle before the next run.
     python bench/gateway_overhead.py _render     # rewrite the markdown from the JSON
 
 Results: bench/results/gateway_overhead.{json,md}.
+
+Workers (``bench/gateway_workers.py``): req/s and added latency through ``edgecloud gateway
+--workers N`` for each N, the ratio to one worker being the result:
+
+    python bench/gateway_overhead.py --workers 1,2,4,8 [--duration 8] [--workers-conc 256]
+        [--upstream-cores 4] [--load-cores 4]
+    python bench/gateway_overhead.py _render_workers
+
+Results: bench/results/gateway_workers.{json,md}.
 """
 
 from __future__ import annotations
@@ -362,7 +371,11 @@ def collect_pyload(p: subprocess.Popen, duration: float) -> dict:
     raise RuntimeError(f"load generator gave no result: {out[-500:]} {err[-1500:]}")
 
 
-async def _load_main(url: str, bodies: list[bytes], conc: int, duration: float) -> dict:
+async def _load_main(
+    url: str, bodies: list[bytes], conc: int, duration: float, raw: Path | None = None
+) -> dict:
+    """``conc`` connections sending ``bodies`` in turn for ``duration`` s; ``raw``: also
+    write every latency (seconds, sorted) there as JSON (to merge several generators)."""
     import aiohttp
 
     lat: list[float] = []
@@ -395,6 +408,8 @@ async def _load_main(url: str, bodies: list[bytes], conc: int, duration: float) 
         await asyncio.gather(*(worker() for _ in range(conc)))
         elapsed = time.perf_counter() - t_start
     lat.sort()
+    if raw is not None:
+        raw.write_text(json.dumps(lat))
 
     def pct(q: float) -> float:
         return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] * 1000 if lat else float("nan")
@@ -418,14 +433,15 @@ def load_cli(argv: list[str]) -> None:
     ap.add_argument("--bodies", required=True)
     ap.add_argument("--conc", type=int, required=True)
     ap.add_argument("--duration", type=float, required=True)
+    ap.add_argument("--raw", type=Path, default=None, help="write every latency here (JSON)")
     a = ap.parse_args(argv)
     bodies = [b.encode() for b in json.loads(Path(a.bodies).read_text())]
     try:
         import uvloop
 
-        res = uvloop.run(_load_main(a.url, bodies, a.conc, a.duration))
+        res = uvloop.run(_load_main(a.url, bodies, a.conc, a.duration, a.raw))
     except ImportError:
-        res = asyncio.run(_load_main(a.url, bodies, a.conc, a.duration))
+        res = asyncio.run(_load_main(a.url, bodies, a.conc, a.duration, a.raw))
     print("LOADJSON " + json.dumps(res), flush=True)
 
 
@@ -782,6 +798,11 @@ def main(argv: list[str] | None = None) -> None:
         return load_cli(argv[1:])
     if argv[:1] == ["_gateway"]:
         return gateway_cli(argv[1:])
+    if argv[:1] == ["_render_workers"]:  # the workers sweep's markdown, from its JSON
+        from bench.gateway_workers import NAME, render
+
+        payload = json.loads((RESULTS / f"{NAME}.json").read_text())
+        return write_results(NAME, payload, render(payload))
     if argv[:1] == ["_render"]:  # rewrite the markdown (and targets) from the JSON results
         payload = json.loads((RESULTS / "gateway_overhead.json").read_text())
         payload["targets"] = check_targets(payload["rows"])
@@ -815,7 +836,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--compare-loop", action="store_true", help="also measure the gateway on the other loop"
     )
+    from bench.gateway_workers import add_arguments, sweep
+
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.workers:
+        return sweep(args)
     concs = [int(c) for c in args.concurrency.split(",")]
     use_wrk = bool(args.loadgen == "wrk" or (args.loadgen == "auto" and shutil.which("wrk")))
     cores = Cores.plan()

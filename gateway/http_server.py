@@ -29,7 +29,8 @@ this module adds:
   never a truncated body), runs the app's
   shutdown and *returns* a :class:`ServeResult` (uvicorn would re-raise the signal, killing
   the process before the caller could stop its children). Another thread stops it with
-  :meth:`DrainingServer.request_stop`.
+  :meth:`DrainingServer.request_stop`. ``on_started`` is called once it listens (a
+  gateway worker tells its parent so).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -362,6 +364,7 @@ class DrainingServer(uvicorn.Server):
         proxy_headers: bool = True,
         log_level: str = "warning",
         on_stop_request: Callable[[str], None] | None = None,
+        on_started: Callable[[], None] | None = None,
         tls: TLSFolder | None = None,
     ) -> None:
         raise_open_file_limit()
@@ -369,6 +372,7 @@ class DrainingServer(uvicorn.Server):
         self.limits = limits
         self.served = ServedApp(app)
         self._on_stop_request = on_stop_request
+        self._on_started = on_started
         self.stop_reason: str | None = None
         self._stop_at: float | None = None
         self._in_flight = 0
@@ -418,6 +422,11 @@ class DrainingServer(uvicorn.Server):
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_started is not None:
+            self._on_started()
+
     async def shutdown(self, sockets: Any = None) -> None:
         if self._stop_at is None:
             self._stop_at = time.monotonic()
@@ -427,8 +436,10 @@ class DrainingServer(uvicorn.Server):
         self.served.draining = True
         await super().shutdown(sockets=sockets)
 
-    def serve_until_stopped(self) -> ServeResult:
-        self.run()
+    def serve_until_stopped(self, sockets: list[socket.socket] | None = None) -> ServeResult:
+        """Serve (on ``sockets`` when given, already listening; else bind host and port) until
+        a signal or :meth:`request_stop`, drain, and say how it stopped."""
+        self.run(sockets=sockets)
         end = time.monotonic()
         return ServeResult(
             reason=self.stop_reason,

@@ -17,7 +17,7 @@ import bisect
 import collections
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from routing.backlog import SharedPrefix, Work
@@ -80,6 +80,9 @@ class DispatchLedger:
         # (finished at, its prompt's block hashes) of recent finishes per node, in that order
         self._left: dict[str, collections.deque[tuple[float, Sequence[int]]]] = {}
         self._rows: dict[int, int] = {}  # ticket -> its rows, while in flight
+        self._node_rows: dict[str, int] = {}  # node -> rows of its requests in flight
+        # called with a node's id whenever its rows in flight change (an in-flight board)
+        self.on_change: Callable[[str], None] | None = None
 
     def add(
         self,
@@ -94,6 +97,9 @@ class DispatchLedger:
         """Count a dispatch; ``rows``: its choices, each a row on the node (``n``)."""
         bisect.insort(self._times.setdefault(node_id, []), (at, ticket_id))
         self._rows[ticket_id] = rows
+        self._node_rows[node_id] = self._node_rows.get(node_id, 0) + rows
+        if self.on_change is not None:
+            self.on_change(node_id)
         if estimate is not None:
             self._entries[ticket_id] = _InFlight(
                 at, estimate, output_tokens, hashes=hashes, rows=rows
@@ -111,6 +117,9 @@ class DispatchLedger:
         i = bisect.bisect_left(items, (at, ticket_id))
         if i < len(items) and items[i] == (at, ticket_id):
             del items[i]
+            self._node_rows[node_id] = self._node_rows.get(node_id, rows) - rows
+            if self.on_change is not None:
+                self.on_change(node_id)
             if now is not None and entry is not None and entry.hashes:
                 left = self._left.setdefault(node_id, collections.deque(maxlen=256))
                 left.append((now, entry.hashes))
@@ -198,6 +207,10 @@ class DispatchLedger:
 
     def in_flight(self, node_id: str) -> int:
         return len(self._times.get(node_id, ()))
+
+    def rows_in_flight(self, node_id: str) -> int:
+        """Rows of this gateway's requests in flight on the node now (``n`` per request)."""
+        return self._node_rows.get(node_id, 0)
 
     def typical(self, node_id: str, now: float, window_s: float = ARRIVAL_WINDOW_S) -> Work | None:
         """The typical request this gateway sent the node over the last ``window_s`` (at

@@ -190,7 +190,9 @@ class Router:
         """``model``'s estimate of ``profile`` on ``node`` from the fleet view and the ledger."""
         client_region = profile.client_region or self.config.default_region
         seen = self.ledger.in_flight_at(node.id, node.timestamp)
-        extra = max(0, node.running + node.waiting - seen)  # other gateways' requests
+        # other gateways' requests: the node's count beyond ours when it was taken, or what
+        # the other workers on this gateway's in-flight board hold there now, if more
+        extra = max(0, node.running + node.waiting - seen, view.others_in_flight.get(node.id, 0))
         credited = min(view.prefix_blocks.get(node.id, 0), len(profile.reusable_hashes))
         echo = profile.prompt_logprobs  # every position computed: no prefix reuse, dearer tokens
         if echo:

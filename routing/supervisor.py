@@ -128,11 +128,13 @@ def bind_to_parent(
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """What to run: ``argv`` with ``env`` (None: this process's environment)."""
+    """What to run: ``argv`` with ``env`` (None: this process's environment), inheriting
+    ``pass_fds`` (a listening socket, a pipe) beside the standard streams."""
 
     name: str  # for messages: "edge node"
     argv: Sequence[str]
     env: Mapping[str, str] | None = None
+    pass_fds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,7 @@ class Supervisor:
                 list(spec.argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
-                pass_fds=pass_fds,
+                pass_fds=(*pass_fds, *spec.pass_fds),
                 process_group=0 if os.name == "posix" else None,
             )
         except BaseException:

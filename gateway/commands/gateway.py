@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from gateway.commands.argtypes import port
+from gateway.commands.argtypes import port, positive_int
 from gateway.commands.edge import VARIANT_CHOICES
 from gateway.commands.node_args import (
     CLOUD_FLAGS,
@@ -37,6 +37,7 @@ from gateway.server_limits import add_server_arguments, limits_from_args
 
 if TYPE_CHECKING:
     from gateway.http_server import DrainingServer
+    from gateway.workers.pool import WorkerPool
     from routing.supervisor import ChildExit, Supervisor
 
 # After the gateway has drained, how long the nodes get to exit on SIGTERM before SIGKILL
@@ -45,6 +46,17 @@ CHILD_STOP_TIMEOUT_S = 10.0
 # How long the nodes may take to answer /health (a first run exports the ONNX graph).
 READY_TIMEOUT_S = 600.0
 REGION = "local"  # the region the embedded nodes report
+
+
+def add_workers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="gateway processes serving the port, sharing the fleet view, limits and in-flight "
+        "counts (through the config's redis_url, else a private redis-server, which must then "
+        "be installed); at most one per core (default 1: one process, no Redis needed)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -65,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="allow a non-loopback host with authentication off (anyone may use it)",
     )
+    add_workers(g)
     add_server_arguments(g)
     g.set_defaults(func=run_gateway)
 
@@ -104,6 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="allow a non-loopback --host (serve has no API keys: anyone may use it)",
     )
+    add_workers(s)
     add_drain_timeout(s)
     s.set_defaults(func=run_serve)
 
@@ -112,9 +126,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     import yaml
     from pydantic import ValidationError
 
-    from gateway.front.app import create_gateway_app
     from gateway.front.config import GatewayConfig, load_gateway_config
-    from gateway.http_server import DrainingServer
 
     try:
         cfg = load_gateway_config(args.config) if args.config else GatewayConfig()
@@ -146,12 +158,29 @@ def run_gateway(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     check_port_free(host, port)
+    store = "redis" if cfg.redis_url else "in-process"
+    if args.workers > 1:
+        shared = "redis_url" if cfg.redis_url else "a private redis-server"
+        store += f"; {args.workers} workers sharing state through {shared}"
     print(
         f"edgecloud gateway on http://{host}:{port} ({len(cfg.nodes)} configured nodes, "
-        f"store: {'redis' if cfg.redis_url else 'in-process'})",
+        f"store: {store})",
         file=sys.stderr,
     )
-    from gateway.geo import GeoDatabaseError
+    from gateway.geo import GeoDatabaseError, GeoLocator
+
+    if args.workers > 1:
+        try:  # checked here, once, rather than by every worker
+            GeoLocator(cfg.geo).close()
+        except GeoDatabaseError as exc:
+            print(f"edgecloud gateway: error: {exc}", file=sys.stderr)
+            return 2
+        ready = f"{args.workers} gateway workers listening"
+        from gateway.workers.pool import serve_with_workers
+
+        return serve_with_workers(cfg, host, port, args.workers, limits_from_args(args), ready)
+    from gateway.front.app import create_gateway_app
+    from gateway.http_server import DrainingServer
 
     try:
         app = create_gateway_app(cfg)
@@ -251,7 +280,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         gate = choose_variant(info.path, threads=args.edge_threads)
         print(f"edge weights: {gate.summary()}", file=sys.stderr)
-    servers: list[DrainingServer] = []
+    servers: list[DrainingServer | WorkerPool] = []
 
     def node_died(ended: ChildExit) -> None:  # the supervisor's watcher thread
         print(f"edgecloud serve: error: {ended.describe()}; stopping", file=sys.stderr)
@@ -286,25 +315,46 @@ def run_serve(args: argparse.Namespace) -> int:
             node_token=node_token,
             insecure_no_auth=args.insecure_no_auth,
         )
-        server = DrainingServer(
-            create_gateway_app(cfg),
-            host=args.host,
-            port=args.port,
-            limits=limits,
-            proxy_headers=False,
-            # from the first stop request on, the nodes' own exits are expected ones
-            on_stop_request=lambda _reason: supervisor.expect_exits(),
-        )
-        servers.append(server)
-        if supervisor.unexpected is not None:  # died between start-up and here
-            server.request_stop(f"{supervisor.unexpected.name} exited")
-        print(
+        serving = (
             f"edgecloud is serving {info.name} on http://{args.host}:{args.port}/v1 "
-            f"(model 'auto' or '{info.name}'); Ctrl-C stops everything",
-            file=sys.stderr,
+            f"(model 'auto' or '{info.name}'); Ctrl-C stops everything"
         )
-        result = server.serve_until_stopped()
-        print(result.describe("gateway"), file=sys.stderr)
+        if args.workers > 1:
+
+            def keep(pool: WorkerPool) -> None:  # a node's death stops it, as it does a server
+                servers.append(pool)
+                if supervisor.unexpected is not None:  # died between start-up and here
+                    pool.request_stop(f"{supervisor.unexpected.name} exited")
+
+            from gateway.workers.pool import serve_with_workers
+
+            rc = serve_with_workers(
+                cfg,
+                args.host,
+                args.port,
+                args.workers,
+                limits,
+                serving,
+                on_pool=keep,
+                # from the first stop request on, the nodes' own exits are expected ones
+                on_stop_request=lambda _reason: supervisor.expect_exits(),
+            )
+        else:
+            server = DrainingServer(
+                create_gateway_app(cfg),
+                host=args.host,
+                port=args.port,
+                limits=limits,
+                proxy_headers=False,
+                # from the first stop request on, the nodes' own exits are expected ones
+                on_stop_request=lambda _reason: supervisor.expect_exits(),
+            )
+            servers.append(server)
+            if supervisor.unexpected is not None:  # died between start-up and here
+                server.request_stop(f"{supervisor.unexpected.name} exited")
+            print(serving, file=sys.stderr)
+            result = server.serve_until_stopped()
+            print(result.describe("gateway"), file=sys.stderr)
     except RuntimeError as exc:
         print(f"edgecloud serve: error: {exc}", file=sys.stderr)
         rc = 1

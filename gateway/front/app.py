@@ -47,6 +47,7 @@ from gateway.front.probes import register_probes
 from gateway.gc_tuning import tune_gc
 from gateway.metrics import metrics_response
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
+from gateway.workers.spec import WorkerInfo
 from routing.fleet.store import FleetStore
 from routing.policies import make_policy
 
@@ -184,8 +185,11 @@ class GatewayApp(FastAPI):
         raise exc
 
 
-def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -> FastAPI:
-    gw = Gateway(config, store)
+def create_gateway_app(
+    config: GatewayConfig, store: FleetStore | None = None, worker: WorkerInfo | None = None
+) -> FastAPI:
+    """The gateway's app; ``worker``: which of ``edgecloud gateway --workers N`` serves it."""
+    gw = Gateway(config, store, worker)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -310,9 +314,19 @@ def create_gateway_app(config: GatewayConfig, store: FleetStore | None = None) -
     async def admin_nodes(_: KeyIdentity = Depends(gw.auth.require_admin)) -> dict[str, Any]:
         view = await gw.store.view([])
         model = gw.router.model
+        ledger = gw.router.ledger
         return {
             "stale": view.stale,
             "nodes": [n.model_dump(mode="json") for n in view.nodes],
+            # rows in flight per node: this process's, and the other workers' (--workers)
+            "in_flight": {
+                n.id: {
+                    "here": ledger.rows_in_flight(n.id),
+                    "other_workers": view.others_in_flight.get(n.id, 0),
+                }
+                for n in view.nodes
+            },
+            **({"worker": gw.worker.describe()} if gw.worker is not None else {}),
             "circuits": gw.breakers.snapshot(),
             "latency_model": model.snapshot({n.id: n for n in view.nodes}),
             "prediction_errors": model.errors.snapshot(),

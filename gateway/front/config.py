@@ -231,12 +231,14 @@ class GatewayConfig(BaseModel):
         """Connections of the one Redis pool (see :func:`routing.redis_link.pool_size_for`)."""
         return self.redis_max_connections or pool_size_for(self.max_in_flight)
 
-    def redis_client(self) -> RedisClient | None:
-        """A new client on the one pool this gateway's Redis users share (None: no Redis)."""
-        if not self.redis_url:
+    def redis_client(self, url: str | None = None) -> RedisClient | None:
+        """A new client on the one pool this gateway's Redis users share (None: no Redis).
+        ``url``: the Redis its workers share when ``redis_url`` is unset (a private one)."""
+        url = self.redis_url or url
+        if not url:
             return None
         return redis_client(
-            self.redis_url,
+            url,
             max_connections=self.redis_pool_size,
             pool_timeout_s=self.redis_pool_timeout_s,
         )

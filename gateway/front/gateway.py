@@ -58,7 +58,9 @@ from gateway.openai_schema import resumable
 from gateway.ratelimit import InProcessRateLimiter, RateDecision, RateLimiter
 from gateway.request_log import RequestLog
 from gateway.usage import UsageLedger
+from gateway.workers.spec import WorkerInfo
 from routing.fleet.block_feed import BlockFeedPage
+from routing.fleet.inflight import InFlightBoard, SharedCountsStore
 from routing.fleet.memory_store import InProcessFleetStore, OpenAINodeTracker
 from routing.fleet.state import NodeState
 from routing.fleet.store import FleetStore, FleetView
@@ -77,8 +79,19 @@ SSE_REPLY_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, store: FleetStore | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        store: FleetStore | None = None,
+        worker: WorkerInfo | None = None,
+    ) -> None:
         self.config = config
+        self.worker = worker
+        # the Redis shared with the other gateways and workers: the operator's, else the
+        # private one the workers' parent started (limits, fair share, stored responses)
+        self.shared_url = config.redis_url or (worker.shared_redis_url if worker else None)
+        # others admitting against the same limits, each 1/n of them while Redis is down
+        self.replicas = config.gateway_replicas * (worker.count if worker else 1)
         headers = config.node_headers()
         guard = PlainTokenGuard(bool(headers), config.insecure_plain_nodes)
         guard.check_known([*config.nodes, *(c.url for c in config.openai_nodes)])
@@ -89,13 +102,18 @@ class Gateway:
             tls=config.node_tls_folder(),
             guard=guard,
         )
-        self.redis = config.redis_client()  # one pool: the fleet store, limiter and key store
+        # one pool: the fleet store, limiter, key store and in-flight board
+        self.redis = config.redis_client(self.shared_url)
         self.trackers = {c.id: OpenAINodeTracker(c) for c in config.openai_nodes}
         self.store = store or self._make_store()
         self.policy_source = (
             ConfigSource(config.policy_file) if config.policy_file else ConfigSource.fixed()
         )
         self.router = Router(self.policy_source)
+        if worker is not None and worker.count > 1 and self.redis is not None:
+            board = InFlightBoard(self.redis, self.router.ledger.rows_in_flight)
+            self.router.ledger.on_change = board.changed
+            self.store = SharedCountsStore(self.store, board)
         circ = self.router.config.circuit
         self.breakers = CircuitBreakers(circ.failure_threshold, circ.open_s, circ.half_open_probes)
         self.policy_source.on_change(
@@ -182,13 +200,13 @@ class Gateway:
         )
 
     def _make_limiter(self) -> RateLimiter:
-        if self.config.redis_url:
+        if self.shared_url:
             from gateway.ratelimit import RedisRateLimiter
 
             return RedisRateLimiter(
-                self.config.redis_url,
+                self.shared_url,
                 client=self.redis,
-                replicas=self.config.gateway_replicas,
+                replicas=self.replicas,
                 on_error=lambda _e: self.metrics.redis_error("ratelimit"),
             )
         return InProcessRateLimiter()
@@ -202,9 +220,7 @@ class Gateway:
         if self.redis is not None:
             from gateway.fair_redis import RedisFairCounts
 
-            counts = RedisFairCounts(
-                self.redis, replicas=self.config.gateway_replicas, lease_s=fc.lease_s
-            )
+            counts = RedisFairCounts(self.redis, replicas=self.replicas, lease_s=fc.lease_s)
         return FairQueue(counts, fc)
 
     def _make_auth(self) -> Authenticator:
@@ -480,4 +496,5 @@ class Gateway:
             "policy_reload_error": self.policy_source.last_error,
             "warnings": [*self.warnings, *self.client.guard.warnings()],
             "fair_share": self.fair.health() if self.fair is not None else None,
+            **({"worker": self.worker.describe()} if self.worker is not None else {}),
         }

@@ -193,6 +193,14 @@ class NodesView(BaseModel):
     circuits: dict[str, Any]
     latency_model: dict[str, Any]
     prediction_errors: dict[str, Any]
+    in_flight: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="rows in flight per node: this worker's (here) and the other workers' "
+        "(other_workers, with --workers N)",
+    )
+    worker: dict[str, Any] | None = Field(
+        default=None, description="which worker answered (index, of, pid), with --workers N"
+    )
 
 
 class PolicyView(BaseModel):

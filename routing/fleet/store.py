@@ -23,8 +23,8 @@ push, and on a cluster gateways read them at most every ``members_refresh_s``, n
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from routing.fleet.state import NodeState
 
@@ -36,12 +36,15 @@ class FleetView:
     """One consistent read for one routing decision.
 
     ``prefix_blocks[node_id]`` is the number of *leading* blocks of the request's prefix that
-    the node holds (0 if none).
+    the node holds (0 if none). ``others_in_flight[node_id]``: rows the other workers sharing
+    this gateway's in-flight board have in flight on the node now
+    (:mod:`routing.fleet.inflight`; empty without one).
     """
 
     nodes: list[NodeState]
     prefix_blocks: dict[str, int]
     stale: bool = False  # True when the store was unreachable and this is the last known view
+    others_in_flight: Mapping[str, int] = field(default_factory=dict)
 
 
 class FleetStore(abc.ABC):
