@@ -9,9 +9,10 @@ alternate the systems' order. Per system and level: requests, mean, p50 and p99 
 and TTFT, output tok/s (answer tokens over the level's wall time), failures.
 
 Systems (each on the same cores, all of them):
-- ``serve``: ``edgecloud serve`` as the README starts it (model ``auto``);
+- ``serve``: ``edgecloud serve`` as the README starts it (model ``auto``), and with each
+  ``--serve-flags`` (another sizing of its nodes);
 - ``edge``: the edge node alone (``edgecloud edge serve``), all cores, ``--edge-slots`` slots,
-  the variant the quality gate picks;
+  the variant the quality gate picks, and with each ``--edge-flags``;
 - ``llama-server Q4_0`` and ``Q8_0`` (where ``scripts/setup_llama_cpp.sh`` built them): 16
   parallel slots, continuous batching, all cores; the GGUFs descend from the same Q4_1 weights.
 
@@ -113,18 +114,19 @@ def _process(cmd: list[str], url: str, env: dict[str, str], headers: dict) -> It
 def start(system: str, args: argparse.Namespace) -> Iterator[Target]:
     """Run ``system`` for the block's length."""
     cores = os.cpu_count() or 2
-    if system == "serve":
-        with embedded_default() as base:
+    if system.startswith("serve"):
+        flags = system.removeprefix("serve").split()  # "serve --edge-slots 16": those flags
+        with embedded_default(flags) as base:
             yield Target(system, base, "auto", {})
         return
     port = free_port_block(1)
     url = f"http://127.0.0.1:{port}"
-    if system == "edge":
+    if system.startswith("edge"):
         token = secrets.token_urlsafe(16)
         headers = {NODE_TOKEN_HEADER: token}
         exe = Path(sys.executable).with_name("edgecloud")
         cmd = [str(exe), "edge", "serve", "--port", str(port), "--threads", str(cores),
-               "--slots", str(args.edge_slots)]  # fmt: skip
+               "--slots", str(args.edge_slots), *system.removeprefix("edge").split()]  # fmt: skip
         env = {**os.environ, "EDGECLOUD_NODE_TOKEN": token}
         with _process(cmd, url, env, headers):
             yield Target(system, url, MODEL, headers)
@@ -148,7 +150,8 @@ def _identity() -> str:
 
 def systems(args: argparse.Namespace) -> list[str]:
     """``serve``, ``edge`` and the llama-server quantizations that are built here."""
-    out = ["serve", "edge"]
+    out = ["serve", *(f"serve {f}" for f in args.serve_flags), "edge"]
+    out += [f"edge {f}" for f in args.edge_flags]
     if llama.binary("llama-server").is_file():
         out += [f"llama-server {q}" for q in ("Q4_0", "Q8_0") if q in llama.available(_identity())]
     else:
@@ -248,6 +251,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-words", type=int, default=60, help="about 80 prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=60)
     ap.add_argument("--edge-slots", type=int, default=16, help="the lone edge node's slots")
+    ap.add_argument(
+        "--serve-flags",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="also run 'edgecloud serve FLAGS' (a sizing to compare; repeatable)",
+    )
+    ap.add_argument(
+        "--edge-flags",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="also run the lone edge node with FLAGS (e.g. '--variant fp32'; repeatable)",
+    )
     ap.add_argument("--only", nargs="+", help="run only these systems")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
