@@ -71,16 +71,21 @@ def embedded_default(
             time.sleep(0.5)
         yield base
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
         out.close()
         signal.signal(signal.SIGTERM, previous)
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop ``proc``'s process group: SIGTERM, then SIGKILL after 20 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _tail(out: object, log_path: Path | None, n: int = 2000) -> str:

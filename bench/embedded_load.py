@@ -31,7 +31,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import edge_peer_llama as llama
 from bench._common import machine, recorded_command, table, write_results
-from bench._serve import embedded_default, free_port_block
+from bench._serve import embedded_default, free_port_block, stop_group
 from bench.edge_shared_prompt import WORDS
 from gateway.node_token import NODE_TOKEN_HEADER
 
@@ -101,13 +100,7 @@ def _process(cmd: list[str], url: str, env: dict[str, str], headers: dict) -> It
             _wait_up(url, proc, 300.0, headers)
             yield
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc)
 
 
 @contextlib.contextmanager
