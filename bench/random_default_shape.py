@@ -15,10 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from cloud_engine.model.config import ModelConfig  # noqa: E402
 from cloud_engine.model.loader import save_random_model, tiny_config  # noqa: E402
 
-if __name__ == "__main__":
-    cfg = tiny_config(
+
+def default_shape_config() -> ModelConfig:
+    """The default model's shape (SmolLM2-135M)."""
+    return tiny_config(
         vocab_size=49152,
         hidden_size=576,
         intermediate_size=1536,
@@ -30,5 +33,8 @@ if __name__ == "__main__":
         max_position_embeddings=8192,
         rope_theta=100000.0,
     )
+
+
+if __name__ == "__main__":
     tokenizer = sys.argv[2] if len(sys.argv) > 2 else None
-    print(save_random_model(sys.argv[1], cfg, seed=0, tokenizer_from=tokenizer))
+    print(save_random_model(sys.argv[1], default_shape_config(), seed=0, tokenizer_from=tokenizer))

@@ -37,7 +37,14 @@ def prompt_ids(tr: Any, idx: int, cache: dict[int, tuple[int, ...]]) -> list[int
 
 
 async def _one(
-    client: Any, url: str, model: str, tr: Any, ids: list[int], t_start: float
+    client: Any,
+    url: str,
+    model: str,
+    tr: Any,
+    ids: list[int],
+    t_start: float,
+    extra: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -45,6 +52,7 @@ async def _one(
         "max_tokens": tr.output_tokens,
         "temperature": 0.0,
         "stream": tr.stream,
+        **(extra or {}),
     }
     if tr.stream:
         body["stream_options"] = {"include_usage": True}
@@ -57,7 +65,9 @@ async def _one(
         if tr.stream:
             first = None
             usage: dict[str, Any] = {}
-            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            async with client.stream(
+                "POST", url + "/v1/completions", json=body, headers=headers
+            ) as resp:
                 headers = resp.headers
                 resp.raise_for_status()
                 async for line in resp.aiter_lines():
@@ -71,7 +81,7 @@ async def _one(
             t1 = time.perf_counter()
             rec["ttft_s"] = (first or t1) - t0
         else:
-            resp = await client.post(url + "/v1/completions", json=body)
+            resp = await client.post(url + "/v1/completions", json=body, headers=headers)
             headers = resp.headers
             resp.raise_for_status()
             usage = resp.json().get("usage", {})
@@ -94,19 +104,34 @@ async def _one(
 
 
 async def replay(
-    url: str, trace: list[Any], model: str | None = None, timeout_s: float = 600.0
+    url: str,
+    trace: list[Any],
+    model: str | None = None,
+    timeout_s: float = 600.0,
+    *,
+    prompts: list[list[int]] | None = None,
+    extra_body: dict[str, Any] | None = None,
+    keys: dict[str, str] | None = None,
+    max_connections: int = 1000,
 ) -> list[dict[str, Any]]:
+    """Send ``trace`` open-loop; one record per request. ``prompts``: the token ids to send
+    (default: :func:`prompt_ids` of each request by its index); ``extra_body``: fields added
+    to every request (``ignore_eos``); ``keys``: the bearer key sent for each trace
+    ``api_key`` (none: no key)."""
     import httpx
 
     cache: dict[int, tuple[int, ...]] = {}
-    prompts = [prompt_ids(tr, i, cache) for i, tr in enumerate(trace)]
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+    if prompts is None:
+        prompts = [prompt_ids(tr, i, cache) for i, tr in enumerate(trace)]
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        auth = {k: {"authorization": f"Bearer {v}"} for k, v in (keys or {}).items()}
         if model is None:
-            model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
+            first = next(iter(auth.values()), None)
+            model = (await client.get(url + "/v1/models", headers=first)).json()["data"][0]["id"]
         t_start = time.perf_counter() + 0.5
         tasks = [
-            _one(client, url, model, tr, ids, t_start)
+            _one(client, url, model, tr, ids, t_start, extra_body, auth.get(tr.api_key))
             for tr, ids in zip(trace, prompts, strict=True)
         ]
         return list(await asyncio.gather(*tasks))
