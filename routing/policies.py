@@ -202,6 +202,11 @@ def _by_ttft(c: Candidate) -> tuple[float, float, str]:
     return (c.estimate.ttft_ms, c.estimate.e2e_ms, c.node.id)
 
 
+def _by_stream(c: Candidate) -> tuple[float, float, str]:
+    """A stream's user waits for its first token and reads on to its last: both count."""
+    return (c.estimate.ttft_ms + c.estimate.e2e_ms, c.estimate.ttft_ms, c.node.id)
+
+
 def _is_cloud(c: Candidate) -> bool:
     return c.node.kind in (NodeKind.CLOUD, NodeKind.OPENAI)
 
@@ -243,26 +248,27 @@ def _decision(
 # ---- policies ----------------------------------------------------------------------------------
 @dataclass
 class LatencyPolicy:
-    """Least predicted end-to-end time (TTFT for streams under ``objective: auto``), plus
-    ``interference_weight`` times the delay the request's prefill would add to the requests
-    decoding on the node: greedy for each request alone, a long prompt would land where its
-    own prefill is fastest and stall every answer streaming there."""
+    """Least predicted end-to-end time (for streams under ``objective: auto``, the least sum
+    of TTFT and end-to-end time: a first token a little sooner never buys an answer that ends
+    far later), plus ``interference_weight`` times the delay the request's prefill would add
+    to the requests decoding on the node: greedy for each request alone, a long prompt would
+    land where its own prefill is fastest and stall every answer streaming there."""
 
     name: str = "latency"
 
     def decide(self, inp: PolicyInput) -> Decision:
         objective = inp.config.objective
         if objective == "auto":
-            objective = "ttft" if inp.profile.stream else "e2e"
+            objective = "stream" if inp.profile.stream else "e2e"
         w = inp.config.interference_weight
-        by = _by_ttft if objective == "ttft" else _by_e2e
+        by = {"ttft": _by_ttft, "stream": _by_stream, "e2e": _by_e2e}[objective]
 
         def key(c: Candidate) -> tuple[float, float, str]:
             first, second, node = by(c)
             return (first + w * c.estimate.stalled_others_ms, second, node)
 
         ordered = sorted(inp.candidates, key=key)
-        why = f"least predicted {objective}"
+        why = f"least predicted {'ttft + e2e' if objective == 'stream' else objective}"
         if w > 0:
             why += f" + {w:g} x the delay to requests decoding there"
         return _decision(self.name, inp, ordered, f"latency_{objective}", why)

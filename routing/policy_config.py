@@ -50,7 +50,8 @@ class PolicyConfig(BaseModel):
 
     policy: PolicyName = "latency"
     objective: Literal["auto", "e2e", "ttft"] = Field(
-        default="auto", description="what `latency` minimizes; auto: TTFT for streams, else e2e"
+        default="auto",
+        description="what `latency` minimizes; auto: TTFT + e2e for streams, else e2e",
     )
     interference_weight: float = Field(
         default=0.0,

@@ -114,15 +114,22 @@ def test_long_request_goes_to_the_cloud_because_edge_prefill_is_slow():
     assert d.predicted_e2e_ms < d.fallbacks[0].estimate.e2e_ms
 
 
-def test_streams_minimize_time_to_first_token():
+def test_streams_weigh_the_first_token_and_the_last():
     r = router()
     short = r.decide(profile(40, stream=True), FLEET)
-    assert (short.node_id, short.reason) == ("edge-eu", "latency_ttft")
-    # 120 prompt tokens: edge TTFT 242 ms vs cloud ~99 ms. Non-streamed, 64 output tokens still
-    # finish sooner on the edge (it decodes faster); streamed, the first token is what counts.
+    assert (short.node_id, short.reason) == ("edge-eu", "latency_stream")
+    # 120 prompt tokens, 64 output: the cloud's first token comes sooner, the edge's last one
+    # (it decodes faster). A stream takes the least TTFT + e2e; `ttft` takes the first token.
     p = dict(prompt=120, out=64)
     assert r.decide(profile(**p), FLEET).node_id == "edge-eu"
-    assert r.decide(profile(**p, stream=True), FLEET).node_id == "cloud-us"
+    stream = r.decide(profile(**p, stream=True), FLEET)
+    est = {c.node_id: c.estimate for c in stream.fallbacks}
+    est[stream.node_id] = stream.estimate
+    assert est["cloud-us"].ttft_ms < est["edge-eu"].ttft_ms
+    assert est["edge-eu"].e2e_ms < est["cloud-us"].e2e_ms
+    best = min(est, key=lambda n: est[n].ttft_ms + est[n].e2e_ms)
+    assert stream.node_id == best
+    assert router(objective="ttft").decide(profile(**p, stream=True), FLEET).node_id == "cloud-us"
     e2e = router(objective="e2e")
     assert e2e.decide(profile(**p, stream=True), FLEET).node_id == "edge-eu"
     # The cloud's 10 decoding requests would each wait out its 15 ms prefill (150 ms in all):
