@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -202,11 +203,6 @@ def _by_ttft(c: Candidate) -> tuple[float, float, str]:
     return (c.estimate.ttft_ms, c.estimate.e2e_ms, c.node.id)
 
 
-def _by_stream(c: Candidate) -> tuple[float, float, str]:
-    """A stream's user waits for its first token and reads on to its last: both count."""
-    return (c.estimate.ttft_ms + c.estimate.e2e_ms, c.estimate.ttft_ms, c.node.id)
-
-
 def _is_cloud(c: Candidate) -> bool:
     return c.node.kind in (NodeKind.CLOUD, NodeKind.OPENAI)
 
@@ -246,31 +242,48 @@ def _decision(
 
 
 # ---- policies ----------------------------------------------------------------------------------
+STREAM_E2E_BOUND = 2.0
+"""Under ``objective: auto`` a stream goes to no node whose predicted e2e exceeds this many
+times the least predicted e2e among the candidates (it may come last among the fallbacks)."""
+
+
 @dataclass
 class LatencyPolicy:
-    """Least predicted end-to-end time (for streams under ``objective: auto``, the least sum
-    of TTFT and end-to-end time: a first token a little sooner never buys an answer that ends
-    far later), plus ``interference_weight`` times the delay the request's prefill would add
-    to the requests decoding on the node: greedy for each request alone, a long prompt would
-    land where its own prefill is fastest and stall every answer streaming there."""
+    """Least predicted end-to-end time; for streams under ``objective: auto``, the least
+    predicted TTFT among the nodes predicted to finish within ``STREAM_E2E_BOUND`` times the
+    soonest (a first token a little sooner never buys an answer that ends far later); plus
+    ``interference_weight`` times the delay the request's prefill would add to the requests
+    decoding on the node: greedy for each request alone, a long prompt would land where its
+    own prefill is fastest and stall every answer streaming there."""
 
     name: str = "latency"
 
     def decide(self, inp: PolicyInput) -> Decision:
         objective = inp.config.objective
+        guard = objective == "auto" and inp.profile.stream
         if objective == "auto":
-            objective = "stream" if inp.profile.stream else "e2e"
+            objective = "ttft" if inp.profile.stream else "e2e"
         w = inp.config.interference_weight
-        by = {"ttft": _by_ttft, "stream": _by_stream, "e2e": _by_e2e}[objective]
 
-        def key(c: Candidate) -> tuple[float, float, str]:
+        def key(c: Candidate, by=_by_ttft if objective == "ttft" else _by_e2e):
             first, second, node = by(c)
             return (first + w * c.estimate.stalled_others_ms, second, node)
 
-        ordered = sorted(inp.candidates, key=key)
-        why = f"least predicted {'ttft + e2e' if objective == 'stream' else objective}"
+        bound = math.inf
+        if guard:
+            bound = STREAM_E2E_BOUND * min(c.estimate.e2e_ms for c in inp.candidates)
+        near = [c for c in inp.candidates if c.estimate.e2e_ms <= bound]
+        far = [c for c in inp.candidates if c.estimate.e2e_ms > bound]
+        ordered = sorted(near, key=key) + sorted(far, key=lambda c: key(c, _by_e2e))
+        why = f"least predicted {objective}"
         if w > 0:
             why += f" + {w:g} x the delay to requests decoding there"
+        if far:
+            why += (
+                f" among the nodes predicted to finish within {STREAM_E2E_BOUND:g}x the soonest"
+                f" ({', '.join(c.node.id for c in far)} left last: predicted e2e over"
+                f" {bound:.0f} ms)"
+            )
         return _decision(self.name, inp, ordered, f"latency_{objective}", why)
 
 
