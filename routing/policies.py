@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -241,9 +242,16 @@ def _decision(
 
 
 # ---- policies ----------------------------------------------------------------------------------
+STREAM_E2E_BOUND = 2.0
+"""Under ``objective: auto`` a stream goes to no node whose predicted e2e exceeds this many
+times the least predicted e2e among the candidates (it may come last among the fallbacks)."""
+
+
 @dataclass
 class LatencyPolicy:
-    """Least predicted end-to-end time (TTFT for streams under ``objective: auto``), plus
+    """Least predicted end-to-end time; for streams under ``objective: auto``, the least
+    predicted TTFT among the nodes predicted to finish within ``STREAM_E2E_BOUND`` times the
+    soonest (a first token a little sooner never buys an answer that ends far later); plus
     ``interference_weight`` times the delay the request's prefill would add to the requests
     decoding on the node: greedy for each request alone, a long prompt would land where its
     own prefill is fastest and stall every answer streaming there."""
@@ -252,19 +260,30 @@ class LatencyPolicy:
 
     def decide(self, inp: PolicyInput) -> Decision:
         objective = inp.config.objective
+        guard = objective == "auto" and inp.profile.stream
         if objective == "auto":
             objective = "ttft" if inp.profile.stream else "e2e"
         w = inp.config.interference_weight
-        by = _by_ttft if objective == "ttft" else _by_e2e
 
-        def key(c: Candidate) -> tuple[float, float, str]:
+        def key(c: Candidate, by=_by_ttft if objective == "ttft" else _by_e2e):
             first, second, node = by(c)
             return (first + w * c.estimate.stalled_others_ms, second, node)
 
-        ordered = sorted(inp.candidates, key=key)
+        bound = math.inf
+        if guard:
+            bound = STREAM_E2E_BOUND * min(c.estimate.e2e_ms for c in inp.candidates)
+        near = [c for c in inp.candidates if c.estimate.e2e_ms <= bound]
+        far = [c for c in inp.candidates if c.estimate.e2e_ms > bound]
+        ordered = sorted(near, key=key) + sorted(far, key=lambda c: key(c, _by_e2e))
         why = f"least predicted {objective}"
         if w > 0:
             why += f" + {w:g} x the delay to requests decoding there"
+        if far:
+            why += (
+                f" among the nodes predicted to finish within {STREAM_E2E_BOUND:g}x the soonest"
+                f" ({', '.join(c.node.id for c in far)} left last: predicted e2e over"
+                f" {bound:.0f} ms)"
+            )
         return _decision(self.name, inp, ordered, f"latency_{objective}", why)
 
 

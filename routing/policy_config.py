@@ -50,7 +50,9 @@ class PolicyConfig(BaseModel):
 
     policy: PolicyName = "latency"
     objective: Literal["auto", "e2e", "ttft"] = Field(
-        default="auto", description="what `latency` minimizes; auto: TTFT for streams, else e2e"
+        default="auto",
+        description="what `latency` minimizes; auto: for streams TTFT among the nodes predicted "
+        "to finish within 2x the soonest, else e2e",
     )
     interference_weight: float = Field(
         default=0.0,

@@ -121,7 +121,7 @@ def test_prefix_holder_wins_from_either_gateway(fleet) -> None:
             timeout=30,
             json=_chat(SYSTEM, "A different question", model, max_tokens=4, stream=True),
         ).json()
-        assert route["reason"] == "latency_ttft"  # streams are placed by time to first token
+        assert route["reason"] == "latency_ttft"  # streams: by first token, both end alike
         assert route["node"] == holder, json.dumps(route, indent=1)
         assert route["cached_tokens"] >= 256
         other = next(c for c in route["candidates"] if c["node"] != holder)

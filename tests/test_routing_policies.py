@@ -19,7 +19,14 @@ from routing.fleet.store import FleetView
 from routing.latency import Estimate
 from routing.latency import estimate as latency_estimate
 from routing.latency.priors import ARRIVAL_WINDOW_S
-from routing.policies import NoRoute
+from routing.policies import (
+    STREAM_E2E_BOUND,
+    Candidate,
+    Decision,
+    LatencyPolicy,
+    NoRoute,
+    PolicyInput,
+)
 from routing.policy_config import ConfigSource, PolicyConfig
 from routing.profile import RequestProfile
 from routing.router import Measured, Router
@@ -114,23 +121,87 @@ def test_long_request_goes_to_the_cloud_because_edge_prefill_is_slow():
     assert d.predicted_e2e_ms < d.fallbacks[0].estimate.e2e_ms
 
 
-def test_streams_minimize_time_to_first_token():
+def test_streams_take_the_first_token_unless_it_ends_far_later():
     r = router()
     short = r.decide(profile(40, stream=True), FLEET)
     assert (short.node_id, short.reason) == ("edge-eu", "latency_ttft")
-    # 120 prompt tokens: edge TTFT 242 ms vs cloud ~99 ms. Non-streamed, 64 output tokens still
-    # finish sooner on the edge (it decodes faster); streamed, the first token is what counts.
+    # 120 prompt tokens, 64 output: the cloud's first token comes sooner, the edge's last one
+    # (it decodes faster), but the cloud's is within STREAM_E2E_BOUND x the edge's: a stream
+    # takes the first token; non-streamed, the edge finishes sooner.
     p = dict(prompt=120, out=64)
     assert r.decide(profile(**p), FLEET).node_id == "edge-eu"
-    assert r.decide(profile(**p, stream=True), FLEET).node_id == "cloud-us"
+    stream = r.decide(profile(**p, stream=True), FLEET)
+    assert (stream.node_id, stream.reason) == ("cloud-us", "latency_ttft")
+    edge_est = stream.fallbacks[0].estimate
+    assert stream.estimate.ttft_ms < edge_est.ttft_ms
+    assert edge_est.e2e_ms < stream.estimate.e2e_ms <= STREAM_E2E_BOUND * edge_est.e2e_ms
+    assert "left last" not in stream.why
+    assert router(objective="ttft").decide(profile(**p, stream=True), FLEET).node_id == "cloud-us"
     e2e = router(objective="e2e")
     assert e2e.decide(profile(**p, stream=True), FLEET).node_id == "edge-eu"
     # The cloud's 10 decoding requests would each wait out its 15 ms prefill (150 ms in all):
-    # counted, they outweigh the stream's own 143 ms gain there.
+    # counted, they outweigh the stream's own 106 ms gain there.
     assert (
         router(interference_weight=1.0).decide(profile(**p, stream=True), FLEET).node_id
         == "edge-eu"
     )
+
+
+def _cand(node: NodeState, ttft_ms: float, e2e_ms: float) -> Candidate:
+    est = Estimate(
+        node_id=node.id,
+        rtt_ms=1.0,
+        queue_ms=0.0,
+        prefill_ms=ttft_ms - 1.0,
+        ttft_ms=ttft_ms,
+        decode_ms_per_token=(e2e_ms - ttft_ms) / 63,
+        e2e_ms=e2e_ms,
+        cached_tokens=0,
+        uncached_tokens=100,
+    )
+    return Candidate(node, est)
+
+
+def _stream(*cands: Candidate, **cfg) -> Decision:
+    inp = PolicyInput(profile(100, out=64, stream=True), cands, PolicyConfig(**cfg))
+    return LatencyPolicy().decide(inp)
+
+
+def test_a_stream_never_goes_where_it_would_end_far_later():
+    # the embedded default: a CPU edge, and a CPU cloud node that prefills faster but decodes
+    # at 150-190 ms/token: its first token ~100 ms sooner, its last ~5 s later
+    e, c = _cand(edge("edge"), 200.0, 1200.0), _cand(cloud("cloud"), 100.0, 6000.0)
+    d = _stream(e, c)
+    assert (d.node_id, d.reason) == ("edge", "latency_ttft")
+    assert [f.node_id for f in d.fallbacks] == ["cloud"]  # still there to fail over to
+    assert d.why == (
+        f"least predicted ttft among the nodes predicted to finish within "
+        f"{STREAM_E2E_BOUND:g}x the soonest (cloud left last: predicted e2e over 2400 ms)"
+    )
+    # objective ttft asks for the first token whatever the end; e2e for the end
+    assert _stream(e, c, objective="ttft").node_id == "cloud"
+    assert _stream(e, c, objective="e2e").node_id == "edge"
+    # the cloud a little slower to finish (within the bound): the sooner first token wins
+    assert _stream(e, _cand(cloud("cloud"), 100.0, 2400.0)).node_id == "cloud"
+    # alike nodes (six busy CPU edges): the least TTFT wins even where its e2e is not the least
+    alike = [
+        _cand(edge("edge-0"), 486.0, 3579.0),
+        _cand(edge("edge-1"), 551.0, 3420.0),
+        _cand(edge("edge-2"), 402.0, 3900.0),
+        _cand(edge("edge-3"), 630.0, 3350.0),
+    ]
+    d = _stream(*alike)
+    assert (d.node_id, d.reason, d.why) == ("edge-2", "latency_ttft", "least predicted ttft")
+    assert [f.node_id for f in d.fallbacks] == ["edge-0", "edge-1", "edge-3"]
+    # more than one left out: the near ones by TTFT, then the far ones by e2e
+    d = _stream(
+        _cand(edge("a"), 300.0, 1000.0),
+        _cand(edge("b"), 250.0, 1900.0),
+        _cand(cloud("c"), 50.0, 9000.0),
+        _cand(cloud("d"), 80.0, 5000.0),
+    )
+    assert [x.node_id for x in d.candidates()] == ["b", "a", "d", "c"]
+    assert "(c, d left last: predicted e2e over 2000 ms)" in d.why
 
 
 def crossover(r: Router, fleet: FleetView) -> int:
