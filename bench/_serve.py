@@ -41,8 +41,9 @@ def free_port_block(n: int = 3) -> int:
 def embedded_default(
     extra: list[str] | None = None, log_path: Path | None = None, timeout_s: float = 240.0
 ) -> Iterator[str]:
-    """``edgecloud serve`` on free ports; yields the gateway's base URL once both nodes are in
-    its view. Stops the whole process group on exit. Its output goes to ``log_path``, else to
+    """``edgecloud serve`` on free ports, with its cloud node unless ``extra`` says otherwise
+    (``--cloud``: these benchmarks study the two tiers; on a CPU-only machine ``serve`` alone
+    runs the edge node alone); yields the gateway's base URL once its nodes are in its view. Stops the whole process group on exit. Its output goes to ``log_path``, else to
     a temporary file whose last lines a failed start-up raises with."""
     # A benchmark stopped by SIGTERM (``timeout``) must still stop its fleet: let the signal
     # unwind through the ``finally`` below instead of ending the process on the spot.
@@ -51,7 +52,14 @@ def embedded_default(
     exe = Path(sys.executable).with_name("edgecloud")
     # without the console script (the package on PYTHONPATH, not installed): the module
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway.cli"]
-    cmd = [*launcher, "serve", "--port", str(port), *(extra or [])]
+    extra = list(extra or [])
+    if "--cloud" not in extra:
+        extra += ["--cloud", "on"]
+    from gateway.commands.serve import cuda_visible
+
+    mode = extra[extra.index("--cloud") + 1]
+    want = 2 if mode == "on" or (mode == "auto" and cuda_visible()) else 1
+    cmd = [*launcher, "serve", "--port", str(port), *extra]
     out = open(log_path, "wb") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -64,7 +72,7 @@ def embedded_default(
                 )
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 nodes = httpx.get(base + "/admin/nodes", timeout=2.0).json().get("nodes", [])
-                if len(nodes) >= 2:
+                if len(nodes) >= want:
                     break
             if time.monotonic() > deadline:
                 raise RuntimeError("edgecloud serve did not come up")

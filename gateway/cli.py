@@ -36,6 +36,7 @@ COMMAND_MODULES = [
     "gateway.commands.models",
     "gateway.commands.chat",
     "gateway.commands.gateway",
+    "gateway.commands.serve",
     "gateway.commands.cloud",
     "gateway.commands.edge",
     "gateway.commands.sim",

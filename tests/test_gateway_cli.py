@@ -53,7 +53,7 @@ def test_serve_hands_its_engine_flags_to_the_nodes(tmp_path: Path) -> None:
     """What ``serve`` is given for a node reaches that node's command line, which parses it
     back to the same value; what it is not given is left to the node's own default."""
     from gateway.cli import build_parser
-    from gateway.commands.gateway import _node_argv
+    from gateway.commands.serve import _node_argv
 
     parser = build_parser()
     args = parser.parse_args(

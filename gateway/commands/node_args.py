@@ -82,7 +82,8 @@ EDGE_FLAGS: tuple[EngineFlag, ...] = (
         "(default: the CPUs, at most 8)",
         positive_int,
         serve_as="edge-threads",
-        serve_help="the edge node's threads (default: half the cores)",
+        serve_help="the edge node's threads (default: half the cores beside a cloud node, "
+        "its own alone)",
     ),
     EngineFlag(
         "slots",
@@ -90,7 +91,8 @@ EDGE_FLAGS: tuple[EngineFlag, ...] = (
         positive_int,
         4,
         serve_as="edge-slots",
-        serve_help="the edge node's --slots: answers it decodes together (default 4)",
+        serve_help="the edge node's --slots: answers it decodes together (default 4 beside a cloud "
+        "node, 16 alone)",
     ),
     EngineFlag(
         "max-waiting",
