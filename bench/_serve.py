@@ -41,9 +41,10 @@ def free_port_block(n: int = 3) -> int:
 def embedded_default(
     extra: list[str] | None = None, log_path: Path | None = None, timeout_s: float = 240.0
 ) -> Iterator[str]:
-    """``edgecloud serve`` on free ports, with its cloud node unless ``extra`` says otherwise
-    (``--cloud``: these benchmarks study the two tiers; on a CPU-only machine ``serve`` alone
-    runs the edge node alone); yields the gateway's base URL once its nodes are in its view. Stops the whole process group on exit. Its output goes to ``log_path``, else to
+    """``edgecloud serve`` on free ports, with its cloud node (on the CPU where no CUDA device
+    is visible) unless ``extra`` names ``--cloud-device``: these benchmarks study the two tiers,
+    and ``serve`` alone runs the edge node alone without a GPU; yields the gateway's base URL
+    once its nodes are in its view. Stops the whole process group on exit. Its output goes to ``log_path``, else to
     a temporary file whose last lines a failed start-up raises with."""
     # A benchmark stopped by SIGTERM (``timeout``) must still stop its fleet: let the signal
     # unwind through the ``finally`` below instead of ending the process on the spot.
@@ -52,13 +53,13 @@ def embedded_default(
     exe = Path(sys.executable).with_name("edgecloud")
     # without the console script (the package on PYTHONPATH, not installed): the module
     launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway.cli"]
-    extra = list(extra or [])
-    if "--cloud" not in extra:
-        extra += ["--cloud", "on"]
     from gateway.commands.serve import cuda_visible
 
-    mode = extra[extra.index("--cloud") + 1]
-    want = 2 if mode == "on" or (mode == "auto" and cuda_visible()) else 1
+    extra = list(extra or [])
+    if "--cloud-device" not in extra:
+        extra += ["--cloud-device", "cuda" if cuda_visible() else "cpu"]
+    device = extra[extra.index("--cloud-device") + 1]
+    want = 1 if device == "off" or (device == "auto" and not cuda_visible()) else 2
     cmd = [*launcher, "serve", "--port", str(port), *extra]
     out = open(log_path, "wb") if log_path else tempfile.TemporaryFile()  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

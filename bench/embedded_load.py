@@ -109,8 +109,8 @@ def start(system: str, args: argparse.Namespace) -> Iterator[Target]:
     cores = os.cpu_count() or 2
     if system.startswith("serve"):
         flags = system.removeprefix("serve").split()  # "serve --edge-slots 16": those flags
-        if "--cloud" not in flags:  # serve's own default, as the README starts it
-            flags += ["--cloud", "auto"]
+        if "--cloud-device" not in flags:  # serve's own default, as the README starts it
+            flags += ["--cloud-device", "auto"]
         with embedded_default(flags) as base:
             yield Target(system, base, "auto", {})
         return

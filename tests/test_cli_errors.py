@@ -141,7 +141,7 @@ def test_a_node_port_in_use_names_the_flag_that_sets_it(
         r = subprocess.run(
             cli("serve", "--model", str(tiny_model_path), "--port", str(free_port()),
                 "--edge-port", str(ports["edge"]), "--cloud-port", str(ports["cloud"]),
-                "--cloud", "on"),
+                "--cloud-device", "cpu"),
             cwd=REPO, capture_output=True, text=True, timeout=60,
             env={**os.environ, **tiny_home},
         )  # fmt: skip

@@ -137,7 +137,8 @@ CLOUD_FLAGS: tuple[EngineFlag, ...] = (
         "torch device: cuda, cpu or auto (cuda where available)",
         default="auto",
         serve_as="cloud-device",
-        serve_help="the cloud node's device: cuda, cpu or auto (default auto)",
+        serve_help="the cloud node's device: cuda, cpu, or off (no cloud node); default auto: "
+        "cuda where visible, else off (without a GPU the edge alone on every core answers sooner)",
     ),
     EngineFlag(
         "threads",

@@ -1,11 +1,11 @@
 """``edgecloud serve`` (the embedded default): an edge node, a cloud node where it pays, and the
 gateway in front of them, on one machine.
 
-The tiers (``--cloud``): with a CUDA device the cloud node runs on it beside the edge node on the
-CPU; on a CPU-only machine the edge node serves alone on every core (``auto``): there the two
-tiers would split the same cores, and the edge alone answered sooner at 1 to 32 users
-(``bench/embedded_load.py``, docs/benchmarks.md); ``--cloud on`` adds a CPU cloud node on half
-the cores. The nodes are child processes owned by a :class:`routing.supervisor.Supervisor`: they
+The tiers (``--cloud-device``): with a CUDA device the cloud node runs on it beside the edge node
+on the CPU; on a CPU-only machine the edge node serves alone on every core (``auto``): there the
+two tiers would split the same cores, and the edge alone answered sooner at 1 to 32 users
+(``bench/embedded_load.py``, docs/benchmarks.md); ``--cloud-device cpu`` adds a CPU cloud node on
+half the cores, ``off`` leaves the cloud node out anywhere. The nodes are child processes owned by a :class:`routing.supervisor.Supervisor`: they
 die with this process however it ends (SIGKILL included), and one that dies takes the whole
 thing down with a message and a non-zero exit, rather than leaving a half-served endpoint.
 SIGTERM or Ctrl-C drains the gateway (no new connections, in-flight requests finish within
@@ -81,14 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         choices=VARIANT_CHOICES,
         help="the edge node's weights (default auto: the quality gate's pick for this CPU)",
     )
-    s.add_argument(
-        "--cloud",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="run the cloud node: auto (default) where a CUDA device is visible or "
-        "--cloud-device names one, else the edge node alone on every core; on: also on a "
-        "CPU-only machine (the tiers then split the cores)",
-    )
     add_serve_flags(s, EDGE_FLAGS, CLOUD_FLAGS)
     s.add_argument(
         "--policy-file",
@@ -119,11 +111,12 @@ def cuda_visible() -> bool:
 
 
 def wants_cloud(args: argparse.Namespace) -> bool:
-    """``--cloud``: on, off, or (auto) on where ``--cloud-device`` names a device or a CUDA
-    device is visible."""
-    if args.cloud != "auto":
-        return bool(args.cloud == "on")
-    return args.cloud_device not in (None, "auto") or cuda_visible()
+    """Whether ``serve`` runs a cloud node: ``--cloud-device`` ``off``: no; ``cuda`` or
+    ``cpu``: yes; ``auto`` (the default): where a CUDA device is visible."""
+    device = args.cloud_device or "auto"
+    if device == "off":
+        return False
+    return device != "auto" or cuda_visible()
 
 
 def split_cores(total: int) -> tuple[int, int]:
@@ -232,8 +225,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if cloud:
             what = f"{edge} and cloud node ({args.cloud_threads or 'its'} thread(s))"
         else:  # docs/benchmarks.md, embedded_load
-            what = f"{edge} alone (no CUDA device: the edge on every core answers sooner than "
-            what += "two tiers splitting them; --cloud on adds a CPU cloud node)"
+            what = f"{edge} alone (no cloud node: without a GPU the edge on every core answers "
+            what += "sooner than two tiers splitting them; --cloud-device cpu adds one)"
         print(f"starting {what} on {info.name}...", file=sys.stderr)
         supervisor.start(
             ChildSpec("edge node", _node_argv("edge", args, info.path, edge_port), node_env)
