@@ -1,14 +1,16 @@
 """``edgecloud serve`` (the embedded default): an edge node, a cloud node where it pays, and the
 gateway in front of them, on one machine.
 
-The tiers (``--cloud-device``): with a CUDA device the cloud node runs on it beside the edge node
-on the CPU; on a CPU-only machine the edge node serves alone on every core (``auto``): there the
-two tiers would split the same cores, and the edge alone answered sooner at 1 to 32 users
-(``bench/embedded_load.py``, docs/benchmarks.md); ``--cloud-device cpu`` adds a CPU cloud node on
-half the cores, ``off`` leaves the cloud node out anywhere. The nodes are child processes owned by a :class:`routing.supervisor.Supervisor`: they
-die with this process however it ends (SIGKILL included), and one that dies takes the whole
-thing down with a message and a non-zero exit, rather than leaving a half-served endpoint.
-SIGTERM or Ctrl-C drains the gateway (no new connections, in-flight requests finish within
+The tiers (``--cloud-device``): with a CUDA device the cloud node runs on it beside the edge
+node on the CPU; on a CPU-only machine the edge node serves alone on every core (``auto``):
+there the two tiers would split the same cores, and the edge alone answered sooner at 1 to 32
+users (``bench/embedded_load.py``, docs/benchmarks.md); ``--cloud-device cpu`` adds a CPU cloud
+node on half the cores, ``off`` leaves the cloud node out anywhere.
+
+The nodes are child processes owned by a :class:`routing.supervisor.Supervisor`: they die with
+this process however it ends (SIGKILL included), and one that dies takes the whole thing down
+with a message and a non-zero exit, rather than leaving a half-served endpoint. SIGTERM or
+Ctrl-C drains the gateway (no new connections, in-flight requests finish within
 ``--drain-timeout``), then stops the children (SIGTERM, then SIGKILL after a few seconds), one
 line per thing stopped.
 """
