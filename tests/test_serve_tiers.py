@@ -53,4 +53,4 @@ def test_serve_on_a_cpu_only_machine_runs_the_edge_alone(
     finally:
         assert p.stop(signal.SIGINT, timeout=60) == 0, p.tail()
     log = (tmp_path / "serve.log").read_text()
-    assert "starting edge node (all cores thread(s)) alone (no cloud node" in log, log
+    assert "starting edge node on every core alone (no cloud node" in log, log

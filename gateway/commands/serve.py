@@ -223,7 +223,9 @@ def run_serve(args: argparse.Namespace) -> int:
     previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     rc = 0
     try:
-        edge = f"edge node ({args.edge_threads or 'all cores'} thread(s))"
+        edge = "edge node " + (
+            f"({args.edge_threads} thread(s))" if args.edge_threads else "on every core"
+        )
         if cloud:
             what = f"{edge} and cloud node ({args.cloud_threads or 'its'} thread(s))"
         else:  # docs/benchmarks.md, embedded_load
