@@ -4,7 +4,8 @@ requests expected after it (``latency.future_arrivals``), in the simulator on th
 
 - ``staleness_fleet.yaml``: six CPU edge nodes, three gateway replicas, no cloud;
 - ``morning_peak_fleet.yaml``: edges in three offices and H200 replicas across the ocean;
-- ``embedded_fleet.yaml``: this machine's embedded default (one edge, one CPU cloud node).
+- ``embedded_fleet.yaml``: this machine's embedded default with both tiers (one edge, one CPU
+  cloud node: ``serve --cloud-device cpu``).
 
 Each runs the first ``--minutes`` of the Azure conversation trace, lengths quartered,
 arrivals stretched by ``--time-scale`` (the same trace for every variant: the ratio is the

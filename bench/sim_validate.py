@@ -1,6 +1,6 @@
 """The simulator against live replays on this machine: the same small traces sent open-loop
-through the real embedded default (``edgecloud serve``: gateway, edge node, cloud node on
-loopback) and run in the simulator on ``embedded_fleet.yaml`` (the profiles measured here),
+through the real embedded default with both tiers (``edgecloud serve --cloud-device cpu``:
+gateway, edge node, cloud node on loopback) and run in the simulator on ``embedded_fleet.yaml`` (the profiles measured here),
 per policy; mean and p90 TTFT and end-to-end error (sim - live) / live. ``--repeats N`` runs
 each live replay N times (each on a fresh ``serve``) and compares with their mean; the
 ``spread_*`` columns ((max - min) / mean over the repeats) are the live runs' own noise floor.
