@@ -458,8 +458,11 @@ def test_cuda_engine_8bit_kv_agrees_with_dense(kv: str) -> None:
     """fp8 / int8 KV through the whole CUDA engine (fused decode attention for small batches,
     the general kernel beyond, prefill chunks, CUDA graphs, a pool small enough to preempt)
     against the dense bf16 reference. Tolerance: the first token of at least 90% of the
-    requests, as the bf16 engine is held to, and 70% of all tokens (greedy continuations of a
-    random model diverge once one token flips)."""
+    requests, as the bf16 engine is held to, and of all tokens 25% (fp8) or 45% (int8): greedy
+    continuations of this random model part at the first flipped token, and the torch runner
+    (no kernels) with the same model, requests and pool formats agrees with dense on 0.360
+    (fp8), 0.554 (int8) and 0.554 (bf16) of tokens on a CPU; measured here on an H200: 0.300
+    and 0.647."""
     model = tiny_gpu_model("qwen3", torch.bfloat16)
     reqs = requests(24, seed=2)
     ref = {r.request_id: generate(model, r.prompt_token_ids, r.sampling).token_ids for r in reqs}
@@ -472,7 +475,7 @@ def test_cuda_engine_8bit_kv_agrees_with_dense(kv: str) -> None:
         map(len, ref.values())
     )
     print(f"{kv} paged vs dense bf16: first-token agreement {first:.3f}, tokens {tokens:.3f}")
-    assert first >= 0.9 and tokens >= 0.7
+    assert first >= 0.9 and tokens >= {"fp8": 0.25, "int8": 0.45}[kv]
 
 
 @needs_cuda
