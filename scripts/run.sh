@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 source .venv/bin/activate
-# once, cached: progress on stderr; the graph's folder labelled, not bare, on stdout
-graph="$(edgecloud edge export smollm2-135m-instruct --variant int8)"
+# once, cached: the export and the quality gate's pick for this CPU (progress on stderr); the
+# graph the edge will serve, labelled, on stdout
+graph="$(edgecloud edge export smollm2-135m-instruct --variant auto)"
 echo "edge graph: $graph"
 exec edgecloud serve "$@"
