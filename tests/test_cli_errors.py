@@ -56,6 +56,11 @@ def test_pull_of_an_unknown_name_and_a_missing_file(capsys: pytest.CaptureFixtur
         (["edge", "serve", "--port", "x"], "'x' is not a port number"),
         (["cloud", "serve", "--max-running", "0"], "0 is not a whole number of at least 1"),
         (["serve", "--cloud-max-running", "-2"], "-2 is not a whole number of at least 1"),
+        (["cloud", "serve", "--device", "gpu"], "'gpu' is not a device: cuda, cuda:N, cpu or auto"),
+        (
+            ["serve", "--cloud-device", "gpu"],
+            "'gpu' is not a device: cuda, cuda:N, cpu, auto or off",
+        ),
     ],
 )
 def test_bad_flag_values_are_usage_errors(
@@ -120,7 +125,7 @@ def test_every_option_has_help_and_the_top_level_help_is_for_users() -> None:
     chat = next(p for p in all_parsers(parser) if p.prog == "edgecloud chat").format_help()
     assert "(default: 256)" in chat.replace("\n", " ").replace("  ", " ")
     cloud = next(p for p in all_parsers(parser) if p.prog == "edgecloud cloud serve")
-    assert "cuda, cpu or auto" in cloud.format_help()
+    assert "cuda, cuda:N, cpu or auto" in " ".join(cloud.format_help().split())
 
 
 @pytest.mark.parametrize("node", ["edge", "cloud"])

@@ -35,6 +35,26 @@ temperature = _bounded(float, 0, 2, "a temperature in [0, 2]")
 probability = _bounded(float, 1e-9, 1, "a probability in (0, 1]")
 
 
+def torch_device(text: str) -> str:
+    """A cloud node's ``--device``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    head, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (head == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device: cuda, cuda:N, cpu or auto")
+
+
+def serve_cloud_device(text: str) -> str:
+    """``serve``'s ``--cloud-device``: a :func:`torch_device`, or ``off`` (no cloud node)."""
+    if text == "off":
+        return text
+    try:
+        return torch_device(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device: cuda, cuda:N, cpu, auto or off"
+        ) from None
+
+
 def cloud_stall_ratio(text: str) -> float | Literal["off"]:
     """The cloud's ``--prefill-stall-ratio``: as :func:`stall_ratio`, ``off`` kept as said (an
     unset flag is the device's default)."""

@@ -19,7 +19,9 @@ from gateway.commands.argtypes import (
     nonneg_int,
     port,
     positive_int,
+    serve_cloud_device,
     stall_ratio,
+    torch_device,
     watts,
 )
 from gateway.server_limits import ServerLimits
@@ -134,11 +136,13 @@ EDGE_FLAGS: tuple[EngineFlag, ...] = (
 CLOUD_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag(
         "device",
-        "torch device: cuda, cpu or auto (cuda where available)",
+        "torch device: cuda, cuda:N, cpu or auto (cuda where available)",
+        torch_device,
         default="auto",
         serve_as="cloud-device",
         serve_help="the cloud node's device: cuda, cpu, or off (no cloud node); default auto: "
         "cuda where visible, else off (without a GPU the edge alone on every core answers sooner)",
+        serve_type=serve_cloud_device,
     ),
     EngineFlag(
         "threads",
