@@ -18,6 +18,7 @@ line per thing stopped.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import secrets
@@ -100,10 +101,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.set_defaults(func=run_serve)
 
 
+# what a GPU driver puts on a Linux machine (NVIDIA's; AMD's for ROCm torch): without either,
+# torch sees no CUDA device and asking it (a child importing torch, ~2 s) is skipped
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
+@functools.cache
 def cuda_visible() -> bool:
     """Whether torch is installed and sees a CUDA device (asked in a child process, so that the
-    gateway in this one never imports torch)."""
+    gateway in this one never imports torch; once per process)."""
     if importlib.util.find_spec("torch") is None:
+        return False
+    if sys.platform.startswith("linux") and not any(map(os.path.exists, GPU_DRIVER_PATHS)):
         return False
     probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     try:
