@@ -76,7 +76,13 @@ def test_victim_admitted_before_the_attackers_queued_streams(
         while not r.keys("edgecloud:v1:node:*"):
             assert time.monotonic() < deadline, "the node never registered"
             time.sleep(0.05)
-        threads = [threading.Thread(target=chat, args=("attacker", i, 400)) for i in range(STREAMS)]
+        # every stream has its own length (the two that take the slots, whichever they are, end
+        # 60+ steps apart): one release frees one slot, so the victim's admission and the next
+        # attacker's are never the same instant (their first bytes could arrive in either order)
+        threads = [
+            threading.Thread(target=chat, args=("attacker", i, 100 + 60 * i))
+            for i in range(STREAMS)
+        ]
         for t in threads:
             t.start()
             time.sleep(0.02)
