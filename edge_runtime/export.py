@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 VARIANTS = ("fp32", "int8", "int4")
 ATTENTIONS = ("gqa", "concat")
 DATA_FILE = GRAPH_FILE + ".data"
-QUANTIZATION = {"fp32": "", "int8": "affine32", "int4": ""}  # how each variant is made
+QUANTIZATION = {"fp32": "", "int8": "affine32-smooth", "int4": ""}  # how each variant is made
 
 
 @dataclass(frozen=True)

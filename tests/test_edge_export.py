@@ -19,7 +19,7 @@ import pytest
 
 from edge_runtime import export as export_mod
 from edge_runtime.decoder import Decoder
-from edge_runtime.export import ensure_export, export_folder
+from edge_runtime.export import QUANTIZATION, ensure_export, export_folder
 from edge_runtime.graph_info import META_FILE, ExportMeta, read_graph_info
 from routing.model_store import resolve
 
@@ -212,7 +212,7 @@ def test_int8_folder_of_an_older_method_is_rebuilt(tiny_model_path: Path, tmp_pa
     del data["quantization"]
     (first.folder / META_FILE).write_text(json.dumps(data))
     rebuilt = ensure_export(tiny_model_path, "int8", root=tmp_path)
-    assert rebuilt.meta.quantization == "affine32"
+    assert rebuilt.meta.quantization == QUANTIZATION["int8"]
     assert rebuilt.meta.created_unix > first.meta.created_unix
 
 

@@ -1,0 +1,79 @@
+"""SmoothQuant on the edge's fp32 graph (the tiny random model's real export, run by ONNX
+Runtime): the rescaled graph computes the same logits, and afterwards every channel's
+activation maximum stands in the same ratio to its weight row's maximum (what ALPHA = 0.5
+means), measured again through the graph."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import numpy_helper
+
+from edge_runtime.decoder import Decoder
+from edge_runtime.export import ensure_export
+from edge_runtime.graph_info import read_graph_info
+from edge_runtime.smoothing import (
+    ALPHA,
+    activation_max,
+    calibration_prompts,
+    norm_fed_matmuls,
+    smooth,
+)
+from routing.prompt import PromptFormatter
+
+
+def _prompts(folder: Path) -> list[list[int]]:
+    fmt = PromptFormatter.from_folder(folder)
+    return [fmt.encode_chat([{"role": "user", "content": p}]) for p in calibration_prompts()[:6]]
+
+
+def _logits(path: Path, ids: list[int]) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return Decoder(session, read_graph_info(path), 1, 256).prefill(0, ids, 0)
+
+
+def test_calibration_set_is_apart_from_the_quality_set() -> None:
+    from edge_runtime.quality_gate import QualitySet
+
+    judged = {p for p, _ in QualitySet.shipped().references}
+    judged |= {p for p, _ in QualitySet.shipped().questions}
+    prompts = calibration_prompts()
+    assert len(prompts) >= 16 and not judged & set(prompts)
+
+
+def test_smoothing_keeps_the_function_and_balances_each_channel(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    graph = ensure_export(tiny_model_path, "fp32", root=tmp_path / "onnx")
+    model = onnx.load(str(graph.graph_path), load_external_data=True)
+    pairs = norm_fed_matmuls(model)
+    layers = read_graph_info(graph.graph_path).num_layers
+    assert len(pairs) == 2 * layers  # attention and MLP inputs of every layer
+    prompts = _prompts(graph.folder)
+    before = activation_max(model, prompts, threads=1)
+    assert all(np.isfinite(a).all() and (a > 0).all() for a in before.values())
+
+    assert smooth(model, before) == 2 * layers
+    out = tmp_path / "smoothed"
+    out.mkdir()
+    saved = onnx.ModelProto()
+    saved.CopyFrom(model)  # saving moves a proto's tensors out to the data file
+    onnx.save(saved, str(out / "model.onnx"), save_as_external_data=True, location="m.data")
+
+    ids = prompts[0]
+    want, got = _logits(graph.graph_path, ids), _logits(out / "model.onnx", ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert int(np.argmax(got)) == int(np.argmax(want))
+
+    after = activation_max(model, prompts, threads=1)
+    weights = {t.name: t for t in model.graph.initializer}
+    assert ALPHA == 0.5
+    for norm, matmul in pairs:
+        w_max = np.abs(numpy_helper.to_array(weights[matmul.input[1]])).max(axis=1)
+        ratio = after[norm.output[0]] / w_max  # the same for every channel
+        assert ratio.max() / ratio.min() < 1.01, norm.name
