@@ -99,6 +99,7 @@ def activation_max(
             onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
         )
     opts = ort.SessionOptions()
+    opts.log_severity_level = 3  # errors only: the probe's warnings are not the user's business
     if threads:
         opts.intra_op_num_threads = threads
     out: dict[str, np.ndarray] = {}
