@@ -3,11 +3,12 @@ MatMul's activation range into its weights before the weights are quantized.
 
 ``MatMulNBits`` with ``accuracy_level=4`` quantizes every activation row to int8 by blocks, so
 a channel far larger than its block's neighbours costs them their precision. The attention and
-MLP inputs come from ``(Skip)SimplifiedLayerNormalization`` nodes whose output feeds one
-MatMul: dividing the norm's weight by ``s`` and multiplying the MatMul's weight rows by ``s``
-leaves the fp32 function unchanged and flattens the activations the kernel quantizes. With
-SmoothQuant's rule ``s_j = max|X_j|**ALPHA / max|W_j|**(1 - ALPHA)``, the maxima ``X_j`` taken
-on a shipped calibration set (``data/calibration.json``, apart from the quality gate's set).
+MLP inputs are a norm's output ``x * gamma`` (``(Skip)SimplifiedLayerNormalization`` in the gqa
+graph, a ``Mul`` in the concat graph) read only by MatMuls: dividing ``gamma`` by ``s`` and
+multiplying those MatMuls' weight rows by ``s`` leaves the fp32 function unchanged and flattens
+the activations the kernel quantizes. With SmoothQuant's rule
+``s_j = max|X_j|**ALPHA / max|W_j|**(1 - ALPHA)``, the maxima ``X_j`` taken on a shipped
+calibration set (``data/calibration.json``, apart from the quality gate's set).
 
 Measured on the default model (AVX-512 Xeon): the int8 graph's plain questions went from 17
 to 18 of 24 (fp32 19; the README's question answered right again), its reference NLL
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -39,9 +41,25 @@ def calibration_prompts() -> tuple[str, ...]:
     return tuple(json.loads(raw)["prompts"])
 
 
-def norm_fed_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.NodeProto]]:
-    """(norm, MatMul) pairs where the norm's output feeds only that MatMul, whose weight is a
-    2-D initializer (the pairs :func:`smooth` may rescale)."""
+@dataclass(frozen=True)
+class Site:
+    """A place :func:`smooth` may rescale: ``node``'s output is ``x * gamma`` per channel
+    (``gamma`` a 1-D initializer only it reads) and feeds only ``matmuls``, each with a 2-D
+    initializer weight only it reads."""
+
+    node: onnx.NodeProto
+    gamma: str
+    matmuls: tuple[onnx.NodeProto, ...]
+
+    @property
+    def output(self) -> str:
+        return self.node.output[0]
+
+
+def smoothing_sites(model: onnx.ModelProto) -> list[Site]:
+    """The norms whose outputs feed only MatMuls: ``(Skip)SimplifiedLayerNormalization`` (the
+    gqa graph) or the ``Mul`` by the norm's weight that ends a norm in standard ops (the concat
+    graph, whose q, k and v MatMuls share one)."""
     inits = {t.name: t for t in model.graph.initializer}
     users: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:
@@ -51,19 +69,25 @@ def norm_fed_matmuls(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, onnx.
     def own(name: str, dims: int) -> bool:  # an initializer of that rank read by one node
         return name in inits and len(inits[name].dims) == dims and len(users[name]) == 1
 
-    pairs = []
+    sites = []
     for node in model.graph.node:
-        if node.op_type not in NORMS or not own(gamma_of(node), 1):
+        if node.op_type in NORMS:
+            gamma = node.input[NORMS.index(node.op_type) + 1]
+        elif node.op_type == "Mul":
+            gamma = next((i for i in node.input if i in inits), "")
+        else:
             continue
         fed = users.get(node.output[0], [])
-        if len(fed) == 1 and fed[0].op_type == "MatMul" and own(fed[0].input[1], 2):
-            pairs.append((node, fed[0]))
-    return pairs
-
-
-def gamma_of(norm: onnx.NodeProto) -> str:
-    """The name of a norm node's weight input (after the input, and the skip if any)."""
-    return norm.input[NORMS.index(norm.op_type) + 1]
+        if (
+            own(gamma, 1)
+            and fed
+            and all(
+                f.op_type == "MatMul" and f.input[0] == node.output[0] and own(f.input[1], 2)
+                for f in fed
+            )
+        ):
+            sites.append(Site(node, gamma, tuple(fed)))
+    return sites
 
 
 def _feed(model: onnx.ModelProto, ids: list[int]) -> dict[str, np.ndarray]:
@@ -94,7 +118,9 @@ def activation_max(
     (token ids, each prefilled alone), run by ONNX Runtime on the CPU."""
     import onnxruntime as ort
 
-    names = [norm.output[0] for norm, _ in norm_fed_matmuls(model)]
+    names = [site.output for site in smoothing_sites(model)]
+    if not names:
+        return {}
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     for name in names:
@@ -118,22 +144,23 @@ def activation_max(
 
 
 def smooth(model: onnx.ModelProto, amax: dict[str, np.ndarray], alpha: float = ALPHA) -> int:
-    """Rescale every pair of :func:`norm_fed_matmuls` whose norm output ``amax`` covers (in
-    place; the fp32 function is unchanged up to rounding); the number of pairs rescaled."""
+    """Rescale every site of :func:`smoothing_sites` whose output ``amax`` covers (in place;
+    the fp32 function is unchanged up to rounding); the number of sites rescaled."""
     inits = {t.name: t for t in model.graph.initializer}
     done = 0
-    for norm, matmul in norm_fed_matmuls(model):
-        a = amax.get(norm.output[0])
+    for site in smoothing_sites(model):
+        a = amax.get(site.output)
         if a is None:
             continue
-        g_name = gamma_of(norm)
-        gamma = numpy_helper.to_array(inits[g_name]).astype(np.float32)
-        w = numpy_helper.to_array(inits[matmul.input[1]]).astype(np.float32)  # [K, N]
-        s = np.maximum(a, _FLOOR) ** alpha / np.maximum(np.abs(w).max(axis=1), _FLOOR) ** (
-            1 - alpha
-        )
+        weights = [
+            numpy_helper.to_array(inits[m.input[1]]).astype(np.float32) for m in site.matmuls
+        ]
+        w_max = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)  # per input channel
+        s = np.maximum(a, _FLOOR) ** alpha / np.maximum(w_max, _FLOOR) ** (1 - alpha)
         s = (s / np.exp(np.log(s).mean())).astype(np.float32)  # geometric mean 1
-        inits[g_name].CopyFrom(numpy_helper.from_array(gamma / s, g_name))
-        inits[matmul.input[1]].CopyFrom(numpy_helper.from_array(w * s[:, None], matmul.input[1]))
+        gamma = numpy_helper.to_array(inits[site.gamma]).astype(np.float32)
+        inits[site.gamma].CopyFrom(numpy_helper.from_array(gamma / s, site.gamma))
+        for m, w in zip(site.matmuls, weights, strict=True):
+            inits[m.input[1]].CopyFrom(numpy_helper.from_array(w * s[:, None], m.input[1]))
         done += 1
     return done

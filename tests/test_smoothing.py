@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import numpy_helper
 
 from edge_runtime.decoder import Decoder
@@ -19,8 +20,8 @@ from edge_runtime.smoothing import (
     ALPHA,
     activation_max,
     calibration_prompts,
-    norm_fed_matmuls,
     smooth,
+    smoothing_sites,
 )
 from routing.prompt import PromptFormatter
 
@@ -46,14 +47,16 @@ def test_calibration_set_is_apart_from_the_quality_set() -> None:
     assert len(prompts) >= 16 and not judged & set(prompts)
 
 
+@pytest.mark.parametrize("attention", ["gqa", "concat"])
 def test_smoothing_keeps_the_function_and_balances_each_channel(
-    tiny_model_path: Path, tmp_path: Path
+    tiny_model_path: Path, tmp_path: Path, attention: str
 ) -> None:
-    graph = ensure_export(tiny_model_path, "fp32", root=tmp_path / "onnx")
+    graph = ensure_export(tiny_model_path, "fp32", attention, root=tmp_path / "onnx")
     model = onnx.load(str(graph.graph_path), load_external_data=True)
-    pairs = norm_fed_matmuls(model)
+    sites = smoothing_sites(model)
     layers = read_graph_info(graph.graph_path).num_layers
-    assert len(pairs) == 2 * layers  # attention and MLP inputs of every layer
+    assert len(sites) == 2 * layers  # attention and MLP inputs of every layer
+    assert {len(site.matmuls) for site in sites} == ({1} if attention == "gqa" else {2, 3})
     prompts = _prompts(graph.folder)
     before = activation_max(model, prompts, threads=1)
     assert all(np.isfinite(a).all() and (a > 0).all() for a in before.values())
@@ -73,7 +76,10 @@ def test_smoothing_keeps_the_function_and_balances_each_channel(
     after = activation_max(model, prompts, threads=1)
     weights = {t.name: t for t in model.graph.initializer}
     assert ALPHA == 0.5
-    for norm, matmul in pairs:
-        w_max = np.abs(numpy_helper.to_array(weights[matmul.input[1]])).max(axis=1)
-        ratio = after[norm.output[0]] / w_max  # the same for every channel
-        assert ratio.max() / ratio.min() < 1.01, norm.name
+    for site in sites:
+        w_max = np.max(
+            [np.abs(numpy_helper.to_array(weights[m.input[1]])).max(axis=1) for m in site.matmuls],
+            axis=0,
+        )
+        ratio = after[site.output] / w_max  # the same for every channel
+        assert ratio.max() / ratio.min() < 1.01, site.node.name
