@@ -147,9 +147,10 @@ class _SamplingFields(_Body):
     model: Annotated[str, Field(min_length=1, max_length=256), AfterValidator(check_text)]
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)  # extension, as in vLLM; 0 = off
+    # absent: the model's generation_config default, else 1.0 / 1.0 / 0 (off), as in vLLM
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOP_K)  # extension, as in vLLM
     seed: int | None = Field(default=None, ge=API_SEED_MIN, le=API_SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False

@@ -7,6 +7,8 @@ Invariants:
 - ``encode`` never adds a BOS of its own: chat templates place their own markers, and special
   tokens written in the text (``<|im_start|>``) map to their single ids.
 - ``stop_token_ids`` are the ids generation ends on (generation_config's eos list, else config's).
+- ``default_sampling`` holds generation_config's ``temperature``, ``top_p`` and ``top_k`` where
+  it sets them: what a request that omits one gets (as vLLM does), else the API's own defaults.
 - Text that cannot be tokenized (a lone surrogate) raises :class:`UnencodableText`, a
   ``ValueError``, never the tokenizer's ``TypeError``.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -77,6 +79,18 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+
+
+def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, float]:
+    """The sampling fields a model's generation_config sets (numbers only)."""
+    return {
+        k: float(v)
+        for k in SAMPLING_FIELDS
+        if isinstance(v := generation_config.get(k), int | float) and not isinstance(v, bool)
+    }
+
+
 @dataclass
 class PromptFormatter:
     """Tokenizer + chat template + stop ids of one model."""
@@ -87,6 +101,7 @@ class PromptFormatter:
     eos_token: str | None
     stop_token_ids: tuple[int, ...]
     special_token_ids: frozenset[int]
+    default_sampling: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> PromptFormatter:
@@ -118,6 +133,7 @@ class PromptFormatter:
             eos_token=eos,
             stop_token_ids=tuple(dict.fromkeys(stops)),
             special_token_ids=special,
+            default_sampling=sampling_defaults(gcfg),
         )
 
     @cached_property

