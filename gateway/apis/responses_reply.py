@@ -101,11 +101,11 @@ class ResponseWriter:
             "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "store": r.store,
-            "temperature": 1.0 if r.temperature is None else r.temperature,
+            "temperature": r.temperature,  # None: the model's default (its generation_config)
             "text": {"format": r.format_name()},
             "tool_choice": r.tool_choice or "auto",
             "tools": r.tools or [],
-            "top_p": 1.0 if r.top_p is None else r.top_p,
+            "top_p": r.top_p,
             "truncation": "disabled",
             "usage": usage_object(self.usage) if self.usage is not None else None,
             "user": r.user,
