@@ -6,14 +6,13 @@ its chunk or batch (greedy answers repeat whatever the prefill chunking, the pre
 neighbours in a batch; ``edge_runtime.quality_gate`` checks it).
 
 - ``int8``: 8-bit affine blocks of ``INT8_BLOCK_SIZE`` inputs (a scale and a zero point per
-  block). A GGUF import's weights are Q4_1 (16 levels ``d*q + m`` per 32 inputs) and Q8_0 blocks
-  of 32: an affine 8-bit block over the same 32 inputs holds each Q4_1 level within ``d/34``
-  of its value, where a symmetric or wider block re-quantizes them (measured on the default
-  model: reference NLL +0.0% of fp32, against 15 of fp32's 18 plain questions for symmetric
-  blocks of 128).
-  Before quantizing, SmoothQuant scales (``edge_runtime.smoothing``) move the RMSNorm-fed
-  MatMuls' activation outliers into their weights: the kernel's int8 activations cost the
-  default model 2 of fp32's plain questions without them (the README's among them), 1 with.
+  block; the kernel's activation blocks are as wide, so narrower blocks also quantize the
+  activations finer). Before quantizing, SmoothQuant scales (``edge_runtime.smoothing``) move
+  the norm-fed MatMuls' activation outliers into their weights: the weights alone cost nothing
+  (fp32 activations over these blocks give fp32's logits within 0.01), the kernel's int8
+  activations cost the default model 2 of fp32's plain questions without smoothing (the
+  README's among them) and 1 with it (measured against 15 of fp32's 18 questions for the
+  symmetric blocks of 128 used before).
 - ``int4``: 4-bit symmetric blocks of ``INT4_BLOCK_SIZE``; the embedding table too
   (``GatherBlockQuantized``: read one row per token, so this saves memory, not time).
 
@@ -31,7 +30,7 @@ log = logging.getLogger(__name__)
 
 INT4_BLOCK_SIZE = 32
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations, quantized row by row (the fast kernels)
-INT8_BLOCK_SIZE = 32  # the GGUF block width: one zero point per Q4_1 block
+INT8_BLOCK_SIZE = 32  # inputs per weight block, and per activation block in the kernel
 
 
 def blockwise_block_size(model: onnx.ModelProto, widest: int = INT8_BLOCK_SIZE) -> int:
