@@ -52,13 +52,16 @@ def blockwise_block_size(model: onnx.ModelProto, widest: int = INT8_BLOCK_SIZE) 
 
 
 def _smoothed(model: onnx.ModelProto, src: Path) -> None:
-    """Apply SmoothQuant scales calibrated on ``src``'s graph with the shipped prompts (its
-    folder's tokenizer formats them as chat turns)."""
+    """Apply SmoothQuant scales calibrated on ``src``'s graph with the shipped prompts (as chat
+    turns where its folder's tokenizer has a chat template, else as plain text)."""
     from edge_runtime.smoothing import activation_max, calibration_prompts, smooth
     from routing.prompt import PromptFormatter
 
     fmt = PromptFormatter.from_folder(src.parent)
-    prompts = [fmt.encode_chat([{"role": "user", "content": p}]) for p in calibration_prompts()]
+    if fmt.chat_template:
+        prompts = [fmt.encode_chat([{"role": "user", "content": p}]) for p in calibration_prompts()]
+    else:  # a base model: the prompts as plain text
+        prompts = [fmt.encode(p) for p in calibration_prompts()]
     n = smooth(model, activation_max(model, prompts))
     log.info("smoothed %d norm-fed MatMuls of %s", n, src)
 

@@ -5,6 +5,8 @@ means), measured again through the graph."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -83,3 +85,21 @@ def test_smoothing_keeps_the_function_and_balances_each_channel(
         )
         ratio = after[site.output] / w_max  # the same for every channel
         assert ratio.max() / ratio.min() < 1.01, site.node.name
+
+
+def test_int8_of_a_base_model_calibrates_on_plain_text(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A model without a chat template (a base model) still gets its int8 graph: the
+    calibration prompts go in as plain text."""
+    base = tmp_path / "tiny-base"
+    shutil.copytree(tiny_model_path, base)
+    tcfg = json.loads((base / "tokenizer_config.json").read_text())
+    tcfg.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    assert PromptFormatter.from_folder(base).chat_template is None
+
+    graph = ensure_export(base, "int8", root=tmp_path / "onnx")
+    logits = _logits(graph.graph_path, PromptFormatter.from_folder(base).encode("Once upon"))
+    assert logits.shape == (49152,) and np.isfinite(logits).all()
