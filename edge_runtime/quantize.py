@@ -8,11 +8,8 @@ neighbours in a batch; ``edge_runtime.quality_gate`` checks it).
 - ``int8``: 8-bit affine blocks of ``INT8_BLOCK_SIZE`` inputs (a scale and a zero point per
   block; the kernel's activation blocks are as wide, so narrower blocks also quantize the
   activations finer). Before quantizing, SmoothQuant scales (``edge_runtime.smoothing``) move
-  the norm-fed MatMuls' activation outliers into their weights: the weights alone cost nothing
-  (fp32 activations over these blocks give fp32's logits within 0.01), the kernel's int8
-  activations cost the default model 2 of fp32's plain questions without smoothing (the
-  README's among them) and 1 with it (measured against 15 of fp32's 18 questions for the
-  symmetric blocks of 128 used before).
+  the norm-fed MatMuls' activation outliers into their weights, where the kernel's int8
+  activations lose least.
 - ``int4``: 4-bit symmetric blocks of ``INT4_BLOCK_SIZE``; the embedding table too
   (``GatherBlockQuantized``: read one row per token, so this saves memory, not time).
 
@@ -54,6 +51,7 @@ def blockwise_block_size(model: onnx.ModelProto, widest: int = INT8_BLOCK_SIZE) 
 def _smoothed(model: onnx.ModelProto, src: Path) -> None:
     """Apply SmoothQuant scales calibrated on ``src``'s graph with the shipped prompts (as chat
     turns where its folder's tokenizer has a chat template, else as plain text)."""
+    from edge_runtime.graph_info import read_graph_info
     from edge_runtime.smoothing import activation_max, calibration_prompts, smooth
     from routing.prompt import PromptFormatter
 
@@ -62,7 +60,7 @@ def _smoothed(model: onnx.ModelProto, src: Path) -> None:
         prompts = [fmt.encode_chat([{"role": "user", "content": p}]) for p in calibration_prompts()]
     else:  # a base model: the prompts as plain text
         prompts = [fmt.encode(p) for p in calibration_prompts()]
-    n = smooth(model, activation_max(model, prompts))
+    n = smooth(model, activation_max(model, read_graph_info(src), prompts))
     log.info("smoothed %d norm-fed MatMuls of %s", n, src)
 
 

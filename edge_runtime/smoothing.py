@@ -10,12 +10,12 @@ the activations the kernel quantizes. With SmoothQuant's rule
 ``s_j = max|X_j|**ALPHA / max|W_j|**(1 - ALPHA)``, the maxima ``X_j`` taken on a shipped
 calibration set (``data/calibration.json``, apart from the quality gate's set).
 
-Measured on the default model (AVX-512 Xeon): the int8 graph's plain questions went from 17
-to 18 of 24 (fp32 19; the README's question answered right again), its reference NLL
-1.6924 -> 1.6916 (fp32 1.6928); decode speed unchanged (the graph's ops are the same). The
-question count rests on five near-tie questions: ALPHA 0.3 / 0.4 / 0.6 scored 15 / 16 / 15
-(NLL within 0.4% of fp32's for each), so a CPU whose arithmetic differs may see the gate
-keep fp32.
+Measured on the default model (AVX-512 Xeon; ``edgecloud edge export`` runs the quality gate,
+``edgecloud models list`` shows it): the int8 graph answers 18 of the gate's 24 plain questions
+(fp32 19, unsmoothed int8 17 with the README's question wrong), reference NLL -0.1% of fp32's;
+the graph's ops, hence its speed, are unchanged. The count rests on a few near-tie questions:
+other ALPHA values scored fewer with the same NLL, so a CPU whose arithmetic differs may still
+see the gate keep fp32.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from edge_runtime.graph_info import GraphInfo
 
 ALPHA = 0.5  # SmoothQuant's migration strength (the paper's default)
 NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
@@ -90,32 +92,33 @@ def smoothing_sites(model: onnx.ModelProto) -> list[Site]:
     return sites
 
 
-def _feed(model: onnx.ModelProto, ids: list[int]) -> dict[str, np.ndarray]:
-    """The inputs of one prefill of ``ids`` from an empty cache (the ONNX-community layout:
-    ``edge_runtime.graph_info``)."""
+def _feed(info: GraphInfo, ids: list[int]) -> dict[str, np.ndarray]:
+    """The inputs of one prefill of ``ids`` from an empty cache, as the decoder feeds them."""
     t = len(ids)
     feed: dict[str, np.ndarray] = {
         "input_ids": np.array([ids], np.int64),
         "attention_mask": np.ones((1, t), np.int64),
     }
-    for value in model.graph.input:
-        name = value.name
-        if name == "position_ids":
-            feed[name] = np.arange(t, dtype=np.int64)[None]
-        elif name == "logits_to_keep":  # the last position's logits only
-            feed[name] = np.ones([1] * len(value.type.tensor_type.shape.dim), np.int64)
-        elif name.startswith("past_key_values."):
-            _, heads, _, head_dim = (d.dim_value for d in value.type.tensor_type.shape.dim)
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-            feed[name] = np.zeros((1, heads, 0, head_dim), dtype)
+    if info.has_position_ids:
+        feed["position_ids"] = np.arange(t, dtype=np.int64)[None]
+    if info.has_logits_to_keep:
+        feed["logits_to_keep"] = np.ones(1, np.int64)  # the last position's logits only
+    past = np.zeros((1, info.num_kv_heads, 0, info.head_dim), info.kv_dtype)
+    for layer in range(info.num_layers):
+        for kv in ("key", "value"):
+            feed[info.past_name(layer, kv)] = past
     return feed
 
 
 def activation_max(
-    model: onnx.ModelProto, prompts: list[list[int]], threads: int | None = None
+    model: onnx.ModelProto,
+    info: GraphInfo,
+    prompts: list[list[int]],
+    threads: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Per channel, the largest |value| of each smoothable norm's output over ``prompts``
-    (token ids, each prefilled alone), run by ONNX Runtime on the CPU."""
+    (token ids, each prefilled alone), run by ONNX Runtime on the CPU; ``info``: the graph's
+    layout (:func:`edge_runtime.graph_info.read_graph_info`)."""
     import onnxruntime as ort
 
     names = [site.output for site in smoothing_sites(model)]
@@ -137,7 +140,7 @@ def activation_max(
         onnx.save(probe, str(path), save_as_external_data=True, location="probe.data")
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
         for ids in prompts:
-            for name, value in zip(names, session.run(names, _feed(model, ids)), strict=True):
+            for name, value in zip(names, session.run(names, _feed(info, ids)), strict=True):
                 m = np.abs(value.reshape(-1, value.shape[-1])).max(axis=0)
                 out[name] = m if name not in out else np.maximum(out[name], m)
     return out

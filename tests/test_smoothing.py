@@ -56,11 +56,12 @@ def test_smoothing_keeps_the_function_and_balances_each_channel(
     graph = ensure_export(tiny_model_path, "fp32", attention, root=tmp_path / "onnx")
     model = onnx.load(str(graph.graph_path), load_external_data=True)
     sites = smoothing_sites(model)
-    layers = read_graph_info(graph.graph_path).num_layers
+    info = read_graph_info(graph.graph_path)
+    layers = info.num_layers
     assert len(sites) == 2 * layers  # attention and MLP inputs of every layer
     assert {len(site.matmuls) for site in sites} == ({1} if attention == "gqa" else {2, 3})
     prompts = _prompts(graph.folder)
-    before = activation_max(model, prompts, threads=1)
+    before = activation_max(model, info, prompts, threads=1)
     assert all(np.isfinite(a).all() and (a > 0).all() for a in before.values())
 
     assert smooth(model, before) == 2 * layers
@@ -75,7 +76,7 @@ def test_smoothing_keeps_the_function_and_balances_each_channel(
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     assert int(np.argmax(got)) == int(np.argmax(want))
 
-    after = activation_max(model, prompts, threads=1)
+    after = activation_max(model, info, prompts, threads=1)
     weights = {t.name: t for t in model.graph.initializer}
     assert ALPHA == 0.5
     for site in sites:
