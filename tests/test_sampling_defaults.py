@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from cloud_engine.model.gguf_import import CATALOG, write_sampling
+from cloud_engine.model.catalog import CATALOG, write_sampling
 from routing.model_store import DEFAULT_MODEL
 from routing.prompt import sampling_defaults
 from tests.nodes import serve_node, tiny_cloud_engine

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     except ModelNotFound:
         if args.model is not None:
             raise
-        from cloud_engine.model.gguf_import import pull
+        from cloud_engine.model.pull import pull
 
         info = pull(name)
     model = load_model(info.path)

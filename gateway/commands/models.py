@@ -48,7 +48,8 @@ def _no_subcommand(parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from cloud_engine.model.gguf_import import PullError, pull
+    from cloud_engine.model.gguf_source import PullError
+    from cloud_engine.model.pull import pull
 
     try:
         info = pull(args.name, source=args.source, force=args.force, progress=not args.quiet)

@@ -193,7 +193,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         info = resolve(args.model)
     except ModelNotFound:
-        from cloud_engine.model.gguf_import import CATALOG, pull
+        from cloud_engine.model.catalog import CATALOG
+        from cloud_engine.model.pull import pull
 
         if args.model not in CATALOG:  # the error names what is stored, pullable, importable
             raise
