@@ -1,5 +1,5 @@
 """Admission by prefix on a node whose kept KV lives in its slots (``edge_runtime.scheduler``
-and the simulator's twin of it, ``routing.sim.engines.EdgeSim``).
+and the simulator's twin of it, ``routing.sim.edge.EdgeSim``).
 
 Under a queue one slot frees at a time, and the request at the head of the queue would
 overwrite the prefix the freed slot keeps, which a request behind it reuses (and was credited

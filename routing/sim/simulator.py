@@ -1,5 +1,6 @@
 """The discrete-event fleet simulator: a trace through gateway replicas (each a real
-``routing.router.Router``) to simulated edge and cloud nodes (``routing.sim.engines``).
+``routing.router.Router``) to simulated edge and cloud nodes (``routing.sim.edge``,
+``routing.sim.cloud``).
 
 A request's path, in simulated seconds::
 
@@ -43,8 +44,10 @@ from routing.policy_config import PolicyConfig
 from routing.power import Watts, estimated_joules
 from routing.profile import RequestProfile
 from routing.router import Measured, Router, Ticket
-from routing.sim.engines import CloudSim, EdgeSim, SimRequest
+from routing.sim.cloud import CloudSim
+from routing.sim.edge import EdgeSim
 from routing.sim.fleet import FleetSpec
+from routing.sim.node import SimRequest
 from routing.sim.trace import TraceRequest
 
 _ARRIVE, _DECIDE, _NODE_IN, _STEP, _FIRST_SEEN, _DONE_SEEN, _PUSH, _BLOCKS = range(8)
