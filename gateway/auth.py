@@ -43,7 +43,8 @@ from gateway.auth_config import AuthConfig
 from gateway.auth_throttle import FailedAuthThrottle, is_auth_failure
 from gateway.errors import APIError
 from gateway.key_limits import enforce_rate_limit, rate_limit_headers
-from gateway.ratelimit import KeyRecord, KeyStoreUnavailable, Limits
+from gateway.key_store import KeyRecord, KeyStoreUnavailable
+from gateway.ratelimit import Limits
 
 # Kept importable from here (documented: ``from gateway.auth import generate_key, hash_key``).
 __all__ = [
@@ -84,7 +85,7 @@ class KeyIdentity:
 
 
 class KeyLookup(Protocol):
-    """A store of keys by hash (``gateway.ratelimit.RedisKeyStore`` fits)."""
+    """A store of keys by hash (``gateway.key_store.RedisKeyStore`` fits)."""
 
     async def get(self, key_hash: str) -> KeyRecord | None: ...
 

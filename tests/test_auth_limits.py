@@ -23,13 +23,11 @@ from gateway.auth import (
     rate_limit_headers,
 )
 from gateway.errors import install_error_handlers
+from gateway.key_store import KeyRecord, KeyStoreUnavailable, RedisKeyStore
 from gateway.ratelimit import (
     InProcessRateLimiter,
-    KeyRecord,
-    KeyStoreUnavailable,
     Limits,
     RateLimiter,
-    RedisKeyStore,
     RedisRateLimiter,
 )
 

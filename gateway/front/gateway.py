@@ -226,7 +226,7 @@ class Gateway:
     def _make_auth(self) -> Authenticator:
         store = None
         if self.config.redis_url and self.config.auth.redis_keys:
-            from gateway.ratelimit import RedisKeyStore
+            from gateway.key_store import RedisKeyStore
 
             store = RedisKeyStore(self.config.redis_url, client=self.redis)
         return Authenticator(
