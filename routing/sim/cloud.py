@@ -42,7 +42,6 @@ class CloudSim(SimNode):
         self.pool = KvPool(kv_blocks, on_blocks)
         self.prefix_cache = prefix_cache
         self.order: list[SimRequest] = []
-        self._pending_rows: list[SimRequest] = []
         self._pending_pre: list[tuple[SimRequest, int]] = []
         self.step_fit = StepCostFit()  # as the engine: fitted on its steps and reported
 
@@ -196,21 +195,6 @@ class CloudSim(SimNode):
         dt = k * step_ms / 1000.0
         self.busy_s += dt
         return t + dt
-
-    def interrupt(self, t: float) -> float | None:
-        if self.run is None:
-            return None
-        t0, d, k = self.run
-        m = min(k, max(1, math.ceil((t - t0) / d - 1e-9)))
-        if m >= k:
-            return None
-        back = k - m
-        for r in self._pending_rows:
-            r.generated -= back  # blocks taken for the undone steps stay held (harmless)
-        self.steps -= back
-        self.busy_s -= back * d
-        self.run = None
-        return t0 + m * d
 
     def end_step(self, t: float, finished: list[SimRequest]) -> None:
         self.now = t

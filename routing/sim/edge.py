@@ -15,7 +15,6 @@ reused prefixes are whole blocks, at most ``(prompt - 1) // 16`` of them (as the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from itertools import islice
 
@@ -280,23 +279,6 @@ class EdgeSim(SimNode):
 
     def waiting_admissible(self) -> bool:
         return bool(self.waiting) and len(self.order) < self.slots
-
-    def interrupt(self, t: float) -> float | None:
-        """An arrival at ``t`` during a run: cut the run at the next step boundary. Returns
-        the new end of the run (the time of the next step) or None if nothing changed."""
-        if self.run is None:
-            return None
-        t0, d, k = self.run
-        m = min(k, max(1, math.ceil((t - t0) / d - 1e-9)))
-        if m >= k:
-            return None
-        back = k - m
-        for r in self._pending_rows:
-            r.generated -= back
-        self.steps -= back
-        self.busy_s -= back * d
-        self.run = None
-        return t0 + m * d
 
     def end_step(self, t: float, finished: list[SimRequest]) -> None:
         """The step (or run) that ended at ``t``: settle finished requests."""

@@ -8,6 +8,7 @@ steps it runs (or ``seed_rates`` / ``warm`` before the trace).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class SimNode:
         self.busy = False
         # a run of identical decode steps in progress: start, step length, steps
         self.run: tuple[float, float, int] | None = None
+        self._pending_rows: list[SimRequest] = []  # the decode rows of the run in progress
         self.prefill_rate = Ewma()  # prompt tokens per second, as the node reports it
         self.decode_rate = Ewma()  # ms per decode step, as the node reports it
         self.served = 0
@@ -123,6 +125,25 @@ class SimNode:
     def fitted_step_cost(self) -> StepCost | None:
         """The step cost the node fits on its own steps and reports (None: it fits none)."""
         return None
+
+    def interrupt(self, t: float) -> float | None:
+        """An arrival at ``t`` during a run: cut the run at the next step boundary, undoing the
+        steps after it for the run's rows (``_pending_rows``; blocks a cloud row took for them
+        stay held, harmlessly). Returns the new end of the run (the time of the next step) or
+        None if nothing changed."""
+        if self.run is None:
+            return None
+        t0, d, k = self.run
+        m = min(k, max(1, math.ceil((t - t0) / d - 1e-9)))
+        if m >= k:
+            return None
+        back = k - m
+        for r in self._pending_rows:
+            r.generated -= back
+        self.steps -= back
+        self.busy_s -= back * d
+        self.run = None
+        return t0 + m * d
 
     def _finish(self, r: SimRequest, t: float) -> None:
         r.end_s = t
