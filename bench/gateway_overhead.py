@@ -7,7 +7,7 @@ is rendered, tokenized and block-hashed, the fleet read, a decision made) and (c
 LiteLLM proxy (installed by this script in its own virtualenv under ``.cache/``, one worker).
 Also our gateway sending to its nodes through httpx's transport instead of its own HTTP/1.1
 client (``gateway-httpx``, the other transport of ``gateway.front.node_client``; ``--no-httpx``
-skips it): the comparison that keeps ``gateway/front/http1.py``. Loads: concurrency 1, 16 and
+skips it): the comparison that keeps ``gateway/front/http1_*.py``. Loads: concurrency 1, 16 and
 64, non-streaming and streaming (64 chunks). Reported per scenario:
 p50/p99 latency, the p50/p99 added over direct, requests/s, and the CPU time the server under
 test spent per request. Every request carries one API key (LiteLLM needs a master key; our

@@ -1,5 +1,5 @@
-"""The gateway's HTTP/1.1 client (gateway.front.http1) and the node client's transports
-(gateway.front.node_client) against real servers on loopback.
+"""The gateway's HTTP/1.1 client (gateway.front.http1_pool, http1_connection, http1_response) and
+the node client's transports (gateway.front.node_client) against real servers on loopback.
 
 Most servers here are asyncio sockets scripted byte by byte (:class:`Raw` counts the TCP
 connections it accepted); one test runs a uvicorn app. Every failure is checked for the httpx
@@ -19,7 +19,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 
-from gateway.front.http1 import HIGH_WATER, H1Headers, H1Pool, H1Response
+from gateway.front.http1_connection import HIGH_WATER
+from gateway.front.http1_pool import H1Pool
+from gateway.front.http1_response import H1Headers, H1Response
 from gateway.front.node_client import H1Transport, HttpxTransport, make_client
 from gateway.front.upstream import (
     ChunkedUpstream,

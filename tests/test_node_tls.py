@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 
 from gateway.commands.node_args import node_tls_from_env
 from gateway.front.config import GatewayConfig
-from gateway.front.http1 import H1Pool
+from gateway.front.http1_pool import H1Pool
 from gateway.front.node_client import make_client
 from gateway.front.plain_token_guard import PlainTokenGuard
 from gateway.http_server import DrainingServer

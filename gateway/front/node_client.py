@@ -27,7 +27,8 @@ from typing import Any
 
 import httpx
 
-from gateway.front.http1 import TLS_CLOSE_HINT, H1Pool
+from gateway.front.http1_connection import TLS_CLOSE_HINT
+from gateway.front.http1_pool import H1Pool
 from gateway.front.plain_token_guard import PlainTokenGuard
 from gateway.front.upstream import Upstream, UpstreamTransport
 from gateway.node_token import NODE_TOKEN_HEADER

@@ -3,10 +3,10 @@
 :class:`UpstreamTransport` is what sends a node request (POST a body, get the response back
 unread); :mod:`gateway.front.node_client` picks its one implementation. Two clients produce
 the responses: the gateway's own HTTP/1.1 pool for plain-HTTP nodes
-(:class:`gateway.front.http1.H1Response`) and httpx for any other URL (``httpx.Response``). This
-module names exactly the part of them that callers use, so that a type checker (and
-``tests/test_http1.py``, with ``isinstance`` on these runtime-checkable protocols) holds both
-to it:
+(:class:`gateway.front.http1_response.H1Response`) and httpx for any other URL
+(``httpx.Response``). This module names exactly the part of them that callers use, so that a type
+checker (and ``tests/test_http1.py``, with ``isinstance`` on these runtime-checkable protocols)
+holds both to it:
 
 - ``status_code``, ``headers`` (:class:`UpstreamHeaders`: case-insensitive ``get``, ``[]``,
   ``in``, ``items``), ``extensions`` (a mutable mapping: :func:`gateway.proxy.open_first` keeps
