@@ -440,7 +440,7 @@ def bench_moe(name: str, d: dict[str, Any], args: argparse.Namespace) -> dict[st
     import cloud_engine.parallel.model as pmodel
     from cloud_engine.cuda_runner import CudaRunner
     from cloud_engine.kv_pool import budget_bytes_for
-    from cloud_engine.model.fused import TritonOps
+    from cloud_engine.model.triton_ops import TritonOps
     from cloud_engine.parallel.dist import ParallelConfig, Rank
     from cloud_engine.parallel.moe import MoEConfig, base_config_dict
     from cloud_engine.parallel.runner import DistRunner, make_pool

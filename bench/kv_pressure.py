@@ -165,7 +165,8 @@ def _decode_inputs(batch: int, ctx: int, group: int) -> tuple[Any, torch.Tensor,
 
 def decode(args: argparse.Namespace, kvs: list[str]) -> dict[str, Any]:
     """One decode step at ``--decode-batch`` x ``--decode-ctx`` for each KV dtype."""
-    from cloud_engine.model.fused import FusedLlama, TritonOps
+    from cloud_engine.model.fused import FusedLlama
+    from cloud_engine.model.triton_ops import TritonOps
 
     cfg, model = _model(args.seed)
     spec = KVSpec(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16)

@@ -41,7 +41,7 @@ from cloud_engine.config import EngineConfig
 from cloud_engine.core import EngineCore
 from cloud_engine.kernels import decode_attention, gemv, pdl
 from cloud_engine.model.config import ModelConfig
-from cloud_engine.model.fused import TritonOps
+from cloud_engine.model.triton_ops import TritonOps
 from routing.engine import GenerationRequest, SamplingParams
 
 DEFAULTS = {

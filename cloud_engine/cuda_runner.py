@@ -47,8 +47,10 @@ from cloud_engine.grammar_mask import apply_grammar_masks, grammar_states
 from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
 from cloud_engine.logprobs import collect_prompt_logprobs, sampled_logprobs
-from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps
+from cloud_engine.model.fused import AttnInputs, FusedLlama
 from cloud_engine.model.llama import LlamaForCausalLM
+from cloud_engine.model.torch_ops import TorchOps
+from cloud_engine.model.triton_ops import TritonOps
 from cloud_engine.runner import Feed, Launched, generated_before, sample_when_ready
 from cloud_engine.sampler import banned_stops, make_generator, sample_batch, to_device
 from cloud_engine.scheduler import ScheduledBatch

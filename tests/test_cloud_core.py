@@ -20,9 +20,9 @@ from cloud_engine.cuda_runner import CudaRunner
 from cloud_engine.kv_pool import KVPool, KVSpec
 from cloud_engine.kv_quant import storage_of
 from cloud_engine.model.dense import generate
-from cloud_engine.model.fused import TorchOps
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.model.loader import load_model, save_random_model, tiny_config
+from cloud_engine.model.torch_ops import TorchOps
 from routing.blocks import block_hashes, model_seed
 from routing.engine import GenerationRequest, QueueFull, RequestTooLong, SamplingParams
 from tests.parallel_jobs import drive

@@ -121,8 +121,10 @@ def test_kernel_paged_attention_matches_torch(
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("kv", list(KV_STORAGE))
 def test_kernel_rope_store_and_norms_match_torch(qk_norm: bool, kv: str) -> None:
-    from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps
+    from cloud_engine.model.fused import AttnInputs, FusedLlama
     from cloud_engine.model.loader import tiny_config
+    from cloud_engine.model.torch_ops import TorchOps
+    from cloud_engine.model.triton_ops import TritonOps
 
     cfg = tiny_config(qk_norm=qk_norm, model_type="qwen3" if qk_norm else "llama")
     torch.manual_seed(0)
@@ -176,7 +178,7 @@ def test_kernel_gemv_matches_torch(m: int, dtype: torch.dtype, bn: int | None) -
     if INTERPRET and dtype != torch.float32:
         pytest.skip("interpreter: float32 only (its bf16 rounding is not the GPU's)")
     from cloud_engine.kernels import gemv
-    from cloud_engine.model.fused import TorchOps
+    from cloud_engine.model.torch_ops import TorchOps
 
     g = torch.Generator().manual_seed(m)
     k, n = 48, 40  # K pads to 64; with bn=16 the last program masks rows
@@ -237,7 +239,7 @@ def test_kernel_gemv_argmax_picks_first_maximum() -> None:
 @needs_kernels
 def test_kernel_embed_fed_matches_torch() -> None:
     from cloud_engine.kernels import embedding
-    from cloud_engine.model.fused import TorchOps
+    from cloud_engine.model.torch_ops import TorchOps
 
     g = torch.Generator().manual_seed(6)
     table = torch.randn(1000, 96, generator=g).to(DEV)  # 96 columns: a masked tail
@@ -286,8 +288,10 @@ def test_kernel_decode_forward_matches_torch_ops(
     TorchOps over the same pool: logits, greedy tokens and the KV written (8-bit: the values
     within one rounding step where float32 ties differ, the scales to float32 rounding)."""
     from cloud_engine.kernels import decode_attention
-    from cloud_engine.model.fused import FusedLlama, TorchOps, TritonOps
+    from cloud_engine.model.fused import FusedLlama
     from cloud_engine.model.loader import tiny_config
+    from cloud_engine.model.torch_ops import TorchOps
+    from cloud_engine.model.triton_ops import TritonOps
 
     calls = []
     fused = decode_attention.decode_attention

@@ -94,7 +94,7 @@ def test_fused_model_over_moe_layers_matches_the_eager_layers(
     logits path included."""
     from cloud_engine.core import EngineCore
     from cloud_engine.cuda_runner import CudaRunner
-    from cloud_engine.model.fused import TorchOps
+    from cloud_engine.model.torch_ops import TorchOps
     from cloud_engine.parallel.build import load_rank
 
     reqs, arrivals = mixed_requests(12, VOCAB, seed=3)

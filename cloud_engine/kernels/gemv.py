@@ -19,7 +19,7 @@ each row of ``x`` reduces it against the tile and writes one of three epilogues:
 With ``norm`` the input row is first RMS-normalized and scaled (the layer's input or
 post-attention norm), recomputed by every program from the row in L2.
 
-Rounding follows the unfused ops (``fused.TorchOps``): the normed input, each product and the
+Rounding follows the unfused ops (``torch_ops.TorchOps``): the normed input, each product and the
 gate and up values are rounded to the activation dtype where those ops materialize them;
 sums, statistics and the SwiGLU are float32.
 

@@ -36,7 +36,9 @@ from cloud_engine.config import EngineConfig
 from cloud_engine.cuda_runner import GRAPH_LADDER
 from cloud_engine.kernels.tiling import make_tiles, tile_shape
 from cloud_engine.kv_pool import KVPool
-from cloud_engine.model.fused import AttnInputs, FusedLlama, TorchOps, TritonOps, _add_norm
+from cloud_engine.model.fused import AttnInputs, FusedLlama
+from cloud_engine.model.torch_ops import TorchOps, add_norm
+from cloud_engine.model.triton_ops import TritonOps
 from cloud_engine.parallel.dist import Rank, backend_for
 from cloud_engine.parallel.model import ShardedLlama
 from cloud_engine.parallel.protocol import StepMeta
@@ -166,7 +168,7 @@ class FusedStage(StageExecutor):
         pending, residual = fm._layers(ids, pos, a, range(len(fm.layers)), h)
         if self.rank.last_stage:
             assert fm.final_norm is not None
-            return _add_norm(fm.ops, pending, residual, fm.final_norm, fm.eps)[0]
+            return add_norm(fm.ops, pending, residual, fm.final_norm, fm.eps)[0]
         return residual if pending is None else pending + residual
 
     def _eager(self, meta: StepMeta, h: torch.Tensor | None) -> torch.Tensor:
