@@ -5,7 +5,8 @@ Six edge nodes (this machine's measured CPU edge profile) behind three gateway r
 cloud (``staleness_fleet.yaml``), so where a request lands decides how long it waits; the
 first two minutes of the Azure conversation trace, lengths quartered, arrivals stretched
 (``--time-scale``) to load the edges; the latency policy with default knobs. "Without" swaps
-each router's ledger for one that reports nothing in flight (``routing.sim.simulator.BlindLedger``).
+each router's ledger for one that reports nothing in flight
+(``routing.sim.blind_ledger.BlindLedger``).
 
     python bench/sim_staleness.py --time-scale 2.5 4
 """

@@ -2,7 +2,7 @@
 through a live gateway at the trace's arrival times and records what each request measured.
 
 A trace has no text: each request's prompt is made of token ids derived from its prefix block
-keys (``routing.sim.simulator.block_keys``: requests that share a prefix in the trace send the
+keys (``routing.sim.block_keys.block_keys``: requests that share a prefix in the trace send the
 same leading token ids, so the gateway's block hashes and the nodes' prefix caches see the
 sharing), sent as a ``/v1/completions`` token-id prompt with ``max_tokens`` = the trace's
 output tokens, streamed (``stream_options.include_usage``) when the trace says so.
@@ -25,7 +25,7 @@ VOCAB = (200, 20000)
 
 
 def prompt_ids(tr: Any, idx: int, cache: dict[int, tuple[int, ...]]) -> list[int]:
-    from routing.sim.simulator import block_keys
+    from routing.sim.block_keys import block_keys
 
     ids: list[int] = []
     for key in block_keys(tr, idx, cache):

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from routing.blocks import BLOCK_SIZE, reusable_blocks
+from routing.sim.block_keys import block_keys
 from routing.sim.fleet import FleetSpec
-from routing.sim.simulator import block_keys
 from routing.sim.trace import TraceRequest
 
 

@@ -1,4 +1,4 @@
-"""Summaries of a :class:`routing.sim.simulator.SimResult`: latency percentiles, SLO
+"""Summaries of a :class:`routing.sim.result.SimResult`: latency percentiles, SLO
 attainment and goodput, cloud share, per-node load and prefix hit rate, and text tables.
 
 Invariants: percentiles are over finished requests only (failed ones are counted apart);
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from routing.sim.simulator import SimResult
+from routing.sim.result import SimResult
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from routing.sim.metrics import POLICY_COLUMNS
-from routing.sim.simulator import SimResult
+from routing.sim.result import SimResult
 
 
 def _plt() -> Any:

@@ -1,27 +1,15 @@
-"""The discrete-event fleet simulator: a trace through gateway replicas (each a real
-``routing.router.Router``) to simulated edge and cloud nodes (``routing.sim.edge``,
-``routing.sim.cloud``).
-
-A request's path, in simulated seconds::
-
-    client --rtt(client, gw)/2--> gateway (overhead) --rtt(gw, node)/2--> node
-    node's first token / last token --rtt(gw, node)/2--> gateway --rtt(client, gw)/2--> client
-
-At the gateway the real code runs: ``RequestProfile`` (built from the trace's token count and
-prefix block keys), ``Router.decide`` over a ``FleetView`` of the node states last pushed and
-the prefix index (the real ``PrefixIndex``) fed by the nodes' block events after
-``event_delay_ms``, ``Router.begin``, ``Router.first_token`` when a reply's first token
-reaches it (a stream's first chunk, a whole reply's headers: the node sends them at its
-first token), and ``Router.finish`` with what it measured, so the latency model learns online.
-
-Invariants:
-- Deterministic for (trace, fleet, config, seed): events are ordered by (time, sequence
-  number); the seed only sets each node's push phase.
-- Each node has at most one pending step event (older ones are invalidated by ``version``).
-- Every request ends exactly once: finished (with TTFT and e2e at the client) or failed
-  (``NoRoute``, or a prompt no node's KV pool can ever hold).
-- ``count_in_flight=False`` swaps each router's ledger for one that reports nothing in flight
-  (the staleness study's "without the correction"); learning is unchanged.
+"""The discrete-event fleet simulator: :class:`Simulator` runs a trace through gateway
+replicas, each a real ``Router`` (``routing.sim.build``), to simulated edge and cloud nodes,
+charging each request the client's and the node's one-way trips (``rtt / 2``) each way and the
+gateway's overhead; at the gateway the real code runs (``RequestProfile``, ``Router.decide``
+over a lagging ``FleetView`` of pushed states and the real ``PrefixIndex`` fed by block events
+after ``event_delay_ms``, ``begin``, ``first_token`` when the first token reaches it,
+``finish`` with what it measured), so the latency model learns online; :func:`simulate` runs
+one on fresh routers. Invariants: deterministic for (trace, fleet, config, seed), events being
+ordered by (time, sequence number) and the seed setting only each node's push phase; each node
+has at most one pending step event (older ones are invalidated by ``version``); every request
+ends exactly once, finished (TTFT and e2e at the client) or failed (``NoRoute``, or a prompt no
+node's KV pool can ever hold).
 """
 
 from __future__ import annotations
@@ -29,77 +17,28 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-import zlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from routing.backlog import Arrivals, Work
 from routing.blocks import BLOCK_SIZE
 from routing.fleet.memory_store import PrefixIndex
-from routing.fleet.state import NodeKind, NodeState
+from routing.fleet.state import NodeState
 from routing.fleet.store import FleetView
-from routing.ledger import DispatchLedger
 from routing.policies import NoRoute
 from routing.policy_config import PolicyConfig
-from routing.power import Watts, estimated_joules
 from routing.profile import RequestProfile
-from routing.router import Measured, Router, Ticket
+from routing.router import Measured, Ticket
+from routing.sim.block_keys import block_keys
+from routing.sim.build import SimGateway, build_gateways, build_nodes
 from routing.sim.cloud import CloudSim
 from routing.sim.edge import EdgeSim
 from routing.sim.fleet import FleetSpec
-from routing.sim.node import SimRequest
+from routing.sim.node import EventSink, SimRequest
+from routing.sim.result import SimResult, node_stats
+from routing.sim.states import pushed_state, state_template
 from routing.sim.trace import TraceRequest
 
 _ARRIVE, _DECIDE, _NODE_IN, _STEP, _FIRST_SEEN, _DONE_SEEN, _PUSH, _BLOCKS = range(8)
-
-
-class BlindLedger(DispatchLedger):
-    """A ledger that keeps its entries (so ``finish`` learns) but tells ``candidates``
-    nothing about them: decisions see only the node's last pushed counts."""
-
-    def in_flight(self, node_id: str) -> int:
-        return 0
-
-    def since(self, node_id: str, t: float) -> int:
-        return 0
-
-    def work(self, node_id: str, now: float, *args: object, **kwargs: object) -> list[Work]:
-        """Nothing in hand, however read (the signature accepts every call of the ledger's
-        own, so that a new way of reading it cannot break the blind one)."""
-        return []
-
-    def arrivals(self, *args: object, **kwargs: object) -> Arrivals | None:
-        """Nothing expected, whatever is asked (the signature accepts every call of the
-        ledger's own)."""
-        return None
-
-
-_GROUP, _UNIQUE = 0x6A09E667, 0x3C6EF372  # tags: keys of int tuples hash the same in every process
-
-
-def block_keys(tr: TraceRequest, idx: int, cache: dict[int, tuple[int, ...]]) -> list[int]:
-    """Keys of the request's full 16-token prompt blocks (equal keys: equal prefixes).
-
-    Keys are ``hash`` of int tuples (stable across processes, unlike ``hash`` of strings):
-    ``(id, j)`` for sub-block ``j`` of a shared ``hash_ids`` block, ``(_GROUP, crc32(group), j)``
-    for a prefix group, ``(_UNIQUE, idx, j)`` for the request's own blocks."""
-    n = tr.prompt_tokens // BLOCK_SIZE
-    out: list[int] = []
-    if tr.hash_ids:
-        per = tr.hash_block_tokens // BLOCK_SIZE
-        for h in tr.hash_ids:
-            if len(out) >= n:
-                break
-            sub = cache.get(h)
-            if sub is None:
-                sub = cache[h] = tuple(hash((h, j)) for j in range(per))
-            out.extend(sub)
-        del out[n:]
-    elif tr.prefix_group and tr.prefix_tokens >= BLOCK_SIZE:
-        g = zlib.crc32(tr.prefix_group.encode())
-        out = [hash((_GROUP, g, j)) for j in range(min(n, tr.prefix_tokens // BLOCK_SIZE))]
-    out.extend(hash((_UNIQUE, idx, j)) for j in range(len(out), n))
-    return out
 
 
 @dataclass(slots=True)
@@ -116,37 +55,6 @@ class _Flight:
     predicted_ttft_ms: float = 0.0
     predicted_e2e_ms: float = 0.0
     first_seen_s: float = -1.0
-
-
-@dataclass
-class SimGateway:
-    index: int
-    region: str
-    overhead_s: float
-    router: Router
-
-
-@dataclass
-class SimResult:
-    """Per-request outcomes (parallel lists, trace order) and per-node and time-series stats."""
-
-    policy: str
-    node_ids: list[str]
-    node_kinds: list[str]
-    arrival_s: list[float]
-    ttft_s: list[float]  # at the client; NaN for failed requests
-    e2e_s: list[float]
-    node: list[int]  # -1: failed
-    prompt_tokens: list[int]
-    output_tokens: list[int]
-    cached_tokens: list[int]
-    predicted_ttft_s: list[float]
-    predicted_e2e_s: list[float]
-    node_stats: dict[str, dict[str, float]]
-    load_series: dict[str, list[tuple[float, float]]]  # tier -> (time, running + waiting)
-    events: int = 0
-    wall_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Simulator:
@@ -175,78 +83,32 @@ class Simulator:
         self.event_delay_s = fleet.event_delay_ms / 1000.0
         self.net = fleet.rtt_table()
         self.record_load = record_load
-        # the routers know the fleet's RTTs as configured overrides (the operator's table)
-        regions = config.regions.model_copy(
-            update={
-                "rtt_overrides": [*config.regions.rtt_overrides, *fleet.regions.rtt_ms],
-                "table": {**fleet.regions.table, **config.regions.table},
-                "intra_region_ms": fleet.regions.intra_region_ms,
-            }
-        )
         self.config = config
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = itertools.count()
-        self.nodes: list[EdgeSim | CloudSim] = []
-        self.node_region: list[str] = []
-        self.states: list[NodeState] = []
         self.index = PrefixIndex()
-        self.prefix_nodes: list[str] = []
-        self._node_by_id: dict[str, int] = {}
-        self.node_watts: list[Watts | None] = []  # each node's profile's figures (None: unknown)
-        self._max_kv = 0
-        for i, (nid, spec) in enumerate(fleet.expanded()):
-            prof = fleet.profile(spec)
-            cost = prof.cost_model()
-            sink = self._sink(nid)
-            node: EdgeSim | CloudSim
-            if spec.kind == "edge":
-                node = EdgeSim(
-                    nid,
-                    cost,
-                    prof.slots,
-                    prof.chunk_tokens,
-                    sink,
-                    spec.prefix_cache,
-                    prof.prefill_stall_ratio,
-                )
-            else:
-                node = CloudSim(
-                    nid,
-                    cost,
-                    prof.slots,
-                    prof.max_tokens_per_step,
-                    max(1, prof.kv_blocks),
-                    sink,
-                    spec.prefix_cache,
-                    # the engine's default: cut beside decode rows on CPU, not on CUDA
-                    prof.prefill_stall_ratio if (prof.device or "").lower() == "cpu" else None,
-                )
-                self._max_kv = max(self._max_kv, node.pool.total)
-            node.request_overhead_s = prof.request_overhead_ms / 1000.0  # type: ignore[attr-defined]
-            node.max_context = prof.max_context
-            node.device = prof.device or prof.name
-            node.warm(warm_prompts, warm_decode_tokens)
-            if warm_rates and nid in warm_rates:
-                node.seed_rates(*warm_rates[nid])
-            self.nodes.append(node)
-            self.node_region.append(spec.region)
-            idle, load = prof.watts_idle, prof.watts_load
-            self.node_watts.append(None if idle is None or load is None else Watts(idle, load))
-            self._node_by_id[nid] = i
-            if spec.prefix_cache:
-                self.prefix_nodes.append(nid)
-        self._templates = [self._template(i) for i in range(len(self.nodes))]
-        self.states = [self._state(i, 0.0) for i in range(len(self.nodes))]
-        self.gateways: list[SimGateway] = []
-        for g in fleet.gateways:
-            for _ in range(g.replicas):
-                cfg = config.model_copy(update={"regions": regions, "gateway_region": g.region})
-                router = Router(cfg, clock=self._clock)
-                if not count_in_flight:
-                    router.ledger = BlindLedger()
-                self.gateways.append(
-                    SimGateway(len(self.gateways), g.region, g.overhead_ms / 1000.0, router)
-                )
+        built = build_nodes(
+            fleet,
+            self._sink,
+            warm_prompts=warm_prompts,
+            warm_decode_tokens=warm_decode_tokens,
+            warm_rates=warm_rates,
+        )
+        self.nodes: list[EdgeSim | CloudSim] = built.nodes
+        self.node_region: list[str] = built.regions
+        self.node_watts = built.watts  # each node's profile's figures (None: unknown)
+        self.prefix_nodes: list[str] = built.prefix_nodes
+        self._node_by_id: dict[str, int] = built.by_id
+        self._templates = [
+            state_template(fleet, n, r, w)
+            for n, r, w in zip(self.nodes, self.node_region, self.node_watts, strict=True)
+        ]
+        self.states: list[NodeState] = [
+            pushed_state(tpl, n, 0.0) for tpl, n in zip(self._templates, self.nodes, strict=True)
+        ]
+        self.gateways: list[SimGateway] = build_gateways(
+            fleet, config, self._clock, count_in_flight=count_in_flight
+        )
         self._gw_rr: dict[str, itertools.cycle[int]] = {}
         self._load: dict[str, list[tuple[float, float]]] = {"edge": [], "cloud": []}
 
@@ -257,50 +119,11 @@ class Simulator:
     def _push(self, t: float, kind: int, obj: object) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), kind, obj))
 
-    def _sink(self, node_id: str) -> Callable[[list[int], list[int]], None]:
+    def _sink(self, node_id: str) -> EventSink:
         def sink(stored: list[int], removed: list[int]) -> None:
             self._push(self.now + self.event_delay_s, _BLOCKS, (node_id, stored, removed))
 
         return sink
-
-    def _template(self, i: int) -> NodeState:
-        n = self.nodes[i]
-        return NodeState(
-            id=n.id,
-            kind=NodeKind.EDGE if n.kind == "edge" else NodeKind.CLOUD,
-            region=self.node_region[i],
-            url=f"sim://{n.id}",
-            models=[self.fleet.model],
-            model_identities={self.fleet.model: self.fleet.model_identity},
-            max_context=n.max_context,
-            timestamp=0.0,
-            watts_idle=w.idle if (w := self.node_watts[i]) else None,
-            watts_load=w.load if w else None,
-            power_source="configured" if w else "",
-            **n.traits().model_dump(),
-        )
-
-    def _state(self, i: int, t: float) -> NodeState:
-        """The node's state now (a copy of its template: no validation on the hot path)."""
-        n = self.nodes[i]
-        used, total = n.kv()
-        hit = n.cached_tokens / n.prompt_tokens if n.prompt_tokens else 0.0
-        chunk, chunk_decoding = n.reported_chunks()
-        return self._templates[i].model_copy(
-            update={
-                "running": n.running,
-                "waiting": len(n.waiting),
-                "kv_blocks_used": used,
-                "kv_blocks_total": total,
-                "prefill_tokens_per_s": n.prefill_tps,
-                "decode_ms_per_token": n.decode_ms,
-                "prefix_hit_rate": hit,
-                "prefill_chunk": chunk,
-                "prefill_chunk_decoding": chunk_decoding,
-                "step_cost": n.fitted_step_cost(),
-                "timestamp": t,
-            }
-        )
 
     def _gateway_for(self, region: str) -> SimGateway:
         rr = self._gw_rr.get(region)
@@ -466,7 +289,7 @@ class Simulator:
                 pending -= 1
             elif kind == _PUSH:
                 i = obj  # type: ignore[assignment]
-                self.states[i] = self._state(i, t)
+                self.states[i] = pushed_state(self._templates[i], nodes[i], t)
                 if self.record_load and i == 0:
                     self._record_load(t)
                 if pending > 0 or t <= last:
@@ -477,18 +300,6 @@ class Simulator:
                     self.index.remove(nid, removed)
                 if stored:
                     self.index.add(nid, stored)
-        stats: dict[str, dict[str, float]] = {}
-        for node, w in zip(nodes, self.node_watts, strict=True):
-            stats[node.id] = {
-                # its profile's idle watts over the run, load watts while it stepped
-                "joules": estimated_joules(w, self.now, node.busy_s) if w else math.nan,
-                "requests": float(node.served),
-                "prefix_hit_rate": node.cached_tokens / node.prompt_tokens
-                if node.prompt_tokens
-                else 0.0,
-                "busy_share": node.busy_s / max(1e-9, self.now),
-                "steps": float(node.steps),
-            }
         return SimResult(
             policy=policy or self.config.policy,
             node_ids=[nd.id for nd in nodes],
@@ -502,7 +313,7 @@ class Simulator:
             cached_tokens=cached,
             predicted_ttft_s=pred_t,
             predicted_e2e_s=pred_e,
-            node_stats=stats,
+            node_stats=node_stats(nodes, self.node_watts, self.now),
             load_series=self._load,
             events=events,
             wall_s=_time.perf_counter() - wall,

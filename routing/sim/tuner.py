@@ -28,7 +28,8 @@ import yaml
 from routing.policy_config import PolicyConfig, parse_config
 from routing.sim.fleet import FleetSpec
 from routing.sim.metrics import Slo, objective_value, summarize
-from routing.sim.simulator import SimResult, simulate
+from routing.sim.result import SimResult
+from routing.sim.simulator import simulate
 from routing.sim.trace import TraceRequest
 
 OBJECTIVES = ("mean_e2e", "p99_ttft", "goodput")
