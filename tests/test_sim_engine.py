@@ -191,6 +191,37 @@ def test_deterministic_for_a_seed() -> None:
     assert s["failed"] == 0 and s["prefix_hit_rate"] > 0.2
 
 
+_ACROSS_PROCESSES = """
+import json, sys
+from pathlib import Path
+from routing.policy_config import PolicyConfig
+from routing.sim.fleet import load_fleet
+from routing.sim.generator import MorningPeak, generate
+from routing.sim.simulator import simulate
+trace = generate(MorningPeak(people=80, duration_s=3600.0), seed=3)
+fleet = load_fleet(Path(sys.argv[1]))
+r = simulate(trace, fleet, PolicyConfig(), seed=3, policy="threshold")
+print(json.dumps([r.node, r.e2e_s, r.predicted_ttft_s, r.predicted_e2e_s]))
+"""
+
+
+def test_deterministic_across_processes() -> None:
+    """Two interpreters with different string-hash seeds give the same result, predictions to
+    the last bit (nothing iterates a set of node ids in hash order)."""
+    import os
+    import subprocess
+    import sys
+
+    fleet = str(FLEETS / "morning_peak_fleet.yaml")
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        cmd = [sys.executable, "-c", _ACROSS_PROCESSES, fleet]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True)
+        outs.append(json.loads(run.stdout))
+    assert len(outs[0][0]) > 300 and outs[0] == outs[1]
+
+
 def test_counting_in_flight_dispatches_stops_herding(tmp_path: Path) -> None:
     edges = {"id": "e", "kind": "edge", "count": 2, "profile": _profile(tmp_path, "edge", slots=4)}
     fleet = _local_fleet([edges], push_interval_s=5.0)

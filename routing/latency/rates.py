@@ -99,8 +99,10 @@ class RateBook:
         return self._groups.get(self._register(node), set()) - {node.id}
 
     def _peer_rates(self, node_id: str) -> list[NodeRates]:
+        """The rates of the node's peers, by node id (an order that does not depend on string
+        hashing, so means over peers and the first peer with a fit repeat from run to run)."""
         group = self._peer_group.get(node_id)
-        members = self._groups.get(group, ()) if group is not None else ()
+        members = sorted(self._groups.get(group, ())) if group is not None else []
         return [r for i in members if i != node_id and (r := self.rates.get(i))]
 
     # ---- rates -------------------------------------------------------------------------------
