@@ -30,15 +30,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("dtype", [torch.int8, FP8])
 def test_quantize_round_trip_is_within_half_a_step(dtype: torch.dtype) -> None:
-    x = torch.randn(500, 4, 64) * torch.logspace(-3, 2, 500)[:, None, None]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 4, 64, generator=g) * torch.logspace(-3, 2, 500)[:, None, None]
     x[7] = 0.0  # a zero vector: zero back, no NaN
     q, s = quantize(x, dtype)
     assert q.dtype == dtype and s.shape == x.shape[:-1]
     y = dequantize(q, s, torch.float32)
     err = (y - x).abs()
     step = s.unsqueeze(-1)
-    if dtype == torch.int8:
-        assert (err <= 0.5 * step * (1 + 1e-5)).all()
+    if dtype == torch.int8:  # half a step, plus fp32 rounding of x / s and q * s (|q| <= 127)
+        assert (err <= step * (0.5 + 2**-15)).all()
     else:  # e4m3: 3 mantissa bits, normals down to 2**-6 (times the scale), subnormals 2**-9
         assert (err <= x.abs() * 2**-4 * (1 + 1e-5) + step * 2**-10).all()
     assert torch.equal(y[7], torch.zeros_like(y[7])) and not y.isnan().any()
