@@ -562,18 +562,18 @@ def test_depth_limit_is_exact_for_both_parsers() -> None:
 
 def test_gateway_parse_json_checks_the_content_type() -> None:
     from gateway.errors import APIError
-    from gateway.front.gateway import Gateway
+    from gateway.front.request_path import parse_json
     from gateway.openai_schema import ChatCompletionRequest
 
     raw = json.dumps(_chat("m")).encode()
     for ctype in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
-        assert Gateway.parse_json(raw, ChatCompletionRequest, ctype)[1].model == "m"
+        assert parse_json(raw, ChatCompletionRequest, ctype)[1].model == "m"
     for ctype in ("text/plain", "application/x-www-form-urlencoded", "application/jsonx", None):
         with pytest.raises(APIError) as err:
-            Gateway.parse_json(raw, ChatCompletionRequest, ctype)
+            parse_json(raw, ChatCompletionRequest, ctype)
         assert err.value.status == 415 and err.value.code == "unsupported_media_type"
     with pytest.raises(APIError) as err:  # no body, no content type: refused as JSON
-        Gateway.parse_json(b"", ChatCompletionRequest, None)
+        parse_json(b"", ChatCompletionRequest, None)
     assert err.value.status == 400 and err.value.code == "invalid_json"
 
 

@@ -87,7 +87,7 @@ async def run_chat(
     rate: RateDecision | None = None,
 ) -> ChatWhole | ChatStream | ClientLeft:
     """Run ``body`` (a chat-completions request) as ``who`` through the gateway's request path;
-    ``rate``: the early charge made before the body was read (``Gateway.admit``), which the
+    ``rate``: the early charge made before the body was read (``Charges.admit``), which the
     request path brings up to the real bound."""
     req = chat_request(body)
     resp = await gw.forward(request, body, "chat", req, who, rate=rate)
@@ -106,8 +106,8 @@ async def profile_only(
 ) -> RequestProfile:
     """The profile the request path builds for ``body`` (its prompt tokens), without running it."""
     req = chat_request(body)
-    model = gw.concrete_model(req.model)
-    prof, _ = await gw.profile(body, "chat", model, gw.client_region(request), who.key_id)
+    model = gw.path.concrete_model(req.model)
+    prof, _ = await gw.path.profile(body, "chat", model, gw.path.client_region(request), who.key_id)
     return prof
 
 

@@ -36,6 +36,7 @@ from gateway.apis.responses_request import ResponsesRequest, assistant_message, 
 from gateway.auth import KeyIdentity, bearer_token, enforce_rate_limit
 from gateway.errors import APIError, public_error, validation_error
 from gateway.front.gateway import Gateway
+from gateway.front.request_path import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,10 @@ def install_api_routes(app: FastAPI, gw: Gateway) -> ResponseStore:
     )
     async def create_response(request: Request) -> Response:
         who = await gw.auth(request)
-        rate = await gw.admit(request, who)  # limits before the body is read
+        rate = await gw.charges.admit(request, who)  # limits before the body is read
         try:
             raw = await request.body()
-            _, req, _ = gw.parse_json(raw, ResponsesRequest, request.headers.get("content-type"))  # type: ignore[arg-type]
+            _, req, _ = parse_json(raw, ResponsesRequest, request.headers.get("content-type"))  # type: ignore[arg-type]
             assert isinstance(req, ResponsesRequest)
             history: list[dict[str, Any]] = []
             if req.previous_response_id is not None:
@@ -115,7 +116,7 @@ def install_api_routes(app: FastAPI, gw: Gateway) -> ResponseStore:
             raise renamed(exc, RESPONSES_PARAMS) from None
         if not isinstance(result, (ChatWhole, ChatStream)):
             return result.response
-        writer = ResponseWriter(req, gw.concrete_model(req.model))
+        writer = ResponseWriter(req, gw.path.concrete_model(req.model))
 
         async def save() -> None:
             if req.store and writer.status != "failed":
@@ -179,7 +180,7 @@ def install_api_routes(app: FastAPI, gw: Gateway) -> ResponseStore:
     async def messages_body(request: Request, model: type[MessagesRequest]) -> MessagesRequest:
         raw = await request.body()
         try:
-            _, req, _ = gw.parse_json(raw, model, request.headers.get("content-type"))  # type: ignore[arg-type]
+            _, req, _ = parse_json(raw, model, request.headers.get("content-type"))  # type: ignore[arg-type]
         except RequestValidationError as exc:
             raise validation_error(list(exc.errors())) from None
         assert isinstance(req, MessagesRequest)
@@ -194,7 +195,7 @@ def install_api_routes(app: FastAPI, gw: Gateway) -> ResponseStore:
     async def create_message(request: Request) -> Response:
         try:
             who = await anthropic_caller(request)
-            rate = await gw.admit(request, who)  # limits before the body is read
+            rate = await gw.charges.admit(request, who)  # limits before the body is read
             try:
                 req = await messages_body(request, MessagesRequest)
                 body = messages_request.chat_body(req)
@@ -206,7 +207,7 @@ def install_api_routes(app: FastAPI, gw: Gateway) -> ResponseStore:
             return error_response(public_error(request, renamed(exc, MESSAGES_PARAMS)))
         if not isinstance(result, (ChatWhole, ChatStream)):
             return result.response
-        writer = MessageWriter(gw.concrete_model(req.model))
+        writer = MessageWriter(gw.path.concrete_model(req.model))
         if isinstance(result, ChatWhole):
             for ev in whole_events(result.reply):
                 writer.take(ev)

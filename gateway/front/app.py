@@ -27,7 +27,7 @@ from gateway.auth import KeyIdentity, enforce_rate_limit, is_local
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import APIError, bad_request, install_error_handlers, public_error
 from gateway.fleet_gauges import FleetGauges
-from gateway.front import fastjson
+from gateway.front import fastjson, reports
 from gateway.front.config import GatewayConfig
 from gateway.front.gateway import Gateway
 from gateway.front.headers import visible_route
@@ -44,6 +44,7 @@ from gateway.front.openapi import (
     install_docs,
 )
 from gateway.front.probes import register_probes
+from gateway.front.request_path import parse_json
 from gateway.gc_tuning import tune_gc
 from gateway.metrics import metrics_response
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest, model_card
@@ -223,13 +224,13 @@ def create_gateway_app(
     # Starlette routes (FastAPI's per-request dependency solving was about a tenth of the
     # gateway's CPU per request) for when the app is not on its fast path. Either way the auth
     # check is the same ``gw.auth`` dependency, called first, then the rate limit on the
-    # body's declared length (``gw.admit``), and the body is read after both.
+    # body's declared length (``gw.charges.admit``), and the body is read after both.
     def hot(model_cls: Any, route: str) -> Endpoint:
         async def endpoint(request: Request, read_body: Callable[[], Awaitable[bytes]]) -> Response:
             who = await gw.auth(request)
-            rate = await gw.admit(request, who)  # limits before the body is read
+            rate = await gw.charges.admit(request, who)  # limits before the body is read
             try:
-                data, req, strict = gw.parse_json(
+                data, req, strict = parse_json(
                     await read_body(), model_cls, request.headers.get("content-type")
                 )
             except BaseException:
@@ -270,8 +271,11 @@ def create_gateway_app(
             await enforce_rate_limit(gw.limiter, who, 0, gw.metrics.observe_rate_limited)
         raw = await request.body()
         is_chat = b'"messages"' in raw
-        data, req = await gw.parse(request, ChatCompletionRequest if is_chat else CompletionRequest)
-        out = await gw.route_only(data, "chat" if is_chat else "completion", req, request, who)
+        model_cls = ChatCompletionRequest if is_chat else CompletionRequest
+        data, req, _ = parse_json(raw, model_cls, request.headers.get("content-type"))
+        out = await reports.route_only(
+            gw, data, "chat" if is_chat else "completion", req, request, who
+        )
         return out if who.admin else visible_route(out, level)
 
     async def observer(request: Request) -> bool:
@@ -300,14 +304,14 @@ def create_gateway_app(
 
     @app.get("/v1/models", tags=["OpenAI"], responses=MODELS_RESPONSES)
     async def models(_: KeyIdentity = Depends(gw.auth)) -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(m) for m in await gw.models()]}
+        return {"object": "list", "data": [model_card(m) for m in await reports.models(gw)]}
 
     register_probes(app, gw)
     fleet_gauges = FleetGauges(gw.metrics.registry)
 
     @app.get("/health", tags=["Gateway"], responses=HEALTH_RESPONSES)
     async def health(request: Request) -> dict[str, Any]:
-        h = gw.health()
+        h = reports.health(gw)
         return h if await observer(request) else {"status": h["status"]}
 
     @app.get("/admin/nodes", tags=["Admin"], responses={200: {"model": NodesView}, **ADMIN_ERRORS})
