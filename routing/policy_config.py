@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from routing.profile import OutputKnobs
+from routing.output_length import OutputKnobs
 from routing.regions import RegionKnobs
 
 PolicyName = Literal[

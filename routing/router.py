@@ -39,9 +39,10 @@ from routing.fleet.store import FleetView
 from routing.latency import Estimate, LatencyModel, Observation
 from routing.latency.priors import prompt_cost
 from routing.ledger import DispatchLedger
+from routing.output_length import OutputLengthEstimator
 from routing.policies import Candidate, Decision, NoRoute, Policy, PolicyInput, make_policy
 from routing.policy_config import ConfigSource, PolicyConfig
-from routing.profile import OutputLengthEstimator, RequestProfile
+from routing.profile import RequestProfile
 from routing.regions import RegionTable
 
 log = logging.getLogger(__name__)

@@ -343,7 +343,7 @@ def test_one_capability_filter_names_the_field_no_node_serves():
     d = r.decide(profile(50, needs=both, choices=2), view(gram, lp, all_of))
     assert [c.node.id for c in d.candidates()] == ["e-all"]
 
-    from routing.profile import needed_capabilities
+    from routing.request_body import needed_capabilities
 
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
     body = {"response_format": rf, "logprobs": 2, "echo": True}
@@ -514,7 +514,7 @@ def test_hot_reloaded_config_changes_the_policy_and_keeps_learning(tmp_path):
 
 
 def test_router_shares_the_estimator_it_is_given():
-    from routing.profile import OutputLengthEstimator
+    from routing.output_length import OutputLengthEstimator
 
     est = OutputLengthEstimator()  # empty (and so falsy): must still be the one used
     assert Router(outputs=est).outputs is est

@@ -10,14 +10,10 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from routing.blocks import BLOCK_SIZE, block_hashes, model_seed
-from routing.profile import (
-    OutputKnobs,
-    OutputLengthEstimator,
-    ProfileError,
-    build_profile,
-    prompt_key,
-)
+from routing.output_length import OutputKnobs, OutputLengthEstimator
+from routing.profile import build_profile, prompt_key
 from routing.prompt import PromptFormatter
+from routing.request_body import ProfileError
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -108,7 +104,7 @@ def test_pydantic_requests_render_as_their_dicts(formatter: PromptFormatter):
     """The gateway profiles a validated request or its raw body alike (tools and a history
     of calls included): the node's prompt is the gateway's."""
     from gateway.openai_schema import ChatCompletionRequest
-    from routing.profile import chat_prompt
+    from routing.request_body import chat_prompt
 
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     body = {

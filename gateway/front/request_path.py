@@ -34,8 +34,9 @@ from gateway.geo import GeoLocator, GeoResult
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 from routing.fleet.store import FleetStore, FleetView
 from routing.policies import Decision, NoRoute
-from routing.profile import ProfileError, RequestProfile, build_profile
+from routing.profile import RequestProfile, build_profile
 from routing.prompt import TemplateError
+from routing.request_body import ProfileError
 from routing.router import Router
 
 
