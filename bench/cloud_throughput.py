@@ -45,10 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import cuda_ms, recorded_command
 from cloud_engine.config import EngineConfig
-from cloud_engine.core import CoreCounters, EngineCore
+from cloud_engine.core import EngineCore
 from cloud_engine.model.config import ModelConfig
 from cloud_engine.model.llama import LlamaForCausalLM
 from cloud_engine.model.loader import init_random_weights
+from cloud_engine.step_stats import CoreCounters
 from routing.engine import GenerationRequest, SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {

@@ -9,6 +9,9 @@ Layers, bottom up (each module holds one of them):
   priorities and preemption by recompute;
 - ``step_inputs``, ``runner`` (torch, any device) and ``cuda_runner`` (fused weights, Triton
   ``kernels``, CUDA graphs): one forward pass over the pool;
+- ``admission`` (request checks), ``inflight`` (launched batches, the look-ahead step),
+  ``outputs`` (committing sampled tokens) and ``step_stats`` (counters, rates): the parts
+  of a step;
 - ``core``: one synchronous step; ``engine.CloudEngine``: the async ``routing.engine.Engine``.
 
 Nothing is imported here, so importing the package costs nothing; use

@@ -30,7 +30,8 @@ import torch
 
 from cloud_engine.block_manager import BlockEvents
 from cloud_engine.config import EngineConfig
-from cloud_engine.core import EngineCore, SeqOutput
+from cloud_engine.core import EngineCore
+from cloud_engine.outputs import SeqOutput
 from cloud_engine.sequence import Sequence
 from routing.choices import MAX_CHOICES
 from routing.engine import (

@@ -161,3 +161,13 @@ class KVPool:
         if self.scales is None:
             return k, v, None, None
         return k, v, self.scales[layer, 0], self.scales[layer, 1]
+
+
+def describe_pool(pool: KVPool) -> str:
+    """One line on the KV pool: storage, blocks, tokens and bytes (logged at start-up)."""
+    spec = pool.spec
+    scales = " with a scale per token and head" if spec.scaled else ""
+    return (
+        f"{spec.kv_dtype}{scales}, {pool.num_blocks:,} blocks of {spec.block_size} tokens = "
+        f"{pool.capacity_tokens:,} tokens, {pool.nbytes / 2**30:.2f} GiB"
+    )

@@ -50,7 +50,7 @@ class Sequence:
     row: int = -1  # the runner's block-table row while running (-1: none)
     generator: object | None = None  # the runner's per-request RNG (seeded sampling)
     in_flight: bool = False  # in a launched, not yet collected batch (pipeline parallelism)
-    prefill_ms: float = 0.0  # its share of the steps that computed its prompt (EngineCore)
+    prefill_ms: float = 0.0  # its share of the steps that computed its prompt (step_stats)
     # n > 1: the sibling whose prompt this one waits for and then reuses (one prefill)
     leader: Sequence | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None

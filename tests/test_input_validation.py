@@ -642,7 +642,7 @@ def _assert_isolated(alone: list, together: list, bad: list) -> None:
 
 
 def test_cloud_engine_fails_a_bad_request_alone(tiny_model_path, one_torch_thread) -> None:
-    from cloud_engine.core import InvalidRequest
+    from cloud_engine.admission import InvalidRequest
 
     alone, together, bad = asyncio.run(_isolation(tiny_cloud_engine(tiny_model_path)))
     _assert_isolated(alone, together, bad)

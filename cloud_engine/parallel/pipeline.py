@@ -18,7 +18,9 @@ import time
 from collections import deque
 
 from cloud_engine.config import EngineConfig
-from cloud_engine.core import EngineCore, SeqOutput, _Launch, _live
+from cloud_engine.core import EngineCore
+from cloud_engine.inflight import Launch, live
+from cloud_engine.outputs import SeqOutput
 from cloud_engine.runner import ModelRunner
 
 
@@ -28,7 +30,7 @@ class PipelineCore(EngineCore):
     ) -> None:  # type: ignore[no-untyped-def]
         super().__init__(model, identity, config, runner)
         self.depth = depth
-        self._queue: deque[_Launch] = deque()
+        self._queue: deque[Launch] = deque()
         self.max_in_flight = 0  # the most batches ever in flight at once
 
     def has_work(self) -> bool:
@@ -54,7 +56,7 @@ class PipelineCore(EngineCore):
             for it in batch.items:
                 it.seq.in_flight = True
             t0 = time.perf_counter()
-            self._queue.append(_Launch(batch, self.runner.launch(batch), t0))
+            self._queue.append(Launch(batch, self.runner.launch(batch), t0))
             self.max_in_flight = max(self.max_in_flight, len(self._queue))
         if not self._queue:
             return []
@@ -65,7 +67,7 @@ class PipelineCore(EngineCore):
         now = time.perf_counter()
         dt = now - max(cur.t0, self._last_collect)
         self._last_collect = now
-        batch, sampled, _ = _live(cur.batch, sampled)  # no logprobs: none are computed here
+        batch, sampled, _ = live(cur.batch, sampled)  # no logprobs: none are computed here
         outputs = self._commit(batch, sampled)
         self._account(batch, dt)
         if self.config.debug_checks:
