@@ -1,7 +1,7 @@
 """What both engines' samplers can honour, checked once per request before it is sampled.
 
-The API (``gateway.openai_schema``) accepts a ``seed`` in the signed 64-bit range, as OpenAI
-does: ``API_SEED_MIN <= seed <= API_SEED_MAX``. The engines seed their generators with the
+The API (``gateway.openai_schema.sampling``) accepts a ``seed`` in the signed 64-bit range,
+as OpenAI does: ``API_SEED_MIN <= seed <= API_SEED_MAX``. The engines seed their generators with the
 seed's 64-bit two's-complement pattern, ``seed mod 2**64`` (:func:`seed_u64`): torch's
 ``Generator.manual_seed`` does exactly that for negatives, and numpy's ``default_rng`` is given
 the same unsigned value, so ``-1`` means ``2**64 - 1`` on either tier. An engine accepts any
