@@ -6,7 +6,6 @@ are reported as ``prompt_tokens_details.cached_tokens``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pydantic import BaseModel
@@ -26,10 +25,6 @@ def usage(prompt: int, completion: int, cached: int) -> Usage:
         total_tokens=prompt + completion,
         prompt_tokens_details={"cached_tokens": cached},
     )
-
-
-def now() -> int:
-    return int(time.time())
 
 
 def model_card(model_id: str, owned_by: str = "edgecloud") -> dict[str, Any]:
