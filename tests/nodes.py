@@ -101,8 +101,13 @@ class Served:
             time.sleep(0.02)
 
     def stop(self) -> None:
+        """Shut the server down (its lifespan too: a node deregisters from its fleet store); one
+        still running after two minutes fails the test that stops it, not the next to share
+        the fleet store."""
         self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=120)
+        if self.thread.is_alive():
+            raise RuntimeError(f"the server on port {self.port} did not stop within 120 s")
 
 
 def tiny_cloud_engine(model: Path) -> CloudEngine:
