@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -80,10 +81,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def not_found_model(model: str) -> APIError:
-    return APIError(
-        404, f"The model '{model}' does not exist", param="model", code="model_not_found"
-    )
+def not_found_model(model: str, served: Iterable[str] = (), aliases_hint: bool = False) -> APIError:
+    """404 for a model no node serves; ``served``: the names that would have been accepted,
+    listed in the message; ``aliases_hint``: say how a gateway maps other names to them."""
+    message = f"The model '{model}' does not exist"
+    names = sorted(set(served))
+    if names:
+        message += f"; served here: {', '.join(names)}"
+    if aliases_hint:
+        message += " (model_aliases in the gateway config maps other names, e.g. 'claude-*')"
+    return APIError(404, message, param="model", code="model_not_found")
 
 
 def too_many_requests(message: str, retry_after_s: float) -> APIError:

@@ -299,6 +299,8 @@ def test_messages_errors_are_the_sdks_types(fleet: dict) -> None:
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="no-such-model", max_tokens=8, messages=msgs)
     assert e.value.body["error"]["type"] == "not_found_error"
+    said = e.value.body["error"]["message"]  # what would have been accepted, and how to map
+    assert f"served here: auto, {fleet['model']}" in said and "model_aliases" in said
     with pytest.raises(anthropic.AuthenticationError):
         _ant_key(fleet, "sk-wrong-key-000000000").messages.create(
             model="claude-x", max_tokens=8, messages=msgs

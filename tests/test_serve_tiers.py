@@ -50,6 +50,13 @@ def test_serve_on_a_cpu_only_machine_runs_the_edge_alone(
             timeout=60,
         )
         assert r.status_code == 200 and r.headers["x-edgecloud-tier"] == "edge"
+        agent = {"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "hi"}]}  # fmt: skip
+        r = httpx.post(p.url + "/v1/messages", json=agent, timeout=60)  # Claude Code's name
+        assert r.status_code == 200 and r.json()["model"] == tiny_model_path.name, r.text
+        agent["model"] = "no-such-model"
+        r = httpx.post(p.url + "/v1/messages", json=agent, timeout=60)
+        assert r.status_code == 404 and "served here: auto" in r.text, r.text
     finally:
         assert p.stop(signal.SIGINT, timeout=60) == 0, p.tail()
     log = (tmp_path / "serve.log").read_text()

@@ -55,6 +55,9 @@ CHILD_STOP_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 600.0
 REGION = "local"  # the region the embedded nodes report
 ALONE_EDGE_SLOTS = 16  # the edge node's --slots when it serves alone (its 4 beside a cloud node)
+# the one model answers the names coding agents and SDK examples send (Claude Code, Codex, ...);
+# a reply names the model that served it
+AGENT_ALIASES = {"claude-*": "auto", "gpt-*": "auto"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -258,12 +261,14 @@ def run_serve(args: argparse.Namespace) -> int:
             nodes=urls,
             policy_file=args.policy_file,
             virtual_models={"auto": info.name},
+            model_aliases=AGENT_ALIASES,
             node_token=node_token,
             insecure_no_auth=args.insecure_no_auth,
         )
         serving = (
             f"edgecloud is serving {info.name} on http://{args.host}:{args.port}/v1 "
-            f"(model 'auto' or '{info.name}'); Ctrl-C stops everything"
+            f"(model 'auto' or '{info.name}'; 'claude-*' and 'gpt-*' names map to it); "
+            "Ctrl-C stops everything"
         )
         if args.workers > 1:
 

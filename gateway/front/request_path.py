@@ -211,8 +211,14 @@ class RequestPath:
                 return model, view  # a node with no identity (openai kind): name is the identity
             if not view.nodes:  # not the model's fault: nothing is registered, or answers
                 raise no_nodes(getattr(self.store, "poll_errors", None))
-            raise not_found_model(model)
+            raise self._not_found(model, view)
         return ident, view
+
+    def _not_found(self, model: str, view: FleetView) -> APIError:
+        """The 404 for ``model``, naming what this gateway serves (virtual models and the
+        fleet's models)."""
+        served = [*self.virtual_models, *(m for n in view.nodes for m in n.models)]
+        return not_found_model(model, served, aliases_hint=True)
 
     def learn_identities(self, view: FleetView) -> None:
         for n in view.nodes:
@@ -277,7 +283,7 @@ class RequestPath:
             )
         except NoRoute as exc:
             if exc.code == "unknown_model" and view.nodes:
-                raise not_found_model(prof.model) from exc
+                raise self._not_found(prof.model, view) from exc
             if exc.code == "unsupported":
                 raise bad_request(
                     str(exc), param=exc.param or "logprobs", code="unsupported_parameter"
