@@ -29,7 +29,7 @@ from edge_runtime.engine import EdgeEngine, EdgeEngineConfig
 from edge_runtime.quality_gate import QualitySet, answers_right, cpu_signature
 from routing.engine import GenerationRequest, SamplingParams
 from routing.model_store import DEFAULT_MODEL
-from routing.prompt import PromptFormatter
+from routing.prompt import API_SAMPLING, SAMPLING_FIELDS, PromptFormatter
 
 SLOTS = 4  # the edge engine's default: requests decoded together
 
@@ -51,14 +51,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     gate = asyncio.Semaphore(2 * SLOTS)
     fmt = PromptFormatter.from_folder(engine.tokenizer_dir)
     stops = tuple(fmt.stop_token_ids)
-    model_default = {k: v for k, v in fmt.default_sampling.items() if k != "top_k"}
-    top_k = int(fmt.default_sampling.get("top_k", 0))
-    arms = {
-        "model default": dict(temperature=1.0, top_p=1.0, top_k=0) | model_default,
-        "API default": dict(temperature=1.0, top_p=1.0, top_k=0),
-        "greedy": dict(temperature=0.0, top_p=1.0, top_k=0),
+    arms = {  # the model's: what the node gives a request that names none (fmt.sampling)
+        "model default": {k: fmt.sampling(k, None) for k in SAMPLING_FIELDS},
+        "API default": dict(API_SAMPLING),
+        "greedy": API_SAMPLING | {"temperature": 0.0},
     }
-    arms["model default"]["top_k"] = top_k
     questions = QualitySet.shipped().questions
     await engine.start()
     try:
@@ -70,7 +67,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 ids = fmt.encode_chat([{"role": "user", "content": prompt}])
                 for seed in range(samples):
                     sp = SamplingParams(
-                        max_tokens=args.max_tokens, seed=seed, stop_token_ids=stops, **knobs
+                        max_tokens=args.max_tokens,
+                        temperature=knobs["temperature"],
+                        top_p=knobs["top_p"],
+                        top_k=int(knobs["top_k"]),
+                        seed=seed,
+                        stop_token_ids=stops,
                     )
                     jobs.append(answer(engine, gate, ids, sp))
                     accepts.append(accept)

@@ -79,7 +79,8 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k")
+API_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0.0}  # the API's own (top_k 0: off)
+SAMPLING_FIELDS = tuple(API_SAMPLING)
 
 
 def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, float]:
@@ -135,6 +136,13 @@ class PromptFormatter:
             special_token_ids=special,
             default_sampling=sampling_defaults(gcfg),
         )
+
+    def sampling(self, name: str, value: float | None) -> float:
+        """The request's ``name`` (``SAMPLING_FIELDS``) where it sets one, else this model's
+        default, else the API's."""
+        if value is not None:
+            return value
+        return self.default_sampling.get(name, API_SAMPLING[name])
 
     @cached_property
     def _compiled(self) -> jinja2.Template:

@@ -164,12 +164,6 @@ class NodeService:
         if model not in self.served_names:
             raise not_found_model(model)
 
-    def _sampling(self, value: float | None, name: str, api_default: float) -> float:
-        """The request's ``name``, else the model's generation_config default, else the API's."""
-        if value is not None:
-            return value
-        return self.formatter.default_sampling.get(name, api_default)
-
     async def _encode(self, fn, arg):  # type: ignore[no-untyped-def]
         size = len(arg) if isinstance(arg, str) else sum(len(m.get("content", "")) for m in arg)
         if size > _OFFLOAD_CHARS:
@@ -259,9 +253,9 @@ class NodeService:
             )
         sampling = SamplingParams(
             max_tokens=max_tokens,
-            temperature=self._sampling(req.temperature, "temperature", 1.0),
-            top_p=self._sampling(req.top_p, "top_p", 1.0),
-            top_k=int(self._sampling(req.top_k, "top_k", 0)),
+            temperature=self.formatter.sampling("temperature", req.temperature),
+            top_p=self.formatter.sampling("top_p", req.top_p),
+            top_k=int(self.formatter.sampling("top_k", req.top_k)),
             seed=req.seed,
             stop_token_ids=self.formatter.stop_token_ids,
             ignore_eos=req.ignore_eos,
