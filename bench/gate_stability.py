@@ -117,15 +117,18 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=1e-3, help="relative weight perturbation")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if variants[0] != "fp32":
+        ap.error("--variants must start with fp32: the gate's rule compares against it")
 
     qset = QualitySet.shipped()
     rows, per_copy = [], {}
-    base: dict[str, Any] | None = None
+    base: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="edgecloud-gate-") as tmp:
-        for variant in args.variants.split(","):
+        for variant in variants:
             graph = ensure_export(args.model, variant)
             exported = score(graph, qset, args.threads)
-            base = base or exported  # fp32 comes first
+            base = base or exported  # fp32's, the first
             copies = []
             for seed in range(args.copies):
                 copy = perturbed_copy(graph, Path(tmp) / f"{variant}-{seed}", args.noise, seed)
